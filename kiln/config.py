@@ -1,0 +1,184 @@
+"""Runtime configuration: frozen dataclasses, resolved once at start-up.
+
+Optimisation levels (-O0..-O3) only supply defaults; anything the user sets explicitly wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, model_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype on GPU and fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(sorted(DTYPES))}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    long_prefill_token_threshold: int = 0  # 0: a prefill may take the whole remaining budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # None: CPU 512 MiB, GPU from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # exact override, mostly for tests
+    enable_prefix_caching: bool = True
+    prefix_hash: str = "sha256"  # or "xxhash"-style fast builtin: "fast"
+    prefix_hash_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
+        if self.prefix_hash not in ("sha256", "fast"):
+            raise ValueError(f"prefix_hash must be 'sha256' or 'fast', got {self.prefix_hash!r}")
+
+
+class CUDAGraphMode:
+    NONE = "NONE"
+    PIECEWISE = "PIECEWISE"
+    FULL = "FULL"
+    FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
+    FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
+    ALL = (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE)
+
+
+_UNSET = None
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """What the compiler does. Fields left as None take the level's default in `resolve`."""
+
+    level: int = 2
+    compile_sizes: tuple[int, ...] | None = None
+    compile_ranges: tuple[int, ...] = ()  # extra range split points inside [1, max_num_batched_tokens]
+    cudagraph_mode: str | None = None
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int = 512
+    enable_passes: bool | None = None
+    passes: tuple[str, ...] | None = None  # explicit pass list; None: the level's default set
+    max_autotune: bool | None = None
+    debug_dump_path: str | None = None
+    debug_check_graph_inputs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.level not in (0, 1, 2, 3):
+            raise ValueError(f"level must be 0, 1, 2 or 3, got {self.level!r}")
+        if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGraphMode.ALL:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGraphMode.ALL}, got {self.cudagraph_mode!r}")
+        for name in ("compile_sizes", "cudagraph_capture_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None and any(int(s) < 1 for s in sizes):
+                raise ValueError(f"{name} must be positive integers, got {sizes}")
+
+    def resolve(self, device: torch.device, max_num_batched_tokens: int) -> CompilationConfig:
+        """Fill every None with the level's default for this device; explicit values are kept."""
+        on_gpu = device.type == "cuda"
+        level = self.level
+        capture = self.cudagraph_capture_sizes
+        if capture is None:
+            capture = default_capture_sizes(min(self.max_cudagraph_capture_size, max_num_batched_tokens))
+        capture = tuple(sorted({int(s) for s in capture if int(s) <= max_num_batched_tokens}))
+        if self.cudagraph_mode is not None:
+            mode = self.cudagraph_mode
+        elif not on_gpu or level == 0:
+            mode = CUDAGraphMode.NONE
+        elif level == 1:
+            mode = CUDAGraphMode.PIECEWISE
+        else:
+            mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        if not on_gpu and mode != CUDAGraphMode.NONE:
+            mode = CUDAGraphMode.NONE  # CUDA graphs need CUDA; the CPU runs compiled pieces directly
+        sizes = self.compile_sizes
+        if sizes is None:
+            if level < 2:
+                sizes = ()
+            elif on_gpu:
+                sizes = capture if level == 2 else tuple(sorted(set(capture) | {s for s in (1024, 2048)
+                                                                              if s <= max_num_batched_tokens}))
+            else:
+                sizes = (1,) if level == 2 else (1, 2, 4)
+        sizes = tuple(sorted({int(s) for s in sizes if int(s) <= max_num_batched_tokens}))
+        return dataclasses.replace(
+            self,
+            compile_sizes=sizes,
+            cudagraph_mode=mode,
+            cudagraph_capture_sizes=capture if mode != CUDAGraphMode.NONE else (),
+            enable_passes=self.enable_passes if self.enable_passes is not None else level >= 2,
+            max_autotune=self.max_autotune if self.max_autotune is not None else level >= 3,
+        )
+
+
+def default_capture_sizes(max_size: int) -> tuple[int, ...]:
+    """1, 2, 4, multiples of 8 up to 256, then multiples of 16, all <= max_size."""
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, max(max_size, 272) + 1, 16))
+    return tuple(s for s in sizes if s <= max_size)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    load_format: str = "auto"  # auto | safetensors | dummy
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    attention_backend: str = "auto"
+    tokenizer: str | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")

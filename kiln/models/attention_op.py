@@ -1,0 +1,31 @@
+"""`kiln::attention`: the one op through which every attention layer runs, and the graph split point.
+
+The op writes this step's keys/values into the paged cache and attends over it. It is opaque to Dynamo
+(a fake implementation describes it), so the compiler can cut the FX graph at every call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.models.forward_context import get_forward_context
+
+OP_NAME = "kiln::attention"
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("out",))
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_idx: int) -> None:
+    """q/out: [T, num_heads, head_dim]; k/v: [T, num_kv_heads, head_dim]. Writes `out` in place."""
+    get_forward_context().attention(layer_idx, q, k, v, out)
+
+
+@attention.register_fake
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    layer_idx: int) -> None:
+    return None
+
+
+def is_attention_node_target(target: object) -> bool:
+    """True for the op as it appears in an FX graph (the packet or its `.default` overload)."""
+    op = torch.ops.kiln.attention
+    return target is op or target is op.default

@@ -1,0 +1,49 @@
+"""The per-forward context that carries batch metadata to the attention op.
+
+Batch metadata (block tables, sequence lengths, slot mapping) is not a graph input: the model runner
+sets it here for the duration of one forward, and `kiln::attention` reads it. This keeps the compiled
+graphs free of metadata tensors, so one trace serves every batch composition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class AttentionFn(Protocol):
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor) -> None: ...
+
+
+@dataclass
+class ForwardContext:
+    attention: AttentionFn  # bound to the backend, this step's metadata and the KV cache
+    metadata: Any = None  # the backend's metadata, for inspection (tests, graph wrappers)
+    num_tokens: int = 0  # tokens in the (possibly padded) batch
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError(
+            "kiln::attention was called outside a forward context; run the model through the ModelRunner "
+            "(or wrap the call in kiln.models.forward_context.set_forward_context)"
+        )
+    return _current
+
+
+@contextlib.contextmanager
+def set_forward_context(context: ForwardContext) -> Iterator[None]:
+    global _current
+    previous, _current = _current, context
+    try:
+        yield
+    finally:
+        _current = previous

@@ -1,0 +1,118 @@
+"""Resolve a model argument (None, an HF directory, or a preset name) and build the model on a device.
+
+The model is built on the meta device and materialised once on the target device, so weights are
+never held twice; safetensors are read straight onto the device, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.config import resolve_dtype
+from kiln.models.base import ModelSpec
+from kiln.models.loader.presets import PRESETS, preset_config
+from kiln.models.registry import model_class
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    spec: ModelSpec
+    hf_config: Any
+    model_dir: Path | None  # None for preset (dummy) models: no tokenizer on disk
+    dtype: torch.dtype
+    load_seconds: float
+
+
+def resolve_model_source(model: str | None) -> tuple[Path | None, Any]:
+    """-> (directory or None for a preset, the transformers config)."""
+    from transformers import AutoConfig
+
+    if model is None:
+        from kiln.models.loader.gguf_import import embedded_model_dir
+
+        model = str(embedded_model_dir())
+    if model in PRESETS:
+        return None, preset_config(model)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {model!r} is neither a directory with a config.json nor a preset "
+            f"({', '.join(sorted(PRESETS))}); kiln cannot download weights"
+        )
+    return path, AutoConfig.from_pretrained(path)
+
+
+def safetensors_weights(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {model_dir}")
+    for name in files:
+        with safe_open(str(model_dir / name), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _dummy_init(model: nn.Module, seed: int) -> None:
+    """Random weights at real shapes: small normal for matrices, ones for norms (keeps activations sane)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator)
+            param.data.copy_(cpu)
+
+
+def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dtype = "auto",
+               load_format: str = "auto", seed: int = 0) -> LoadedModel:
+    start = time.perf_counter()
+    model_dir, hf_config = resolve_model_source(model)
+    if load_format == "dummy" or model_dir is None:
+        load_format = "dummy"
+    spec = ModelSpec.from_hf(hf_config)
+    cls = model_class(spec)
+    ckpt_dtype = getattr(torch, spec.torch_dtype, None) if spec.torch_dtype else None
+    torch_dtype = resolve_dtype(dtype, ckpt_dtype, device)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device("meta"):
+            net = cls(spec)
+    finally:
+        torch.set_default_dtype(previous)
+    net = net.to_empty(device=device)
+    if spec.tie_word_embeddings:  # to_empty breaks the tie; restore it
+        net.lm_head.weight = net.embed_tokens.weight
+    for module in net.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    if load_format == "dummy":
+        _dummy_init(net, seed)
+    else:
+        loaded = net.load_weights(safetensors_weights(model_dir, device))
+        expected = {n for n, _ in net.named_parameters(remove_duplicate=False)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint in {model_dir} is missing weights: {', '.join(missing[:8])}")
+    net.eval()
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %s) on %s in %.2fs", spec.architecture, load_format, torch_dtype, device, seconds)
+    return LoadedModel(net, spec, hf_config, model_dir, torch_dtype, seconds)

@@ -1,0 +1,91 @@
+"""The attention backend interface: what sits behind `kiln::attention`.
+
+A backend turns the step's common metadata into its own (once per step, outside any CUDA graph) and
+then, per layer, writes K/V into the paged cache and computes attention. Backends declare what they
+support so the runtime can pick one and degrade the CUDA-graph mode rather than fail a batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+class GraphSupport(enum.IntEnum):
+    """How much of a step this backend can run inside a CUDA graph (ordered: min() degrades)."""
+
+    NEVER = 0
+    UNIFORM_DECODE = 1
+    ALWAYS = 2
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Backend-independent batch layout; device tensors are views into the runner's persistent buffers."""
+
+    num_reqs: int
+    num_tokens: int  # real (unpadded) tokens
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    seq_lens: torch.Tensor  # [num_reqs] int32, device: tokens in the cache after this step
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, device
+    slot_mapping: torch.Tensor  # [num_tokens (padded)] int64, device; padding points at the null block
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    uniform_decode: bool  # every request has exactly one new token
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    block_size: int
+    dtype: torch.dtype
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    graph_support: ClassVar[GraphSupport] = GraphSupport.NEVER
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_head_dims: ClassVar[tuple[int, ...] | None] = None  # None: any
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+
+    @classmethod
+    def unsupported_reason(cls, layout: AttentionLayout, device: torch.device) -> str | None:
+        """None if this backend can run the layout on the device, else why not."""
+        if device.type not in cls.supported_devices:
+            return f"{cls.name} does not run on {device.type}"
+        if layout.dtype not in cls.supported_dtypes:
+            return f"{cls.name} does not support dtype {layout.dtype}"
+        if cls.supported_head_dims is not None and layout.head_dim not in cls.supported_head_dims:
+            return f"{cls.name} does not support head_dim {layout.head_dim}"
+        return None
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Per-step preparation (e.g. FlashInfer plan()); runs outside CUDA graphs."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: Any) -> None:
+        """Write k/v at metadata's slots in kv_cache ([num_blocks, 2, block_size, Hkv, D]) and fill out."""
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's keys/values into the paged cache (padded tokens land in the null block)."""
+    num_blocks, _, block_size, heads, dim = kv_cache.shape
+    slots = slot_mapping[: k.shape[0]]
+    block, offset = slots // block_size, slots % block_size
+    kv_cache[block, 0, offset] = k
+    kv_cache[block, 1, offset] = v

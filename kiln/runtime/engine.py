@@ -1,0 +1,253 @@
+"""The engine: owns the model, KV cache, scheduler and runner, and advances every request by one step.
+
+`step()` = schedule -> prepare + forward + sample -> append tokens, detokenize, check stops -> outputs.
+A request with `n > 1` runs as n child requests sharing a prompt (and its prefix-cache blocks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.config import RuntimeConfig, resolve_device
+from kiln.models.loader.load import LoadedModel, load_model
+from kiln.runtime.attention import AttentionLayout, select_backend
+from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.kv.block_pool import BlockPool
+from kiln.runtime.kv.hashing import block_hash_fn
+from kiln.runtime.kv.manager import KVCacheManager
+from kiln.runtime.kv.sizing import kv_cache_num_blocks
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.request import Request, RequestStatus
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Scheduler
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass
+class _Parent:
+    """A user request: its n children and what was last reported for each."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+    reported_tokens: list[int] = field(default_factory=list)
+    reported_logprobs: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, config: RuntimeConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if config.device == "auto" and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.loaded = loaded or load_model(config.model, device=self.device, dtype=config.dtype,
+                                           load_format=config.load_format, seed=config.seed)
+        spec = self.loaded.spec
+        self.model = self.loaded.model
+        self.tokenizer = self._load_tokenizer()
+        self.eos_token_ids = frozenset(spec.eos_token_ids) | self._tokenizer_eos()
+        self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
+                                 spec.max_position_embeddings)
+        if config.scheduler.max_model_len and config.scheduler.max_model_len > spec.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.scheduler.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {spec.max_position_embeddings}")
+        layout = AttentionLayout(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5,
+                                 config.cache.block_size, self.loaded.dtype)
+        backend_cls = select_backend(config.attention_backend, layout, self.device)
+        self.backend = backend_cls(layout, self.device)
+        sched_cfg = config.scheduler
+        num_blocks = kv_cache_num_blocks(config.cache, spec, self.loaded.dtype, self.device, self.model,
+                                         sched_cfg.max_num_batched_tokens)
+        self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size, spec.num_kv_heads,
+                                    spec.head_dim, dtype=self.loaded.dtype, device=self.device)
+        self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.cache.block_size,
+                                 block_hash_fn(config.cache.prefix_hash, config.cache.prefix_hash_seed))
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
+                                  sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens, self.max_model_len,
+                                  self.device, self.eos_token_ids, self.kv.blocks_of)
+        self.parents: dict[str, _Parent] = {}
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s backend)", num_blocks - 1,
+                    config.cache.block_size, self.kv.capacity_tokens, backend_cls.name)
+
+    # -- set-up helpers --------------------------------------------------------------------------------
+    def _load_tokenizer(self) -> Any:
+        source = self.config.tokenizer or self.loaded.model_dir
+        if source is None:
+            return None
+        names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+        if self.config.tokenizer is None and not any((source / n).is_file() for n in names):
+            return None  # a weights-only directory: token-id prompts only
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(source))
+
+    def _tokenizer_eos(self) -> frozenset[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return frozenset() if eos is None else frozenset([eos])
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv.capacity_tokens
+
+    # -- requests --------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (a dummy-weight preset): pass token ids, not text")
+        return self.tokenizer(prompt)["input_ids"]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request; raises ValueError (naming the problem) without touching others."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab = self.loaded.spec.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        children, detoks = [], []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seed = None if params.seed is None else params.seed + i
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+            children.append(Request(child_id, token_ids, params, self.eos_token_ids, self.max_model_len,
+                                    generator, arrival_time))
+            detoks.append(None if self.tokenizer is None else IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output))
+        added: list[Request] = []
+        try:
+            for child in children:
+                self.scheduler.add(child)
+                added.append(child)
+        except ValueError:
+            for child in added:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.stats.prompt_tokens += len(token_ids) * params.n
+        self.parents[request_id] = _Parent(request_id, text, token_ids, children, detoks,
+                                           [0] * params.n, [0] * params.n)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; its blocks are freed at once."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return False
+        for child in parent.children:
+            self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+        self._count_finished("abort", len(parent.children))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    # -- the step --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        self.scheduler.advance(sched)
+        self.stats.steps += 1
+        now = time.time()
+        touched: dict[str, _Parent] = {}
+        for row, token, logprobs in zip(result.request_indices, result.token_ids, result.logprobs):
+            req = sched.requests[row]
+            req.append_output(token, logprobs)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self.stats.generation_tokens += 1
+            parent = self.parents[req.request_id.partition("#")[0]]
+            self._process_token(parent, req)
+            touched[parent.request_id] = parent
+        outputs = [self._make_output(p) for p in touched.values()]
+        for parent in touched.values():
+            if parent.finished:
+                del self.parents[parent.request_id]
+        return outputs
+
+    def _process_token(self, parent: _Parent, req: Request) -> None:
+        status = req.check_stop_token()
+        detok = parent.detokenizers[parent.children.index(req)]
+        if detok is not None:
+            stop = detok.update(req.output_token_ids[-1:])
+            if stop is not None and status is None:
+                req.stop_reason = stop
+                status = RequestStatus.FINISHED_STOPPED
+        if status is not None:
+            self.scheduler.finish(req, status)
+            self._count_finished(status.value, 1)
+
+    def _count_finished(self, reason: str, n: int) -> None:
+        self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + n
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for i, (req, detok) in enumerate(zip(parent.children, parent.detokenizers)):
+            new_tokens = req.output_token_ids[parent.reported_tokens[i]:]
+            parent.reported_tokens[i] = len(req.output_token_ids)
+            delta_logprobs = None
+            if req.logprobs is not None:
+                delta_logprobs = req.logprobs[parent.reported_logprobs[i]:]
+                parent.reported_logprobs[i] = len(req.logprobs)
+            delta_text = detok.take_delta(finished=req.finished) if detok is not None else ""
+            completions.append(CompletionOutput(
+                index=i,
+                text=detok.output_text if detok is not None else "",
+                token_ids=list(req.output_token_ids),
+                finish_reason=req.status.value if req.finished else None,
+                stop_reason=req.stop_reason,
+                logprobs=req.logprobs,
+                delta_text=delta_text,
+                delta_token_ids=new_tokens,
+                delta_logprobs=delta_logprobs,
+            ))
+        first = parent.children[0]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
+                             parent.finished, first.metrics, first.num_cached_tokens)

@@ -1,0 +1,52 @@
+"""How many KV blocks fit: a byte budget on CPU; on GPU, what is left of the memory budget after the
+weights and the activation peak of a profiling forward at the full token budget."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kiln.config import CacheConfig
+from kiln.models.base import ModelSpec
+
+logger = logging.getLogger("kiln")
+
+CPU_DEFAULT_KV_BYTES = 512 * 1024 * 1024
+
+
+def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+
+
+def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                        model: torch.nn.Module, max_num_batched_tokens: int) -> int:
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = bytes_per_block(spec, dtype, cache.block_size)
+    if cache.kv_cache_bytes is not None:
+        budget = cache.kv_cache_bytes
+    elif device.type == "cpu":
+        budget = CPU_DEFAULT_KV_BYTES
+    else:
+        budget = _gpu_budget(cache, device, model, max_num_batched_tokens)
+    num_blocks = budget // per_block + 1  # + the null block
+    if num_blocks < 2:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block ({per_block} bytes each); "
+                         "raise kv_cache_bytes / gpu_memory_utilization")
+    return int(num_blocks)
+
+
+def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module, num_tokens: int) -> int:
+    """Budget = total * utilisation - (what is in use now + the activation peak of one forward)."""
+    from kiln.runtime.kv.profile import profile_activation_peak
+
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    peak = profile_activation_peak(model, device, num_tokens)
+    used = total - free
+    budget = int(total * cache.gpu_memory_utilization) - used - peak
+    logger.info("GPU memory: total %.1f GiB, in use %.1f GiB, activation peak %.2f GiB -> KV budget %.1f GiB",
+                total / 2**30, used / 2**30, peak / 2**30, budget / 2**30)
+    return max(budget, 0)

@@ -1,0 +1,177 @@
+"""Turns a SchedulerOutput into one forward: flat inputs in persistent buffers, metadata, logits, tokens.
+
+Every input the forward reads lives in a buffer allocated once at start-up; a step only copies into
+them, so compiled pieces and CUDA graphs always see the same addresses. Attention metadata is set in
+the forward context for the duration of the forward, never passed as a graph input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.models.forward_context import ForwardContext, set_forward_context
+from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata
+from kiln.runtime.kv.block_pool import Block
+from kiln.runtime.outputs import TokenLogprobs
+from kiln.runtime.request import Request
+from kiln.runtime.sampler import Sampler, SamplingBatch
+from kiln.runtime.scheduler import SchedulerOutput
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """Sampled token per sampling request of the step (in scheduler order)."""
+
+    request_indices: list[int]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class PreparedBatch:
+    num_tokens: int  # real tokens
+    num_padded_tokens: int  # what the forward runs on
+    metadata: CommonAttentionMetadata
+    logits_indices: torch.Tensor  # [num sampling requests], device
+    sampling_rows: list[int]  # scheduler indices of the requests that sample
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor,
+                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 device: torch.device, eos_token_ids: frozenset[int],
+                 blocks_of: Callable[[Request], list[Block]]) -> None:
+        self.model = model
+        self.blocks_of = blocks_of
+        self.backend = backend
+        self.kv_cache = kv_cache  # [num_layers, num_blocks, 2, block_size, Hkv, D]
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_batched_tokens
+        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        self.forward_fn: ForwardFn = model.forward  # the compiler replaces this
+        self.pad_num_tokens: Callable[[int, bool], int] = lambda n, uniform_decode: n
+        self.sampler = Sampler()
+        pin = device.type == "cuda"
+        n, s = self.max_num_tokens, self.max_num_seqs
+
+        def buffers(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return cpu, torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids_cpu, self.input_ids = buffers((n,), torch.int64)
+        self.positions_cpu, self.positions = buffers((n,), torch.int64)
+        self.slot_mapping_cpu, self.slot_mapping = buffers((n,), torch.int64)
+        self.query_start_loc_cpu, self.query_start_loc = buffers((s + 1,), torch.int32)
+        self.seq_lens_cpu, self.seq_lens = buffers((s,), torch.int32)
+        self.block_tables_cpu, self.block_tables = buffers((s, self.max_blocks_per_seq), torch.int32)
+        self.logits_indices_cpu, self.logits_indices = buffers((s,), torch.int64)
+
+    # -- input preparation -------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> PreparedBatch:
+        num_reqs, num_tokens = len(sched.requests), sched.total_tokens
+        if num_reqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
+            raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds the runner's buffers")
+        uniform_decode = all(n == 1 for n in sched.num_new_tokens)
+        padded = self.pad_num_tokens(num_tokens, uniform_decode)
+        ids = self.input_ids_cpu.numpy()
+        pos = self.positions_cpu.numpy()
+        slots = self.slot_mapping_cpu.numpy()
+        qsl = self.query_start_loc_cpu.numpy()
+        seq_lens = self.seq_lens_cpu.numpy()
+        tables = self.block_tables_cpu.numpy()
+        bs = self.block_size
+        sampling_rows: list[int] = []
+        qsl[0] = 0
+        cursor = 0
+        for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
+            start = req.num_computed_tokens
+            block_ids = np.fromiter((b.block_id for b in self.blocks_of(req)), dtype=np.int32)
+            tables[i, : len(block_ids)] = block_ids
+            tables[i, len(block_ids):] = 0
+            ids[cursor:cursor + n] = req.token_ids[start:start + n]
+            p = np.arange(start, start + n)
+            pos[cursor:cursor + n] = p
+            s = block_ids[p // bs].astype(np.int64) * bs + p % bs
+            # tokens whose block is shared and already cached keep their K/V: their write goes to null
+            s[p < req.num_shared_tokens] = 0
+            slots[cursor:cursor + n] = s
+            cursor += n
+            qsl[i + 1] = cursor
+            seq_lens[i] = start + n
+            if sched.samples(i):
+                self.logits_indices_cpu[len(sampling_rows)] = cursor - 1
+                sampling_rows.append(i)
+        ids[num_tokens:padded] = 0
+        pos[num_tokens:padded] = 0
+        slots[num_tokens:padded] = 0  # padding writes into the null block
+        self._upload(num_tokens=padded, num_reqs=num_reqs, num_sampling=len(sampling_rows))
+        metadata = CommonAttentionMetadata(
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            block_tables=self.block_tables[:num_reqs],
+            slot_mapping=self.slot_mapping[:padded],
+            query_start_loc_cpu=self.query_start_loc_cpu[: num_reqs + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
+            max_query_len=max(sched.num_new_tokens, default=0),
+            max_seq_len=int(seq_lens[:num_reqs].max()) if num_reqs else 0,
+            uniform_decode=uniform_decode,
+        )
+        return PreparedBatch(num_tokens, padded, metadata, self.logits_indices[: len(sampling_rows)],
+                             sampling_rows)
+
+    def _upload(self, num_tokens: int, num_reqs: int, num_sampling: int) -> None:
+        nb = self.device.type == "cuda"
+        self.input_ids[:num_tokens].copy_(self.input_ids_cpu[:num_tokens], non_blocking=nb)
+        self.positions[:num_tokens].copy_(self.positions_cpu[:num_tokens], non_blocking=nb)
+        self.slot_mapping[:num_tokens].copy_(self.slot_mapping_cpu[:num_tokens], non_blocking=nb)
+        self.query_start_loc[: num_reqs + 1].copy_(self.query_start_loc_cpu[: num_reqs + 1], non_blocking=nb)
+        self.seq_lens[:num_reqs].copy_(self.seq_lens_cpu[:num_reqs], non_blocking=nb)
+        self.block_tables[:num_reqs].copy_(self.block_tables_cpu[:num_reqs], non_blocking=nb)
+        self.logits_indices[:num_sampling].copy_(self.logits_indices_cpu[:num_sampling], non_blocking=nb)
+
+    # -- forward -------------------------------------------------------------------------------------
+    def forward_context(self, metadata: CommonAttentionMetadata, num_tokens: int) -> ForwardContext:
+        backend_metadata = self.backend.build_metadata(metadata)
+        kv_cache, backend = self.kv_cache, self.backend
+
+        def run_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor) -> None:
+            backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata)
+
+        return ForwardContext(attention=run_attention, metadata=backend_metadata, num_tokens=num_tokens)
+
+    @torch.inference_mode()
+    def forward(self, batch: PreparedBatch) -> torch.Tensor:
+        """Hidden states of the sampling tokens -> logits [num sampling requests, vocab]."""
+        n = batch.num_padded_tokens
+        with set_forward_context(self.forward_context(batch.metadata, n)):
+            hidden = self.forward_fn(self.input_ids[:n], self.positions[:n])
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        batch = self.prepare(sched)
+        logits = self.forward(batch)
+        if not batch.sampling_rows:
+            return StepResult([], [], [])
+        reqs = [sched.requests[i] for i in batch.sampling_rows]
+        sampled = self.sampler(logits, SamplingBatch(
+            params=[r.params for r in reqs],
+            generators=[r.generator for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            eos_token_ids=self.eos_token_ids,
+        ))
+        return StepResult(batch.sampling_rows, sampled.token_ids, sampled.logprobs)

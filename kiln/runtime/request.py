@@ -1,0 +1,86 @@
+"""A request's state as the scheduler sees it: tokens known, tokens computed, and why it ended."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from kiln.runtime.outputs import RequestMetrics, TokenLogprobs
+from kiln.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int], max_model_len: int, generator: torch.Generator | None = None,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.generator = generator
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, in order
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.num_computed_tokens = 0
+        # positions below this already sit in shared, cached blocks: their K/V must not be rewritten
+        self.num_shared_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first admission (reported)
+        self.block_hashes: list[Hashable] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.num_preemptions = 0
+        self.max_total_tokens = min(len(prompt_token_ids) + params.max_tokens, max_model_len)
+        self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
+        self.user_data: Any = None  # the engine's per-request companions (detokenizer, ...)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def check_stop_token(self) -> RequestStatus | None:
+        """After a new token: EOS / stop token ids / max_tokens / max_model_len."""
+        last = self.output_token_ids[-1]
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            if last in self.params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

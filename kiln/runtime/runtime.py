@@ -1,0 +1,116 @@
+"""`kiln.Runtime`: the Python API (generate, stream, chat) over one Engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kiln.config import CacheConfig, CompilationConfig, RuntimeConfig, SchedulerConfig
+from kiln.runtime.engine import Engine
+from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger("kiln")
+
+Prompt = str | Sequence[int]
+
+
+def build_config(model: str | None = None, **kwargs: Any) -> RuntimeConfig:
+    """Split flat keyword arguments over the config dataclasses; unknown names are a ValueError."""
+    sections = {"scheduler": SchedulerConfig, "cache": CacheConfig, "compilation": CompilationConfig}
+    top = {f.name for f in dataclasses.fields(RuntimeConfig)} - set(sections)
+    picked: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    values: dict[str, Any] = {"model": model}
+    for key, value in kwargs.items():
+        if key in top:
+            values[key] = value
+            continue
+        if key in sections and isinstance(value, sections[key]):
+            values[key] = value
+            continue
+        for name, cls in sections.items():
+            if key in {f.name for f in dataclasses.fields(cls)}:
+                picked[name][key] = value
+                break
+        else:
+            raise ValueError(f"unknown Runtime option {key!r}")
+    for name, cls in sections.items():
+        if picked[name]:
+            base = values.get(name, cls())
+            values[name] = dataclasses.replace(base, **picked[name])
+    return RuntimeConfig(**values)
+
+
+class Runtime:
+    """Runtime(model=None -> embedded SmolLM2-135M-Instruct, level=..., device="auto", dtype="auto", ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = build_config(model, **kwargs)
+        self.engine = Engine(self.config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def _normalise(self, prompts: Prompt | Sequence[Prompt],
+                   params: SamplingParams | Sequence[SamplingParams] | None) -> tuple[list, list]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        return prompts, params
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (batched together); outputs in prompt order.
+
+        Bad input raises ValueError before anything is queued, so other requests are unaffected.
+        """
+        prompts, params = self._normalise(prompts, params)
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        final: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield outputs as tokens arrive; each carries delta_text / delta_token_ids since the last one."""
+        request_id = self.engine.add_request(prompt, params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)  # no-op once finished; frees blocks if the caller stopped early
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+        return self.generate([self.apply_chat_template(messages)], params)[0]

@@ -1,0 +1,190 @@
+"""Turns one step's logits into next tokens (and logprobs), with vLLM/OpenAI semantics.
+
+Order: raw logprobs -> min_tokens mask -> repetition/presence/frequency penalties -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> sample. Everything is batched over rows except the random draw of
+seeded rows: a seeded request must reproduce no matter what shares its batch, so it draws exactly one
+exponential per vocab entry from its own generator each step (an exponential race, equivalent to sampling
+from the softmax).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kiln.runtime.outputs import Logprob, TokenLogprobs
+from kiln.runtime.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """One row per request that samples this step (built by the model runner)."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]  # on the logits' device; None: use the default generator
+    prompt_token_ids: list[list[int]]  # for the repetition penalty
+    output_token_ids: list[list[int]]  # generated so far (penalties, min_tokens)
+    eos_token_ids: frozenset[int]  # the model's EOS ids
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        params = batch.params
+        if logits.dim() != 2 or logits.shape[0] != len(params):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {len(params)} rows")
+        # A copy even when already fp32: everything below edits in place and must not touch the caller's.
+        logits = logits.to(torch.float32, copy=True)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # Logprobs describe the model's own distribution, before any penalty or filter (OpenAI/vLLM).
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+
+        apply_min_tokens(logits, batch)
+        apply_penalties(logits, batch)
+
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sampled) == len(params):
+            tokens = _sample(logits, params, batch.generators)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if sampled:
+                tokens[sampled] = _sample(logits[sampled], [params[i] for i in sampled],
+                                          [batch.generators[i] for i in sampled])
+
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        if raw_logprobs is not None:
+            for row, entry in zip(lp_rows, _gather_logprobs(raw_logprobs, tokens[lp_rows], params, lp_rows)):
+                logprobs[row] = entry
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Forbid ending (EOS, stop_token_ids) while a row has fewer than min_tokens outputs."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, p in enumerate(batch.params):
+        if len(batch.output_token_ids[i]) >= p.min_tokens:
+            continue
+        # ignore_eos rows never stop on EOS anyway (the caller handles that), so EOS stays samplable.
+        banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | batch.eos_token_ids
+        banned = {t for t in banned if 0 <= t < vocab}
+        rows += [i] * len(banned)
+        cols += sorted(banned)
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Repetition (HF, over prompt + output) then presence/frequency (OpenAI, over output) penalties."""
+    params = batch.params
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        index = _token_index(logits, rep_rows, batch.prompt_token_ids, batch.output_token_ids)
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[index] = True
+        penalty = _row_tensor(logits, [p.repetition_penalty for p in params])
+        # HF semantics: dividing a negative logit would raise it, so negatives are multiplied instead.
+        scale = torch.where(logits > 0, penalty.reciprocal(), penalty)
+        logits.mul_(torch.where(seen, scale, 1.0))
+
+    pf_rows = [i for i, p in enumerate(params)
+               if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and batch.output_token_ids[i]]
+    if pf_rows:
+        index = _token_index(logits, pf_rows, batch.output_token_ids)
+        ones = torch.ones(index[0].numel(), device=logits.device)
+        counts = torch.zeros_like(logits).index_put_(index, ones, accumulate=True)
+        frequency = _row_tensor(logits, [p.frequency_penalty for p in params])
+        presence = _row_tensor(logits, [p.presence_penalty for p in params])
+        logits.sub_(counts * frequency + (counts > 0) * presence)
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams],
+            generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Sample one token per row of (already penalized) logits; edits logits in place."""
+    logits.div_(_row_tensor(logits, [p.temperature for p in params]))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    if any(p.min_p > 0.0 for p in params):
+        # prob < min_p * max_prob is logit < max_logit + log(min_p): no softmax needed.
+        log_min_p = _row_tensor(logits, [math.log(p.min_p) if p.min_p > 0.0 else _NEG_INF for p in params])
+        logits.masked_fill_(logits < logits.amax(dim=-1, keepdim=True) + log_min_p, _NEG_INF)
+    probs = logits.softmax(dim=-1)
+
+    # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) is a draw from p, and each row's draw uses
+    # only its own noise, so a seeded row's result cannot depend on its neighbours.
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        noise.exponential_()
+    elif unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    # exponential_ may return exactly 0, and 0/0 = NaN would let argmax pick a filtered-out token.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask to the top_k tokens, then to the smallest set whose mass reaches top_p (one shared sort)."""
+    vocab = logits.shape[1]
+    ascending, order = logits.sort(dim=-1)
+    if any(p.top_k > 0 for p in params):
+        k = torch.tensor([min(p.top_k, vocab) or vocab for p in params], device=logits.device)
+        kth_largest = ascending.gather(1, (vocab - k).unsqueeze(1))
+        ascending.masked_fill_(ascending < kth_largest, _NEG_INF)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = _row_tensor(logits, [p.top_p for p in params])
+        # Drop the low tail whose total stays within 1 - top_p; the most likely token always survives.
+        tail = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - top_p
+        tail[:, -1] = False
+        ascending.masked_fill_(tail, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
+                     rows: list[int]) -> list[TokenLogprobs]:
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    # Rank 1 is the most likely token; ties share the better rank, as in vLLM.
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    k = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    chosen_l, ranks_l, tokens_l = chosen.squeeze(1).tolist(), ranks.tolist(), tokens.tolist()
+    top_values_l, top_ids_l = top_values.tolist(), top_ids.tolist()
+    out = []
+    for j, row in enumerate(rows):
+        n_top = params[row].logprobs or 0
+        top = [Logprob(token_id=t, logprob=v, rank=r + 1)
+               for r, (t, v) in enumerate(zip(top_ids_l[j][:n_top], top_values_l[j][:n_top]))]
+        out.append(TokenLogprobs(sampled=Logprob(tokens_l[j], chosen_l[j], ranks_l[j]), top=top))
+    return out
+
+
+def _token_index(logits: torch.Tensor, rows: list[int],
+                 *sources: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs for every token of each row in sources, for scatter into [rows, vocab]."""
+    per_row = [[source[r] for source in sources] for r in rows]
+    lengths = torch.tensor([sum(len(ids) for ids in lists) for lists in per_row])
+    row_idx = torch.repeat_interleave(torch.tensor(rows), lengths)
+    col_idx = torch.tensor(list(itertools.chain.from_iterable(itertools.chain.from_iterable(per_row))),
+                           dtype=torch.long)
+    # Out-of-range ids (e.g. a tokenizer larger than the logits) would be a device-side assert on CUDA.
+    keep = (col_idx >= 0) & (col_idx < logits.shape[1])
+    return row_idx[keep].to(logits.device), col_idx[keep].to(logits.device)
+
+
+def _row_tensor(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
+    """A per-row parameter as a [rows, 1] fp32 column that broadcasts against the logits."""
+    return torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(1)

@@ -1,0 +1,80 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+               f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+               f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty",
+               f"must be > 0, got {self.repetition_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be in [0, max_tokens], got {self.min_tokens!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
+                   f"must be None or an integer in [0, 20], got {value!r}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
+        """Build from user input, rejecting unknown fields by name."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**values)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")
