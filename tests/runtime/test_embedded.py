@@ -1,0 +1,75 @@
+"""The embedded SmolLM2-135M-Instruct through kiln (eager, fp32) against transformers on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import Runtime, SamplingParams
+from tests.conftest import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def runtime(embedded_dir) -> Runtime:
+    return Runtime(str(embedded_dir), level=0, device="cpu", dtype="fp32", max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def hf_model(embedded_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
+
+
+def test_default_model_is_the_embedded_one(runtime, embedded_dir) -> None:
+    from kiln.models.loader.load import resolve_model_source
+
+    assert resolve_model_source(None)[0] == embedded_dir
+
+
+def test_answers_paris(runtime) -> None:
+    out = runtime.chat(FRANCE, SamplingParams(max_tokens=24, temperature=0.0))
+    assert "Paris" in out.outputs[0].text
+
+
+def test_greedy_tokens_match_transformers(runtime, hf_model) -> None:
+    tok = runtime.tokenizer
+    chats = [FRANCE, [{"role": "user", "content": "Write a haiku about the sea."}],
+             [{"role": "user", "content": "List three colours."}]]
+    prompts = [runtime.apply_chat_template(c) for c in chats] + [tok("The quick brown fox")["input_ids"]]
+    outs = runtime.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 20)
+
+
+def test_stop_string_across_token_boundary(runtime) -> None:
+    prompt = runtime.apply_chat_template(FRANCE)
+    full = runtime.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0].outputs[0]
+    tok = runtime.tokenizer
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    # a stop string made of the end of one token and the start of the next
+    i = next(i for i in range(1, len(pieces)) if len(pieces[i - 1].strip()) >= 2 and len(pieces[i].strip()) >= 2)
+    stop = pieces[i - 1][-2:] + pieces[i][:2]
+    before = "".join(pieces[: i - 1]) + pieces[i - 1][:-2]
+    assert stop in full.text
+    out = runtime.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)] and out.text.startswith(before[:5])
+    inc = runtime.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop],
+                                                    include_stop_str_in_output=True))[0].outputs[0]
+    assert inc.text == out.text + stop
+
+
+def test_stream_deltas_concatenate_to_text(runtime) -> None:
+    prompt = runtime.apply_chat_template(FRANCE)
+    params = SamplingParams(max_tokens=16, temperature=0.0, stop=["France"])
+    deltas, last = [], None
+    for last in runtime.stream(prompt, params):
+        deltas.append(last.outputs[0].delta_text)
+    final = runtime.generate([prompt], params)[0].outputs[0]
+    assert last is not None and last.finished
+    assert "".join(deltas) == final.text == last.outputs[0].text

@@ -1,0 +1,195 @@
+"""Engine behaviour on a tiny random Llama (fp32, eager): invariance, sampling, stops, leaks, validation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kiln import Runtime, SamplingParams
+from tests.conftest import hf_greedy, random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("tiny-llama")
+
+
+def make(checkpoint, **kwargs) -> Runtime:
+    kwargs.setdefault("level", 0)
+    return Runtime(str(checkpoint[0]), device="cpu", dtype="fp32", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def runtime(checkpoint) -> Runtime:
+    return make(checkpoint, max_num_batched_tokens=256)
+
+
+def assert_pool_clean(runtime: Runtime) -> None:
+    engine = runtime.engine
+    assert engine.kv.num_allocated_requests == 0
+    assert engine.pool.num_free == engine.pool.num_usable
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.parents
+
+
+def test_output_invariant_to_batching_chunking_and_preemption(checkpoint, runtime) -> None:
+    target = random_prompts([45], 256, seed=7)[0]
+    others = random_prompts([5, 60, 1, 33, 17, 90, 2, 48, 11, 70, 25, 8, 39, 64, 3], 256, seed=8)
+    alone = runtime.generate([target], GREEDY)[0].outputs[0].token_ids
+    assert alone == hf_greedy(checkpoint[1], target, 12)
+
+    batched = runtime.generate(others[:7] + [target] + others[7:], GREEDY)
+    assert batched[7].outputs[0].token_ids == alone
+
+    chunked_rt = make(checkpoint, max_num_batched_tokens=7)
+    chunked = chunked_rt.generate([target] + others[:5], GREEDY)
+    assert chunked[0].outputs[0].token_ids == alone
+    assert chunked_rt.engine.stats.steps > 45 // 7  # the prompt really was split over steps
+
+    # 12 usable blocks of 16 tokens; four requests that grow to 61..85 tokens cannot all stay resident
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    group = [others[1][:21], target, others[4][:30], others[9][:25]]
+    tight = make(checkpoint, max_num_batched_tokens=64, num_blocks=13)
+    outs = tight.generate(group, long)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(group, outs):
+        assert out.outputs[0].token_ids == runtime.generate([prompt], long)[0].outputs[0].token_ids
+    assert outs[1].outputs[0].token_ids[:12] == alone
+    assert_pool_clean(tight)
+
+
+def test_seeded_sampling_is_batch_independent(runtime) -> None:
+    prompt = random_prompts([20], 256, seed=3)[0]
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = runtime.generate([prompt], params)[0].outputs[0].token_ids
+    again = runtime.generate([prompt], params)[0].outputs[0].token_ids
+    noise = [SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True)] * 5
+    batch = runtime.generate(random_prompts([4, 30, 9, 50, 12], 256, seed=4) + [prompt], noise + [params])
+    assert alone == again == batch[-1].outputs[0].token_ids
+    other_seed = runtime.generate([prompt], SamplingParams(max_tokens=10, seed=99, ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_samples(runtime) -> None:
+    prompt = random_prompts([12], 256, seed=5)[0]
+    out = runtime.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    greedy = runtime.generate([prompt], SamplingParams(n=2, max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    assert out.num_completion_tokens == 24
+
+
+def test_logprobs_match_reference_log_softmax(checkpoint, runtime) -> None:
+    hf = checkpoint[1]
+    prompt = random_prompts([15], 256, seed=6)[0]
+    out = runtime.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3,
+                                                    ignore_eos=True))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 6
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt) - 1 + step]
+        assert lp.sampled.token_id == token
+        assert lp.sampled.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert lp.sampled.rank == 1
+        top = torch.topk(row, 3)
+        assert [t.token_id for t in lp.top] == top.indices.tolist()
+        assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_stop_token_ids_and_min_tokens(runtime) -> None:
+    prompt = random_prompts([10], 256, seed=9)[0]
+    base = runtime.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    stop_at = base[2]
+    out = runtime.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at]))[0]
+    first = base.index(stop_at)
+    assert out.outputs[0].token_ids == base[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+    first_tok = base[0]
+    held = runtime.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[first_tok],
+                                                     min_tokens=4))[0].outputs[0]
+    assert len(held.token_ids) >= 4 and first_tok not in held.token_ids[:4]
+    length = runtime.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert length.outputs[0].finish_reason == "length" and len(length.outputs[0].token_ids) == 5
+
+
+def test_eos_stops_unless_ignored(checkpoint) -> None:
+    runtime = make(checkpoint)
+    prompt = random_prompts([10], 256, seed=9)[0]
+    base = runtime.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    # make the model's 2nd greedy token its EOS
+    runtime.engine.eos_token_ids = runtime.engine.runner.eos_token_ids = frozenset([base[1]])
+    out = runtime.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
+    assert out.token_ids == base[: base.index(base[1]) + 1] and out.finish_reason == "stop"
+    assert runtime.generate([prompt], GREEDY)[0].outputs[0].token_ids == base
+
+
+def test_no_block_leak_after_mixed_and_aborted_requests(checkpoint) -> None:
+    runtime = make(checkpoint, max_num_batched_tokens=96, num_blocks=40, max_num_seqs=16)
+    engine = runtime.engine
+    rng = random.Random(0)
+    prompts = random_prompts([rng.randint(1, 120) for _ in range(200)], 256, seed=11)
+    ids, finished, aborted = [], 0, 0
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]),
+                                n=rng.choice([1, 1, 2]), seed=rng.choice([None, i]))
+        ids.append(engine.add_request(prompt, params))
+    live = set(ids)
+    while engine.has_unfinished():
+        if rng.random() < 0.3 and live:
+            victim = rng.choice(sorted(live))
+            aborted += engine.abort(victim)
+            live.discard(victim)
+        for out in engine.step():
+            if out.finished:
+                finished += 1
+                live.discard(out.request_id)
+    assert aborted > 10 and finished > 10 and aborted + finished == 200
+    assert_pool_clean(runtime)
+
+
+def test_abort_waiting_request_frees_at_once(runtime) -> None:
+    engine = runtime.engine
+    rid = engine.add_request(random_prompts([40], 256)[0], GREEDY)
+    engine.step()
+    assert engine.kv.num_allocated_requests == 1
+    assert engine.abort(rid) and not engine.abort(rid)
+    assert_pool_clean(runtime)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_fields_and_bad_prompts_are_rejected(runtime) -> None:
+    with pytest.raises(ValueError, match="unknown sampling parameter.*bogus"):
+        SamplingParams.from_dict({"max_tokens": 3, "bogus": 1})
+    with pytest.raises(ValueError, match="empty"):
+        runtime.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        runtime.generate([[5] * 600], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        runtime.generate([[5, 100000]], GREEDY)
+    with pytest.raises(ValueError, match="tokenizer"):
+        runtime.generate(["text needs a tokenizer"], GREEDY)
+    with pytest.raises(ValueError, match="unknown Runtime option"):
+        Runtime("tiny-llama", level=0, device="cpu", no_such_option=1)
+    # a rejected batch leaves nothing queued, and the engine keeps working
+    with pytest.raises(ValueError):
+        runtime.generate([[5, 6, 7], []], GREEDY)
+    assert_pool_clean(runtime)
+    assert len(runtime.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 12
