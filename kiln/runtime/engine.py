@@ -51,6 +51,7 @@ class _Parent:
 @dataclass
 class EngineStats:
     steps: int = 0
+    scheduled_tokens: int = 0  # tokens actually run through the model (prefix hits excluded)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)
@@ -114,6 +115,26 @@ class Engine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.kv.capacity_tokens
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """Counters and gauges for metrics and benchmarks (plain numbers, cheap to call every step)."""
+        kv = self.kv
+        return {
+            "steps": self.stats.steps,
+            "scheduled_tokens": self.stats.scheduled_tokens,
+            "prompt_tokens": self.stats.prompt_tokens,
+            "generation_tokens": self.stats.generation_tokens,
+            "requests_finished": dict(self.stats.requests_finished),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_usage": self.pool.usage(),
+            "kv_capacity_tokens": kv.capacity_tokens,
+            "prefix_cache_queries": kv.queries,
+            "prefix_cache_hits": kv.hits,
+            "prefix_cache_hit_rate": kv.hits / kv.queries if kv.queries else 0.0,
+            "prefix_cache_evictions": self.pool.evictions,
+        }
 
     # -- requests --------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -195,6 +216,7 @@ class Engine:
         result = self.runner.execute(sched)
         self.scheduler.advance(sched)
         self.stats.steps += 1
+        self.stats.scheduled_tokens += sched.total_tokens
         now = time.time()
         touched: dict[str, _Parent] = {}
         for row, token, logprobs in zip(result.request_indices, result.token_ids, result.logprobs):

@@ -54,6 +54,10 @@ class Runtime:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def stats(self) -> dict[str, Any]:
+        """Engine counters: tokens, preemptions, KV usage, prefix-cache queries/hits/hit rate."""
+        return self.engine.stats_snapshot()
+
     def _normalise(self, prompts: Prompt | Sequence[Prompt],
                    params: SamplingParams | Sequence[SamplingParams] | None) -> tuple[list, list]:
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts

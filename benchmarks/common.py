@@ -1,0 +1,36 @@
+"""Small helpers shared by the benchmark scripts: tables, environment stamp."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import subprocess
+from collections.abc import Sequence
+
+import torch
+
+
+def stamp() -> str:
+    """Date, device and commit, printed above every table so results can be filed as measured."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip() or "?"
+    except OSError:
+        commit = "?"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86_64'}, " \
+        f"{torch.get_num_threads()} threads)"
+    return f"{datetime.date.today().isoformat()} | {device} | torch {torch.__version__} | commit {commit}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
