@@ -59,3 +59,20 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path) -> None:
 def test_unknown_model_argument(tmp_path) -> None:
     with pytest.raises(ValueError, match="neither a directory"):
         Runtime(str(tmp_path / "nope"), level=0, device="cpu")
+
+
+def test_sharded_checkpoint_and_dtypes(tiny_checkpoint, tmp_path) -> None:
+    path, hf = tiny_checkpoint("tiny-qwen2")
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    prompt = random_prompts([21], hf.config.vocab_size, seed=3)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sharded = Runtime(str(tmp_path), level=0, device="cpu", dtype="fp32")
+    assert sharded.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        rt = Runtime(str(path), level=0, device="cpu", dtype=dtype)
+        assert next(rt.engine.model.parameters()).dtype == torch_dtype
+        assert rt.engine.kv_cache.dtype == torch_dtype
+        assert len(rt.generate([prompt], params)[0].outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="dtype"):
+        Runtime(str(path), level=0, device="cpu", dtype="int3")
