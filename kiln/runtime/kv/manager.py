@@ -13,6 +13,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.hash_fn = hash_fn
         self.req_blocks: dict[str, list[Block]] = {}
+        self.num_published: dict[str, int] = {}  # leading blocks of each request already in the cache index
         self.queries = 0  # prefix-cache lookups, in tokens
         self.hits = 0  # tokens found cached
 
@@ -70,11 +71,15 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return
         self._update_hashes(req)
-        for i in range(min(num_tokens // self.block_size, len(req.block_hashes))):
+        start = self.num_published.get(req.request_id, 0)
+        end = min(num_tokens // self.block_size, len(req.block_hashes))
+        for i in range(start, end):
             self.pool.cache(blocks[i], req.block_hashes[i])
+        self.num_published[req.request_id] = max(start, end)
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_published.pop(req.request_id, None)
         self.pool.free(reversed(blocks))
 
     @property
