@@ -15,18 +15,16 @@ from typing import Any
 import torch
 
 from kiln.config import RuntimeConfig, resolve_device
-from kiln.models.loader.load import LoadedModel, load_model
-from kiln.runtime.attention import AttentionLayout, select_backend
+from kiln.models.loader.load import LoadedModel
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv.block_pool import BlockPool
 from kiln.runtime.kv.hashing import block_hash_fn
 from kiln.runtime.kv.manager import KVCacheManager
-from kiln.runtime.kv.sizing import kv_cache_num_blocks
-from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.worker import Worker
 
 logger = logging.getLogger("kiln")
 
@@ -63,38 +61,23 @@ class Engine:
         self.device = resolve_device(config.device)
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.loaded = loaded or load_model(config.model, device=self.device, dtype=config.dtype,
-                                           load_format=config.load_format, seed=config.seed)
-        spec = self.loaded.spec
-        self.model = self.loaded.model
+        self.worker = Worker(config, self.device, loaded)
+        self.loaded, self.model = self.worker.loaded, self.worker.model
+        self.backend, self.kv_cache, self.runner = self.worker.backend, self.worker.kv_cache, self.worker.runner
+        self.max_model_len = self.worker.max_model_len
         self.tokenizer = self._load_tokenizer()
-        self.eos_token_ids = frozenset(spec.eos_token_ids) | self._tokenizer_eos()
-        self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
-                                 spec.max_position_embeddings)
-        if config.scheduler.max_model_len and config.scheduler.max_model_len > spec.max_position_embeddings:
-            raise ValueError(f"max_model_len {config.scheduler.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {spec.max_position_embeddings}")
-        layout = AttentionLayout(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5,
-                                 config.cache.block_size, self.loaded.dtype)
-        backend_cls = select_backend(config.attention_backend, layout, self.device)
-        self.backend = backend_cls(layout, self.device)
-        sched_cfg = config.scheduler
-        num_blocks = kv_cache_num_blocks(config.cache, spec, self.loaded.dtype, self.device, self.model,
-                                         sched_cfg.max_num_batched_tokens)
-        self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size, spec.num_kv_heads,
-                                    spec.head_dim, dtype=self.loaded.dtype, device=self.device)
-        self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
+        self.eos_token_ids = frozenset(self.loaded.spec.eos_token_ids) | self._tokenizer_eos()
+        self.pool = BlockPool(self.worker.num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.cache.block_size,
                                  block_hash_fn(config.cache.prefix_hash, config.cache.prefix_hash_seed))
-        self.scheduler = Scheduler(sched_cfg, self.kv)
-        self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
-                                  sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens, self.max_model_len,
-                                  self.device, self.eos_token_ids, self.kv.blocks_of)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner.blocks_of = self.kv.blocks_of
+        self.runner.eos_token_ids = self.eos_token_ids
         self.parents: dict[str, _Parent] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s backend)", num_blocks - 1,
-                    config.cache.block_size, self.kv.capacity_tokens, backend_cls.name)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
+                    config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
 
     # -- set-up helpers --------------------------------------------------------------------------------
     def _load_tokenizer(self) -> Any:

@@ -34,13 +34,30 @@ class StepResult:
     logprobs: list[TokenLogprobs | None]
 
 
-@dataclass
-class PreparedBatch:
+@dataclass(frozen=True)
+class BatchShape:
+    """The sizes of one step's flat batch: all a tensor-parallel worker needs besides the host buffers."""
+
     num_tokens: int  # real tokens
     num_padded_tokens: int  # what the forward runs on
+    num_reqs: int
+    num_sampling: int
+    max_query_len: int
+    max_seq_len: int
+    uniform_decode: bool
+    max_blocks: int  # block-table columns in use
+
+
+@dataclass
+class PreparedBatch:
+    shape: BatchShape
     metadata: CommonAttentionMetadata
     logits_indices: torch.Tensor  # [num sampling requests], device
     sampling_rows: list[int]  # scheduler indices of the requests that sample
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return self.shape.num_padded_tokens
 
 
 class ModelRunner:
@@ -78,6 +95,11 @@ class ModelRunner:
 
     # -- input preparation -------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> PreparedBatch:
+        shape, sampling_rows = self.fill_host(sched)
+        return self.to_device(shape, sampling_rows)
+
+    def fill_host(self, sched: SchedulerOutput) -> tuple[BatchShape, list[int]]:
+        """Write the step's flat inputs into the host buffers."""
         num_reqs, num_tokens = len(sched.requests), sched.total_tokens
         if num_reqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
             raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds the runner's buffers")
@@ -92,12 +114,13 @@ class ModelRunner:
         bs = self.block_size
         sampling_rows: list[int] = []
         qsl[0] = 0
-        cursor = 0
+        cursor = max_blocks = 0
         for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
             start = req.num_computed_tokens
             block_ids = np.fromiter((b.block_id for b in self.blocks_of(req)), dtype=np.int32)
             tables[i, : len(block_ids)] = block_ids
             tables[i, len(block_ids):] = 0
+            max_blocks = max(max_blocks, len(block_ids))
             ids[cursor:cursor + n] = req.token_ids[start:start + n]
             p = np.arange(start, start + n)
             pos[cursor:cursor + n] = p
@@ -114,22 +137,28 @@ class ModelRunner:
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = 0  # padding writes into the null block
-        self._upload(num_tokens=padded, num_reqs=num_reqs, num_sampling=len(sampling_rows))
+        shape = BatchShape(num_tokens, padded, num_reqs, len(sampling_rows), max(sched.num_new_tokens, default=0),
+                           int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks)
+        return shape, sampling_rows
+
+    def to_device(self, shape: BatchShape, sampling_rows: list[int]) -> PreparedBatch:
+        """Copy the host buffers to the device ones and describe them for attention."""
+        num_reqs, padded = shape.num_reqs, shape.num_padded_tokens
+        self._upload(num_tokens=padded, num_reqs=num_reqs, num_sampling=shape.num_sampling)
         metadata = CommonAttentionMetadata(
             num_reqs=num_reqs,
-            num_tokens=num_tokens,
+            num_tokens=shape.num_tokens,
             query_start_loc=self.query_start_loc[: num_reqs + 1],
             seq_lens=self.seq_lens[:num_reqs],
             block_tables=self.block_tables[:num_reqs],
             slot_mapping=self.slot_mapping[:padded],
             query_start_loc_cpu=self.query_start_loc_cpu[: num_reqs + 1],
             seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
-            max_query_len=max(sched.num_new_tokens, default=0),
-            max_seq_len=int(seq_lens[:num_reqs].max()) if num_reqs else 0,
-            uniform_decode=uniform_decode,
+            max_query_len=shape.max_query_len,
+            max_seq_len=shape.max_seq_len,
+            uniform_decode=shape.uniform_decode,
         )
-        return PreparedBatch(num_tokens, padded, metadata, self.logits_indices[: len(sampling_rows)],
-                             sampling_rows)
+        return PreparedBatch(shape, metadata, self.logits_indices[: shape.num_sampling], sampling_rows)
 
     def _upload(self, num_tokens: int, num_reqs: int, num_sampling: int) -> None:
         nb = self.device.type == "cuda"

@@ -15,16 +15,17 @@ logger = logging.getLogger("kiln")
 CPU_DEFAULT_KV_BYTES = 512 * 1024 * 1024
 
 
-def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int:
+def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_kv_heads: int) -> int:
     element = torch.empty((), dtype=dtype).element_size()
-    return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+    return spec.num_layers * 2 * block_size * num_kv_heads * spec.head_dim * element
 
 
 def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                        model: torch.nn.Module, max_num_batched_tokens: int) -> int:
+                        model: torch.nn.Module, max_num_batched_tokens: int, num_kv_heads: int) -> int:
+    """num_kv_heads: this rank's share of the KV heads."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_block = bytes_per_block(spec, dtype, cache.block_size)
+    per_block = bytes_per_block(spec, dtype, cache.block_size, num_kv_heads)
     if cache.kv_cache_bytes is not None:
         budget = cache.kv_cache_bytes
     elif device.type == "cpu":

@@ -1,0 +1,58 @@
+"""One rank's share of the work: its model shard, KV cache, attention backend and model runner.
+
+The engine (rank 0) owns a Worker and the scheduler; with tensor parallelism every other rank runs a
+Worker alone, driven by the batches rank 0 broadcasts (kiln/runtime/distributed.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kiln.config import RuntimeConfig
+from kiln.models.base import ModelSpec
+from kiln.models.loader.load import LoadedModel, load_model
+from kiln.models.parallel import tp_size
+from kiln.runtime.attention import AttentionLayout, select_backend
+from kiln.runtime.kv.sizing import kv_cache_num_blocks
+from kiln.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger("kiln")
+
+
+def resolve_max_model_len(config: RuntimeConfig, spec: ModelSpec) -> int:
+    asked = config.scheduler.max_model_len
+    if asked and asked > spec.max_position_embeddings:
+        raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings "
+                         f"{spec.max_position_embeddings}")
+    return asked or spec.max_position_embeddings
+
+
+class Worker:
+    def __init__(self, config: RuntimeConfig, device: torch.device, loaded: LoadedModel | None = None,
+                 agree_num_blocks=None) -> None:
+        self.config = config
+        self.device = device
+        self.loaded = loaded or load_model(config.model, device=device, dtype=config.dtype,
+                                           load_format=config.load_format, seed=config.seed)
+        spec = self.loaded.spec
+        self.model = self.loaded.model
+        self.max_model_len = resolve_max_model_len(config, spec)
+        world = tp_size()
+        self.num_heads, self.num_kv_heads = spec.num_heads // world, max(1, spec.num_kv_heads // world)
+        layout = AttentionLayout(self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5,
+                                 config.cache.block_size, self.loaded.dtype)
+        backend_cls = select_backend(config.attention_backend, layout, device)
+        self.backend = backend_cls(layout, device)
+        sched = config.scheduler
+        num_blocks = kv_cache_num_blocks(config.cache, spec, self.loaded.dtype, device, self.model,
+                                         sched.max_num_batched_tokens, self.num_kv_heads)
+        if agree_num_blocks is not None:  # every rank must page the same block ids
+            num_blocks = agree_num_blocks(num_blocks)
+        self.num_blocks = num_blocks
+        self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size, self.num_kv_heads,
+                                    spec.head_dim, dtype=self.loaded.dtype, device=device)
+        self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
+                                  sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
+                                  device, frozenset(spec.eos_token_ids), blocks_of=lambda req: [])
