@@ -47,5 +47,5 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     import torch.distributed._functional_collectives as funcol
 
-    gathered = funcol.all_gather_tensor(x.contiguous(), 0, _group.group)  # [size * T, V/size]
+    gathered = funcol.all_gather_tensor(x.contiguous(), 0, _group.group)  # [size * T, V/size] (2.11-safe API)
     return torch.cat(gathered.chunk(_group.size, dim=0), dim=-1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +62,13 @@ class Engine:
         self.device = resolve_device(config.device)
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.worker = Worker(config, self.device, loaded)
+        self._tp_procs: list = []
+        self._channel = None
+        agree = None
+        if config.tensor_parallel_size > 1:
+            agree = self._start_tensor_parallel(config)
+        self.worker = Worker(config, self.device, loaded, agree_num_blocks=agree)
+        self.worker.warm_up()
         self.loaded, self.model = self.worker.loaded, self.worker.model
         self.backend, self.kv_cache, self.runner = self.worker.backend, self.worker.kv_cache, self.worker.runner
         self.max_model_len = self.worker.max_model_len
@@ -73,6 +80,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner.blocks_of = self.kv.blocks_of
         self.runner.eos_token_ids = self.eos_token_ids
+        if self._channel is not None:
+            self.runner.on_batch = self._broadcast
         self.parents: dict[str, _Parent] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -80,6 +89,52 @@ class Engine:
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
 
     # -- set-up helpers --------------------------------------------------------------------------------
+    def _start_tensor_parallel(self, config: RuntimeConfig):
+        """Become rank 0 of a TP group (spawning local workers unless torchrun started every rank)."""
+        from kiln.runtime import distributed as tp
+
+        world = config.tensor_parallel_size
+        if tp.launched_by_torchrun():
+            rank = int(os.environ["RANK"])
+            if int(os.environ["WORLD_SIZE"]) != world:
+                raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
+            if rank != 0:  # the same entry point on every rank: the others serve rank 0 and then exit
+                tp.worker_main(config, rank, world)
+                raise SystemExit(0)
+        else:
+            self._tp_procs = tp.spawn_workers(config, world)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        group = tp.init_tensor_parallel(0, world, self.device)
+        self._channel = tp.StepChannel(group)
+        return lambda n: tp.agree_min(n, group)
+
+    def _broadcast(self, shape) -> None:
+        from kiln.runtime.distributed import check_workers
+
+        check_workers(self._tp_procs)
+        self._channel.send(self.runner, shape)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (no-op otherwise); the engine is unusable afterwards."""
+        if self._channel is None:
+            return
+        import torch.distributed as dist
+
+        from kiln.models.parallel import TPGroup, set_tp_group
+
+        try:
+            self._channel.send_stop()
+        except Exception as exc:  # a dead worker must not make shutdown fail
+            logger.warning("could not stop tensor-parallel workers cleanly: %s", exc)
+        for proc in self._tp_procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+        self._channel = None
+        dist.destroy_process_group()
+        set_tp_group(TPGroup())
+
     def _load_tokenizer(self) -> Any:
         source = self.config.tokenizer or self.loaded.model_dir
         if source is None:

@@ -77,6 +77,7 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.forward_fn: ForwardFn = model.forward  # the compiler replaces this
         self.pad_num_tokens: Callable[[int, bool], int] = lambda n, uniform_decode: n
+        self.on_batch: Callable[[BatchShape], None] | None = None  # tensor parallel: broadcast to workers
         self.sampler = Sampler()
         pin = device.type == "cuda"
         n, s = self.max_num_tokens, self.max_num_seqs
@@ -191,7 +192,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        batch = self.prepare(sched)
+        shape, sampling_rows = self.fill_host(sched)
+        if self.on_batch is not None:
+            self.on_batch(shape)
+        batch = self.to_device(shape, sampling_rows)
         logits = self.forward(batch)
         if not batch.sampling_rows:
             return StepResult([], [], [])

@@ -56,3 +56,12 @@ class Worker:
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
                                   device, frozenset(spec.eos_token_ids), blocks_of=lambda req: [])
+
+    def warm_up(self) -> None:
+        """Start-up work every rank does identically before serving (compilation, graph capture)."""
+        # -O1..-O3: trace, compile every range/size and run each once now, so no request waits on a compile
+        from kiln.compiler import CompileStats, install_compiler
+
+        self.compilation = self.config.compilation.resolve(self.device, self.config.scheduler.max_num_batched_tokens)
+        self.compiled = install_compiler(self.runner, self.compilation)
+        self.compile_stats = self.compiled.stats if self.compiled is not None else CompileStats(level=0)

@@ -19,6 +19,7 @@ from torch import nn
 
 from kiln.config import resolve_dtype
 from kiln.models.base import ModelSpec
+from kiln.models.loader.dummy import dummy_weights
 from kiln.models.loader.presets import PRESETS, preset_config
 from kiln.models.registry import model_class
 
@@ -70,17 +71,6 @@ def safetensors_weights(model_dir: Path, device: torch.device) -> Iterator[tuple
                 yield key, f.get_tensor(key)
 
 
-def _dummy_init(model: nn.Module, seed: int) -> None:
-    """Random weights at real shapes: small normal for matrices, ones for norms (keeps activations sane)."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        else:
-            cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator)
-            param.data.copy_(cpu)
-
-
 def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dtype = "auto",
                load_format: str = "auto", seed: int = 0) -> LoadedModel:
     start = time.perf_counter()
@@ -105,13 +95,14 @@ def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dt
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     if load_format == "dummy":
-        _dummy_init(net, seed)
+        weights = dummy_weights(spec, device, torch_dtype, seed)
     else:
-        loaded = net.load_weights(safetensors_weights(model_dir, device))
-        expected = {n for n, _ in net.named_parameters(remove_duplicate=False)}
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint in {model_dir} is missing weights: {', '.join(missing[:8])}")
+        weights = safetensors_weights(model_dir, device)
+    loaded = net.load_weights(weights)
+    expected = {n for n, _ in net.named_parameters(remove_duplicate=False)}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir or model} is missing weights: {', '.join(missing[:8])}")
     net.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) on %s in %.2fs", spec.architecture, load_format, torch_dtype, device, seconds)

@@ -1,0 +1,64 @@
+"""Tensor parallelism over gloo on CPU: 2 ranks give the same greedy tokens as 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln import Runtime, SamplingParams
+from kiln.runtime.distributed import EngineDeadError
+from tests.conftest import random_prompts
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = random_prompts([5, 17, 40, 3, 26], 256, seed=21)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in Runtime("tiny-qwen3", level=0, device="cpu").generate(PROMPTS, PARAMS)]
+
+
+def test_tp2_matches_tp1(reference) -> None:
+    # tiny-qwen3 has 2 KV heads: one per rank; its vocabulary and MLP split evenly
+    runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32)
+    try:
+        assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
+        assert runtime.engine.kv_cache.shape[-2] == 1  # this rank holds half the KV heads
+    finally:
+        runtime.engine.shutdown()
+
+
+def test_torchrun_style_launch_uses_the_same_entry_point(reference) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).with_name("tp_entry.py")
+    root = Path(__file__).resolve().parents[2]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(root)}
+        procs.append(subprocess.Popen([sys.executable, str(script), json.dumps(PROMPTS)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert json.loads(outs[0][0].strip().splitlines()[-1]) == reference
+
+
+def test_dead_worker_stops_the_engine_with_a_clear_error() -> None:
+    runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
+    try:
+        runtime.engine._tp_procs[0].kill()
+        runtime.engine._tp_procs[0].join(timeout=30)
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            runtime.generate(PROMPTS[:1], PARAMS)
+    finally:
+        runtime.engine.shutdown()
