@@ -17,8 +17,10 @@ def stamp() -> str:
                                 check=False).stdout.strip() or "?"
     except OSError:
         commit = "?"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86_64'}, " \
-        f"{torch.get_num_threads()} threads)"
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"CPU ({platform.processor() or 'x86_64'}, {torch.get_num_threads()} threads)"
     return f"{datetime.date.today().isoformat()} | {device} | torch {torch.__version__} | commit {commit}"
 
 

@@ -1,0 +1,278 @@
+"""The GPU benchmark (H200 reference): decode latency, offline throughput, each backend x graph mode.
+
+Random bf16 weights at real shapes (presets), greedy, EOS ignored. Every number is printed next to a
+floor or baseline measured in the same run: the copy bandwidth and matmul rate of this GPU, and
+transformers' eager `generate` on the same shapes.
+
+    python benchmarks/bench_gpu.py decode --models smollm2-135m llama3-8b --batches 1 8 64
+    python benchmarks/bench_gpu.py throughput --model llama3-8b --requests 256
+    python benchmarks/bench_gpu.py matrix --model smollm2-135m      # every backend x graph mode
+
+Writes a JSON of all rows to --json when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from benchmarks.common import stamp, table
+from kiln import Runtime, SamplingParams
+
+PROMPT_LEN = 128
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+
+
+def measure_ceilings() -> Ceilings:
+    n = 1 << 30  # 1 GiB each way: well past L2
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    copy = 2 * n * 10 / (start.elapsed_time(end) / 1000)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    flops = 2 * 8192**3 * 10 / (start.elapsed_time(end) / 1000)
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return Ceilings(copy, flops)
+
+
+def weight_bytes(rt: Runtime) -> int:
+    seen, total = set(), 0
+    for p in rt.engine.model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def make_runtime(model: str, **kwargs) -> tuple[Runtime, float]:
+    start = time.perf_counter()
+    kwargs.setdefault("max_num_seqs", 256)
+    kwargs.setdefault("max_num_batched_tokens", 4096)
+    kwargs.setdefault("gpu_memory_utilization", 0.85)
+    rt = Runtime(model, device="cuda", dtype="bf16", load_format="dummy", **kwargs)
+    return rt, time.perf_counter() - start
+
+
+def decode_step_seconds(rt: Runtime, batch: int, steps: int = 32) -> float:
+    """Median time of one engine step while `batch` requests decode (prompts of PROMPT_LEN tokens)."""
+    engine = rt.engine
+    vocab = engine.loaded.spec.vocab_size
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(vocab) for _ in range(PROMPT_LEN)], params)
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    times.sort()
+    return times[len(times) // 2]
+
+
+def decode_floor_seconds(rt: Runtime, batch: int, ceil: Ceilings) -> tuple[float, float]:
+    """(bytes floor, compute floor) of one decode step: weights once + each request's KV, vs 2*params FLOPs."""
+    wbytes = weight_bytes(rt)
+    spec = rt.engine.loaded.spec
+    kv_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    kv = batch * (PROMPT_LEN + 16) * kv_token
+    flops = 2 * (wbytes / 2) * batch
+    return (wbytes + kv) / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
+
+
+def hf_decode_tokens_per_s(model: str, batch: int, new_tokens: int = 32) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from kiln.models.loader.presets import preset_config
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(preset_config(model), dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (batch, PROMPT_LEN), device="cuda")
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del hf
+    torch.cuda.empty_cache()
+    return batch * new_tokens / seconds
+
+
+def cmd_decode(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
+    rows = []
+    for model in args.models:
+        rt, build = make_runtime(model, level=args.level, attention_backend=args.backend)
+        print(f"{model}: built in {build:.1f}s, backend {rt.engine.backend.name}", flush=True)
+        for batch in args.batches:
+            step = decode_step_seconds(rt, batch)
+            bytes_floor, compute_floor = decode_floor_seconds(rt, batch, ceil)
+            hf = hf_decode_tokens_per_s(model, batch) if args.hf else float("nan")
+            rows.append(dict(model=model, batch=batch, backend=rt.engine.backend.name, step_ms=step * 1e3,
+                             tokens_per_s=batch / step, floor_ms=max(bytes_floor, compute_floor) * 1e3,
+                             x_floor=step / max(bytes_floor, compute_floor), hf_tokens_per_s=hf,
+                             x_hf=(batch / step) / hf if hf == hf else float("nan")))
+            print(rows[-1], flush=True)
+        del rt
+        torch.cuda.empty_cache()
+    print(table(["model", "batch", "backend", "step ms", "tok/s", "floor ms", "x floor", "HF tok/s", "x HF"],
+                [[r["model"], r["batch"], r["backend"], r["step_ms"], r["tokens_per_s"], r["floor_ms"],
+                  r["x_floor"], r["hf_tokens_per_s"], r["x_hf"]] for r in rows]))
+    return rows
+
+
+def cmd_matrix(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
+    rows = []
+    for backend in args.backends:
+        for mode in args.modes:
+            level = 0 if mode == "EAGER" else args.level
+            kwargs = dict(level=level, attention_backend=backend)
+            if level:
+                kwargs["cudagraph_mode"] = mode
+                kwargs["cudagraph_capture_sizes"] = tuple(args.batches)
+            try:
+                rt, build = make_runtime(args.model, **kwargs)
+            except Exception as exc:  # a backend missing on this machine is a row, not a crash
+                rows.append(dict(backend=backend, mode=mode, batch="-", step_ms=float("nan"), note=str(exc)[:60]))
+                continue
+            for batch in args.batches:
+                step = decode_step_seconds(rt, batch)
+                floor = max(decode_floor_seconds(rt, batch, ceil))
+                rows.append(dict(backend=backend, mode=mode, batch=batch, step_ms=step * 1e3,
+                                 x_floor=step / floor, note=f"build {build:.0f}s"))
+                print(rows[-1], flush=True)
+            del rt
+            torch.cuda.empty_cache()
+    print(table(["backend", "graph mode", "batch", "step ms", "x floor", "note"],
+                [[r["backend"], r["mode"], r["batch"], r["step_ms"], r.get("x_floor", float("nan")), r["note"]]
+                 for r in rows]))
+    return rows
+
+
+def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
+    rng = random.Random(0)
+    rt, build = make_runtime(args.model, level=args.level, attention_backend=args.backend)
+    vocab = rt.engine.loaded.spec.vocab_size
+    lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(args.requests)]
+    prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in lens]
+    rt.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * 4)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = rt.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(i for i, _ in lens)
+    wbytes = weight_bytes(rt)
+    spec = rt.engine.loaded.spec
+    steps = rt.stats()["steps"]
+    # roofline: every token passes every weight once (2 FLOPs each) + attention; bytes: weights per step + KV
+    kv_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    attn_flops = sum(4 * spec.num_layers * spec.num_heads * spec.head_dim * ((i + o) ** 2) / 2 for i, o in lens)
+    flops = 2 * (wbytes / 2) * (in_tokens + out_tokens) + attn_flops
+    kv_read = sum(kv_token * sum(range(i, i + o)) for i, o in lens)
+    bytes_moved = wbytes * steps + kv_read
+    roof = max(flops / ceil.matmul_flops_per_s, bytes_moved / ceil.copy_bytes_per_s)
+    row = dict(model=args.model, requests=args.requests, seconds=seconds, output_tokens=out_tokens,
+               output_tokens_per_s=out_tokens / seconds, steps=steps, roofline_s=roof,
+               fraction_of_roofline=roof / seconds, build_s=build)
+    del rt
+    torch.cuda.empty_cache()
+    if args.hf:
+        row["hf_output_tokens_per_s"] = hf_throughput(args.model, lens, args.hf_batch)
+        row["x_hf"] = row["output_tokens_per_s"] / row["hf_output_tokens_per_s"]
+    print(table(list(row), [list(row.values())]))
+    return [row]
+
+
+def hf_throughput(model: str, lens: list[tuple[int, int]], batch: int) -> float:
+    """transformers batched generate over the same workload, in length-sorted batches (its best case)."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.models.loader.presets import preset_config
+
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(preset_config(model), dtype=torch.bfloat16).eval()
+    rng = random.Random(1)
+    order = sorted(lens, key=lambda x: x[0])
+    total, start = 0, time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(order), batch):
+            chunk = order[i:i + batch]
+            width, new = max(c[0] for c in chunk), max(c[1] for c in chunk)
+            ids = torch.tensor([[rng.randrange(1000) for _ in range(width)] for _ in chunk], device="cuda")
+            hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            total += sum(c[1] for c in chunk)  # tokens beyond a request's own length are padding work
+    torch.cuda.synchronize()
+    return total / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("decode", "matrix", "throughput"):
+        p = sub.add_parser(name)
+        p.add_argument("--level", type=int, default=2)
+        p.add_argument("--backend", default="auto")
+        p.add_argument("--hf", action="store_true", help="also run the transformers baseline")
+        p.add_argument("--json", default=None)
+        if name == "decode":
+            p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama3-8b"])
+            p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+        if name == "matrix":
+            p.add_argument("--model", default="smollm2-135m")
+            p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+            p.add_argument("--backends", nargs="+", default=["torch", "triton", "flashinfer"])
+            p.add_argument("--modes", nargs="+", default=["EAGER", "NONE", "PIECEWISE", "FULL_AND_PIECEWISE"])
+        if name == "throughput":
+            p.add_argument("--model", default="llama3-8b")
+            p.add_argument("--requests", type=int, default=256)
+            p.add_argument("--hf-batch", type=int, default=64)
+    args = parser.parse_args()
+    ceil = measure_ceilings()
+    print(f"{stamp()}\ncopy bandwidth {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
+          f"bf16 matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
+    rows = {"decode": cmd_decode, "matrix": cmd_matrix, "throughput": cmd_throughput}[args.cmd](args, ceil)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"stamp": stamp(), "ceilings": asdict(ceil), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
