@@ -78,7 +78,7 @@ class Engine:
         self.kv = KVCacheManager(self.pool, config.cache.block_size,
                                  block_hash_fn(config.cache.prefix_hash, config.cache.prefix_hash_seed))
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner.blocks_of = self.kv.blocks_of
+        self.runner.block_ids_of = self.kv.block_ids_of
         self.runner.eos_token_ids = self.eos_token_ids
         if self._channel is not None:
             self.runner.on_batch = self._broadcast
@@ -300,7 +300,8 @@ class Engine:
             completions.append(CompletionOutput(
                 index=i,
                 text=detok.output_text if detok is not None else "",
-                token_ids=list(req.output_token_ids),
+                # a live list while running (copying every step would be quadratic), a copy once finished
+                token_ids=list(req.output_token_ids) if req.finished else req.output_token_ids,
                 finish_reason=req.status.value if req.finished else None,
                 stop_reason=req.stop_reason,
                 logprobs=req.logprobs,

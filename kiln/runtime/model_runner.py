@@ -16,7 +16,6 @@ import torch
 
 from kiln.models.forward_context import ForwardContext, set_forward_context
 from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata
-from kiln.runtime.kv.block_pool import Block
 from kiln.runtime.outputs import TokenLogprobs
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import Sampler, SamplingBatch
@@ -64,9 +63,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  device: torch.device, eos_token_ids: frozenset[int],
-                 blocks_of: Callable[[Request], list[Block]]) -> None:
+                 block_ids_of: Callable[[Request], list[int]]) -> None:
         self.model = model
-        self.blocks_of = blocks_of
+        self.block_ids_of = block_ids_of
+        self._row_owner: list[list[int] | None] = [None] * max_num_seqs  # whose block ids each row holds
+        self._row_blocks: list[int] = [0] * max_num_seqs  # how many of its block ids are written there
         self.backend = backend
         self.kv_cache = kv_cache  # [num_layers, num_blocks, 2, block_size, Hkv, D]
         self.block_size = block_size
@@ -116,19 +117,29 @@ class ModelRunner:
         sampling_rows: list[int] = []
         qsl[0] = 0
         cursor = max_blocks = 0
+        owners = self._row_owner
         for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
             start = req.num_computed_tokens
-            block_ids = np.fromiter((b.block_id for b in self.blocks_of(req)), dtype=np.int32)
-            tables[i, : len(block_ids)] = block_ids
-            tables[i, len(block_ids):] = 0
+            block_ids = self.block_ids_of(req)
+            # a request that keeps its row from the last step only needs its new blocks copied; rows are keyed
+            # by the block-id list itself, which the KV manager replaces when a request's blocks are freed
+            written = self._row_blocks[i] if owners[i] is block_ids else 0
+            if written < len(block_ids):
+                tables[i, written:len(block_ids)] = block_ids[written:]
+            owners[i], self._row_blocks[i] = block_ids, len(block_ids)
             max_blocks = max(max_blocks, len(block_ids))
-            ids[cursor:cursor + n] = req.token_ids[start:start + n]
-            p = np.arange(start, start + n)
-            pos[cursor:cursor + n] = p
-            s = block_ids[p // bs].astype(np.int64) * bs + p % bs
-            # tokens whose block is shared and already cached keep their K/V: their write goes to null
-            s[p < req.num_shared_tokens] = 0
-            slots[cursor:cursor + n] = s
+            if n == 1:  # decode: scalar writes beat building numpy arrays
+                ids[cursor] = req.token_ids[start]
+                pos[cursor] = start
+                slots[cursor] = 0 if start < req.num_shared_tokens else block_ids[start // bs] * bs + start % bs
+            else:
+                ids[cursor:cursor + n] = req.token_ids[start:start + n]
+                p = np.arange(start, start + n)
+                pos[cursor:cursor + n] = p
+                s = np.asarray(block_ids, dtype=np.int64)[p // bs] * bs + p % bs
+                # tokens whose block is shared and already cached keep their K/V: their write goes to null
+                s[p < req.num_shared_tokens] = 0
+                slots[cursor:cursor + n] = s
             cursor += n
             qsl[i + 1] = cursor
             seq_lens[i] = start + n

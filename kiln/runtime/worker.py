@@ -55,7 +55,7 @@ class Worker:
                                     spec.head_dim, dtype=self.loaded.dtype, device=device)
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
-                                  device, frozenset(spec.eos_token_ids), blocks_of=lambda req: [])
+                                  device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [])
 
     def warm_up(self) -> None:
         """Start-up work every rank does identically before serving (compilation, graph capture)."""

@@ -13,6 +13,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.hash_fn = hash_fn
         self.req_blocks: dict[str, list[Block]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same, as ints: what the runner copies each step
         self.num_published: dict[str, int] = {}  # leading blocks of each request already in the cache index
         self.queries = 0  # prefix-cache lookups, in tokens
         self.hits = 0  # tokens found cached
@@ -23,6 +24,9 @@ class KVCacheManager:
 
     def blocks_of(self, req: Request) -> list[Block]:
         return self.req_blocks.get(req.request_id, [])
+
+    def block_ids_of(self, req: Request) -> list[int]:
+        return self.req_block_ids.get(req.request_id, [])
 
     def _update_hashes(self, req: Request) -> None:
         extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, self.hash_fn,
@@ -51,6 +55,12 @@ class KVCacheManager:
     def allocate(self, req: Request, num_new_tokens: int, prefix: list[Block] | None = None) -> bool:
         """Make room for req's next num_new_tokens (after taking prefix blocks); False leaves nothing changed."""
         blocks = self.req_blocks.get(req.request_id, [])
+        if not prefix and blocks:  # the common decode step: usually no new block, nothing to publish
+            total = req.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * self.block_size:
+                if total // self.block_size > self.num_published.get(req.request_id, 0):
+                    self._cache_full_blocks(req, blocks, total)
+                return True
         prefix = prefix or []
         num_computed = req.num_computed_tokens if not prefix else 0
         covered = len(blocks) + len(prefix)
@@ -61,9 +71,9 @@ class KVCacheManager:
             return False
         self.pool.share(prefix)
         blocks = self.req_blocks.setdefault(req.request_id, blocks)
-        blocks.extend(prefix)
-        if needed > 0:
-            blocks.extend(self.pool.allocate(needed))
+        new = prefix + (self.pool.allocate(needed) if needed > 0 else [])
+        blocks.extend(new)
+        self.req_block_ids.setdefault(req.request_id, []).extend(b.block_id for b in new)
         self._cache_full_blocks(req, blocks, total)
         return True
 
@@ -79,6 +89,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
+        self.req_block_ids.pop(req.request_id, None)
         self.num_published.pop(req.request_id, None)
         self.pool.free(reversed(blocks))
 
