@@ -161,3 +161,29 @@ def test_tokenize_detokenize_health_version(served: Served) -> None:
     assert text == PROMPT
     assert served.health()["status"] == "ok"
     assert httpx.get(f"{served.url}/version").json()["version"]
+
+
+def test_cache_salt_on_both_endpoints(served: Served) -> None:
+    """A salted request only reuses blocks cached under the same salt (prefix caching, issue 8)."""
+    client = served.openai()
+    kv = served.engine.kv
+    long_text = "The history of bread begins in the Neolithic era. " * 8  # > 3 full blocks
+
+    def hits_after(call) -> int:
+        before = kv.hits
+        call()
+        served.wait_idle()
+        return kv.hits - before
+
+    def completion(salt: str) -> None:
+        client.completions.create(model=MODEL, prompt=long_text, max_tokens=2, temperature=0.0,
+                                  extra_body={"cache_salt": salt})
+
+    def chat(salt: str) -> None:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_text}],
+                                       max_tokens=2, temperature=0.0, extra_body={"cache_salt": salt})
+
+    for call in (completion, chat):
+        assert hits_after(lambda call=call: call("salt-one")) == 0
+        assert hits_after(lambda call=call: call("salt-two")) == 0
+        assert hits_after(lambda call=call: call("salt-one")) >= 48
