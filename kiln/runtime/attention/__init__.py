@@ -27,7 +27,10 @@ def select_backend(name: str, layout: AttentionLayout, device: torch.device) -> 
     if name != "auto":
         if name not in _BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
-        cls = _load(name)
+        try:
+            cls = _load(name)
+        except ImportError as e:  # an optional dependency (flashinfer, triton) is missing
+            raise ValueError(f"attention backend {name!r} needs {e.name or e}: pip install 'kiln[gpu]'") from e
         reason = cls.unsupported_reason(layout, device)
         if reason:
             raise ValueError(f"attention backend {name!r} cannot run this model: {reason}")

@@ -1,0 +1,114 @@
+"""Attention kernel micro-benchmark: decode and prefill time per backend at Llama-3-8B head shapes.
+
+32 query / 8 KV heads, head_dim 128, bf16, 16-token blocks scattered over the cache. Decode is timed
+eagerly (launch overhead included) and, for the graph-capable backends, as a CUDA-graph replay (kernel
+time); both flush L2 between calls. Achieved bandwidth (KV read + q/out + KV write bytes) is printed
+against the device-to-device copy bandwidth, and prefill FLOP/s against the bf16 matmul rate, both
+measured in the same run.
+
+    python -m benchmarks.bench_attention [--backends torch triton flashinfer] [--batches 1 8 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from triton.testing import do_bench
+
+from benchmarks.bench_gpu import measure_ceilings
+from benchmarks.common import stamp, table
+from kiln.runtime.attention import AttentionLayout, select_backend
+from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata, GraphSupport
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def make_step(q_lens: list[int], contexts: list[int]) -> tuple[tuple[torch.Tensor, ...], CommonAttentionMetadata]:
+    """Random q/k/v, a cache holding each request's context in shuffled blocks, and the step's metadata."""
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    blocks = [-(-s // BS) for s in seq_lens]
+    perm = torch.randperm(sum(blocks)) + 1
+    width = max(blocks)
+    tables = torch.zeros(len(q_lens), width, dtype=torch.int32)
+    slots, cursor = [], 0
+    for i, (n, ctx) in enumerate(zip(blocks, contexts)):
+        tables[i, :n] = perm[cursor:cursor + n]
+        cursor += n
+        pos = torch.arange(ctx, ctx + q_lens[i])
+        slots.append(tables[i, pos // BS].long() * BS + pos % BS)
+    tokens = sum(q_lens)
+    cache = torch.randn(1 + sum(blocks), 2, BS, HKV, D, dtype=DTYPE, device="cuda")
+    q = torch.randn(tokens, HQ, D, dtype=DTYPE, device="cuda")
+    k, v = (torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda") for _ in range(2))
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(len(q_lens), tokens, qsl.cuda(), lens.cuda(), tables.cuda(),
+                                     torch.cat(slots).cuda(), qsl, lens, max(q_lens), max(seq_lens),
+                                     all(n == 1 for n in q_lens))
+    return (q, k, v, torch.empty_like(q), cache), common
+
+
+def time_step(backend: AttentionBackend, tensors: tuple[torch.Tensor, ...], common: CommonAttentionMetadata,
+              graph: bool) -> float:
+    """Median milliseconds of one forward (KV write + attention), L2 flushed before each call."""
+    q, k, v, out, cache = tensors
+    metadata = backend.build_metadata(common)
+    fn = lambda: backend.forward(q, k, v, out, cache, metadata)
+    fn()
+    if graph:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backends", nargs="+", default=["torch", "triton", "flashinfer"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    args = parser.parse_args()
+    ceil = measure_ceilings()
+    layout = AttentionLayout(HQ, HKV, D, D ** -0.5, BS, DTYPE)
+    backends: dict[str, AttentionBackend] = {}
+    for name in args.backends:
+        try:
+            backends[name] = select_backend(name, layout, torch.device("cuda"))(layout, torch.device("cuda"))
+        except ValueError as e:
+            print(f"skipping {name}: {e}")
+    elt = torch.finfo(DTYPE).bits // 8
+    rows = []
+    for batch in args.batches:
+        for ctx in args.contexts:
+            tensors, common = make_step([1] * batch, [ctx - 1] * batch)
+            bytes_moved = elt * D * (batch * ctx * HKV * 2 + batch * HQ * 2 + batch * HKV * 2)
+            for name, backend in backends.items():
+                eager = time_step(backend, tensors, common, graph=False)
+                graphed = (time_step(backend, tensors, common, graph=True)
+                           if backend.graph_support >= GraphSupport.UNIFORM_DECODE else float("nan"))
+                best = eager if math.isnan(graphed) else min(eager, graphed)
+                bw = bytes_moved / (best / 1e3)
+                rows.append([name, "decode", batch, ctx, eager * 1e3, graphed * 1e3, f"{bw / 1e9:.0f} GB/s",
+                             f"{100 * bw / ceil.copy_bytes_per_s:.0f}%"])
+    for batch in [b for b in args.batches if b <= 8]:
+        for length in args.contexts:
+            tensors, common = make_step([length] * batch, [0] * batch)
+            flops = batch * 4 * HQ * D * length * (length + 1) / 2  # QK^T and PV over the causal half
+            for name, backend in backends.items():
+                ms = time_step(backend, tensors, common, graph=False)
+                rate = flops / (ms / 1e3)
+                rows.append([name, "prefill", batch, length, ms * 1e3, float("nan"), f"{rate / 1e12:.0f} TFLOP/s",
+                             f"{100 * rate / ceil.matmul_flops_per_s:.0f}%"])
+    print(f"{stamp()}\ncopy bandwidth {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+          f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s; Llama-3-8B heads ({HQ} q / {HKV} kv, D={D}), bf16")
+    print(table(["backend", "phase", "batch", "ctx", "eager us", "graph us", "achieved", "of ceiling"], rows))
+
+
+if __name__ == "__main__":
+    main()

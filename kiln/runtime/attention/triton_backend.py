@@ -1,0 +1,177 @@
+"""Our own Triton paged-attention backend: KV write, split-KV decode, and varlen prefill over the cache.
+
+Uniform-decode steps run one fused kernel (KV write + split-KV attention + split merge: a small-batch
+decode layer is latency-bound, so launches are what cost); every other step (prefill, chunked prefill,
+prefix hits, mixed batches) runs the reshape-and-cache kernel and one varlen kernel with a causal mask
+offset by the context already in the cache. Grids depend only on host sizes fixed by the batch descriptor
+(padded tokens, requests), lengths are read on device, and the split workspace is persistent, so the
+backend can be captured in CUDA graphs for any batch: GraphSupport.ALWAYS.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kiln.runtime.attention import triton_kernels as K
+from kiln.runtime.attention.base import (
+    AttentionBackend,
+    AttentionLayout,
+    CommonAttentionMetadata,
+    GraphSupport,
+)
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 32
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k/v ([T, Hkv, D]) at slot_mapping[:T] of kv_cache ([num_blocks, 2, block_size, Hkv, D])."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    K.reshape_and_cache_kernel[(num_tokens,)](
+        k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads,
+        HEAD_DIM=head_dim, PAGE=kv_cache.shape[2], BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+
+
+def build_page_indices(block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+                       block_size: int) -> None:
+    """out[indptr[i]:indptr[i+1]] = block_tables[i, :ceil(seq_lens[i] / block_size)], on device."""
+    num_reqs = block_tables.shape[0]
+    if num_reqs == 0:
+        return
+    K.page_indices_kernel[(num_reqs,)](block_tables, seq_lens, out, block_tables.stride(0), PAGE=block_size,
+                                       BLOCK_R=triton.next_power_of_2(num_reqs), BLOCK=256, num_warps=4)
+
+
+@dataclass
+class TritonMetadata:
+    common: CommonAttentionMetadata
+    num_splits: int  # decode only; fixed by the request count, so graph-stable
+    part_out: torch.Tensor | None  # [num_reqs, Hq, num_splits, D] fp32 partials (decode with splits)
+    part_lse: torch.Tensor | None  # [num_reqs, Hq, num_splits] fp32
+    counters: torch.Tensor | None  # [num_reqs, Hkv] int32 split tickets, zero between launches
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    graph_support = GraphSupport.ALWAYS
+    supported_devices = ("cuda",)
+
+    @classmethod
+    def unsupported_reason(cls, layout: AttentionLayout, device: torch.device) -> str | None:
+        reason = super().unsupported_reason(layout, device)
+        if reason:
+            return reason
+        if layout.head_dim > 256:
+            return f"triton supports head_dim <= 256, not {layout.head_dim}"
+        if layout.num_heads % layout.num_kv_heads:
+            return "num_heads must be a multiple of num_kv_heads"
+        return None
+
+    def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
+        super().__init__(layout, device)
+        self.group = layout.num_heads // layout.num_kv_heads
+        self.block_d = triton.next_power_of_2(max(16, layout.head_dim))
+        self.ieee = layout.dtype == torch.float32  # tf32 would miss the fp32 tolerance
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 132)
+        # Persistent split workspace, grown outside graphs. Replaced buffers are kept alive because a
+        # captured graph may still point at them.
+        self._part_out = torch.empty(0, dtype=torch.float32, device=device)
+        self._part_lse = torch.empty(0, dtype=torch.float32, device=device)
+        self._counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self._retired: list[torch.Tensor] = []
+        self._prefill_cfg = self._prefill_config()
+
+    def _prefill_config(self) -> dict[str, int]:
+        """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
+        group_pad = triton.next_power_of_2(self.group)
+        # chosen from ptxas reports for sm_90 (no spills); fp32 needs small tiles for its ieee dots
+        if _interpreting():
+            rows, block_n, warps, stages = 32, 32, 4, 1  # the interpreter pays per program, not per element
+        elif self.layout.dtype == torch.float32:
+            rows, block_n, warps, stages = 32, 16, 4, 2
+        elif self.block_d > 128:
+            rows, block_n, warps, stages = 64, 32, 8, 2
+        else:
+            rows, block_n, warps, stages = 128, 64, 8, 2
+        rows = max(rows, group_pad, 16)
+        return dict(GROUP_PAD=group_pad, BLOCK_Q=rows // group_pad, BLOCK_N=block_n, num_warps=warps,
+                    num_stages=stages)
+
+    def num_splits(self, num_reqs: int) -> int:
+        """Enough (request, kv_head, split) programs for ~2 waves; a function of the request count only."""
+        programs = max(1, num_reqs * self.layout.num_kv_heads)
+        return max(1, min(_MAX_SPLITS, triton.cdiv(2 * self.num_sms, programs)))
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        splits = self.num_splits(common.num_reqs) if common.uniform_decode else 1
+        if splits == 1:
+            return TritonMetadata(common, 1, None, None, None)
+        rows = common.num_reqs * self.layout.num_heads * splits
+        if self._part_lse.numel() < rows:
+            self._retired += [self._part_out, self._part_lse]
+            self._part_out = torch.empty(rows * self.layout.head_dim, dtype=torch.float32, device=self.device)
+            self._part_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
+        if self._counters.numel() < common.num_reqs * self.layout.num_kv_heads:
+            self._retired.append(self._counters)
+            self._counters = torch.zeros(common.num_reqs * self.layout.num_kv_heads, dtype=torch.int32,
+                                         device=self.device)
+        return TritonMetadata(common, splits, self._part_out, self._part_lse, self._counters)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: TritonMetadata) -> None:
+        common = metadata.common
+        assert out.stride(-1) == 1
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        if common.uniform_decode and common.num_reqs > 0:
+            k = k if k.stride(-1) == 1 else k.contiguous()
+            v = v if v.stride(-1) == 1 else v.contiguous()
+            self._decode(q, k, v, out, kv_cache, metadata)  # writes the new K/V itself
+            return
+        reshape_and_cache(k, v, kv_cache, common.slot_mapping)
+        if common.num_reqs > 0:
+            self._varlen(q, out, kv_cache, common)
+
+    def _common_args(self, kv_cache: torch.Tensor, common: CommonAttentionMetadata) -> tuple:
+        return (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+                common.block_tables.stride(0))
+
+    def _varlen(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                common: CommonAttentionMetadata) -> None:
+        layout, cfg = self.layout, self._prefill_cfg
+        # q.shape[0] is the padded token count: a graph-stable bound on every request's q-blocks
+        grid = (q.shape[0] // cfg["BLOCK_Q"] + common.num_reqs, layout.num_kv_heads)
+        K.varlen_attention_kernel[grid](
+            q, out, kv_cache, common.block_tables, common.seq_lens, common.query_start_loc, common.num_reqs,
+            layout.scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *self._common_args(kv_cache, common), GROUP=self.group, HEAD_DIM=layout.head_dim, BLOCK_D=self.block_d,
+            PAGE=layout.block_size, IEEE=self.ieee, **cfg)
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TritonMetadata) -> None:
+        # padded tokens past num_reqs get no K/V write: theirs would only land in the null block
+        layout, common, splits = self.layout, metadata.common, metadata.num_splits
+        part_out = metadata.part_out if metadata.part_out is not None else out
+        part_lse = metadata.part_lse if metadata.part_lse is not None else out
+        counters = metadata.counters if metadata.counters is not None else common.seq_lens
+        K.decode_attention_kernel[(common.num_reqs, layout.num_kv_heads, splits)](
+            q, k, v, out, part_out, part_lse, counters, kv_cache, common.block_tables, common.seq_lens,
+            common.slot_mapping, layout.scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
+            GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), HEAD_DIM=layout.head_dim,
+            BLOCK_D=self.block_d, BLOCK_N=16 if self.ieee else 64, PAGE=layout.block_size, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), IEEE=self.ieee, num_warps=8 if self.ieee else 4, num_stages=2)

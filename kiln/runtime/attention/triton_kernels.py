@@ -1,0 +1,242 @@
+"""Triton kernels for paged attention over the [num_blocks, 2, block_size, Hkv, D] KV cache.
+
+Every launch grid depends only on host-side sizes that are fixed for a CUDA-graph batch descriptor
+(padded token count, request count, head counts); per-request lengths are read from device tensors
+inside the kernels. That is what makes the whole backend capturable. GQA is handled by packing the
+query heads that share a KV head into the rows of one tile, so each K/V tile is loaded once per group.
+Scores are kept in the log2 domain (scale pre-multiplied by log2(e)) so the softmax uses exp2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                             stride_cb, stride_ckv, stride_cs, stride_ch, num_kv_heads,
+                             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # explicit "no write" marker; the runner normally sends padding to the null block
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_kv_heads) & (d < HEAD_DIM)
+    k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q_pos, d, d_mask, stride_cb,
+                 stride_cs, stride_ckv, qk_scale, MASK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """One online-softmax step over keys [n0, n0 + BLOCK_N) gathered through the block table.
+
+    MASK applies the end bound and causality (key position <= query position); interior tiles skip it.
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_end
+    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    tok = kv_base + block * stride_cb + (offs_n % PAGE) * stride_cs  # [BLOCK_N]
+    k = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * qk_scale
+    if MASK:
+        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # a row can be fully masked in this tile but never in the first one (key 0 is visible to every
+    # query), so m_new is finite and exp2(-inf - m_new) is a clean 0
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    v = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, num_reqs, qk_scale,
+                            stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch,
+                            stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PAGE: tl.constexpr, IEEE: tl.constexpr):
+    """Causal attention for any mix of requests; program (q_block, kv_head).
+
+    Request i owns q-blocks [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): an upper bound on its
+    ceil(q_len / BLOCK_Q) blocks that needs no host-side prefix sum, so the grid is
+    num_tokens // BLOCK_Q + num_reqs and a program finds its request by binary search.
+    """
+    qb = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    lo = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first <= qb, mid, lo)
+        hi = tl.where(first <= qb, hi, mid - 1)
+    req = lo
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    q_off = (qb - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    if q_off >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context = seq_len - q_len  # tokens already in the cache before this step's queries
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_off + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_mask = (tok < q_len) & (rows % GROUP_PAD < GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = context + tok
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    kv_base = kv_head * stride_ch
+    kv_end = context + tl.minimum(q_off + BLOCK_Q, q_len)
+    # keys below the first query of this tile are visible to every row: no mask needed there
+    full_end = ((context + q_off) // BLOCK_N) * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row, q_pos, d, d_mask,
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row, q_pos, d, d_mask,
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE)
+    acc = acc / l_i[:, None]
+    o_ptrs = out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, cache_ptr, bt_ptr,
+                            seq_lens_ptr, slot_ptr, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                            stride_vh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
+                            GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                            BLOCK_S: tl.constexpr, IEEE: tl.constexpr):
+    """One new token per request, the whole decode step in one launch; program (request, kv_head, split).
+
+    At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
+    split 0 writes the new key/value, every split takes that position from k/v directly, and the last
+    split of a (request, kv_head) to finish (an atomic ticket) merges the partials and resets the
+    counter. The split count is fixed per request count (not per context length) so a CUDA graph
+    captured for a batch size stays valid as contexts grow; each split sizes its slice from seq_len.
+    """
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    new_pos = seq_len - 1
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    k_new = tl.load(k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh + d, mask=d_mask, other=0.0)
+    v_new = tl.load(v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + d, mask=d_mask, other=0.0)
+    if split == 0:
+        slot = tl.load(slot_ptr + req).to(tl.int64)
+        if slot >= 0:
+            dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kv_head * stride_ch + d
+            tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(dst + stride_ckv, v_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
+
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    h = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + h
+    h_mask = h < GROUP
+    q = tl.load(q_ptr + req.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + new_pos  # the new token sees its whole context
+    kv_base = kv_head * stride_ch
+    # keys before the new token come from the cache (interior tiles unmasked, then a masked tail); the
+    # new token itself is added from k/v as a rank-1 update by the split that owns its position, since
+    # split 0 may still be writing it to the cache
+    cache_end = tl.minimum(end, new_pos)
+    plain_end = start + tl.maximum(cache_end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, plain_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, cache_end, bt_row, q_pos, d, d_mask,
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE)
+    for n0 in range(plain_end, cache_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, cache_end, bt_row, q_pos, d, d_mask,
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE)
+    if (new_pos >= start) & (new_pos < end):
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(s_new - m_new)
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        l_i = l_i * alpha + p_new
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # an empty split leaves acc == 0, so o == 0
+    out_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+    out_mask = h_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        base = (req * (GROUP * num_kv_heads) + head) * NUM_SPLITS  # partials are [reqs, heads, splits]
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + base + split, lse, mask=h_mask)
+        tl.store(part_o_ptr + (base + split)[:, None].to(tl.int64) * HEAD_DIM + d[None, :], o, mask=out_mask)
+        tl.debug_barrier()  # every thread's partials are stored before the (release) ticket
+        counter = counter_ptr + req * num_kv_heads + kv_head
+        if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # acq_rel: all other splits' partials are visible
+            # one [splits, D] tile per head (a loop over splits would pay an L2 round trip per split)
+            sp = tl.arange(0, BLOCK_S)
+            sp_mask = sp < NUM_SPLITS
+            for hh in range(GROUP):
+                row = (req * (GROUP * num_kv_heads) + kv_head * GROUP + hh) * NUM_SPLITS + sp
+                lse_h = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")
+                m = tl.max(lse_h, axis=0)
+                w = tl.exp2(lse_h - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+                part = tl.load(part_o_ptr + row[:, None].to(tl.int64) * HEAD_DIM + d[None, :], cache_modifier=".cg",
+                               mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
+                total = tl.sum(w, axis=0)
+                merged = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+                tl.store(out_ptr + req.to(tl.int64) * stride_ot + (kv_head * GROUP + hh) * stride_oh + d,
+                         merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(counter, 0)  # ready for the next layer, step or graph replay
+
+
+@triton.jit
+def page_indices_kernel(bt_ptr, seq_lens_ptr, out_ptr, stride_bt, PAGE: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Flatten each request's used block-table prefix into one index array (FlashInfer's kv_indices).
+
+    The offset of request i is a prefix sum of page counts computed in-kernel, so no host sync is needed.
+    """
+    req = tl.program_id(0)
+    r = tl.arange(0, BLOCK_R)
+    lens = tl.load(seq_lens_ptr + r, mask=r < req, other=0)
+    start = tl.sum((lens + PAGE - 1) // PAGE, axis=0)
+    n = (tl.load(seq_lens_ptr + req) + PAGE - 1) // PAGE
+    for c in range(0, n, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(out_ptr + start + offs, tl.load(bt_ptr + req.to(tl.int64) * stride_bt + offs, mask=m), mask=m)

@@ -1,0 +1,84 @@
+"""The Triton backend under TRITON_INTERPRET=1 (CPU) against the torch reference on random paged layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.runtime.attention.triton_backend import TritonAttentionBackend, build_page_indices  # noqa: E402
+from tests.runtime.attention.paged_batch import make_batch, reference, rel_err, run_backend  # noqa: E402
+
+# on a CPU machine conftest.py imported the kernels under Triton's interpreter; they then take CPU tensors
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HEADS = 8
+
+
+def check(q_lens: list[int], contexts: list[int], group: int, head_dim: int, dtype: torch.dtype = torch.float32,
+          tol: float = 1e-4, seed: int = 0) -> None:
+    batch = make_batch(q_lens, contexts, HEADS, HEADS // group, head_dim, dtype, DEVICE, seed=seed)
+    backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+    out, cache = run_backend(backend, batch)
+    ref_out, ref_cache = reference(batch)
+    assert rel_err(out, ref_out) <= tol, (q_lens, contexts, group, head_dim, rel_err(out, ref_out))
+    # block 0 is the null block: padded tokens write there in any order (or, in fused decode, not at all)
+    cache, ref_cache = cache[1:].float(), ref_cache[1:].to(dtype).float()
+    assert torch.equal(cache.isnan(), ref_cache.isnan())
+    assert torch.equal(cache.nan_to_num(), ref_cache.nan_to_num())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_mixed_batch_prefill_chunks_and_decodes(group: int, head_dim: int) -> None:
+    # a fresh prompt, a chunk after a prefix hit, decodes, a long chunk; contexts cross many blocks
+    check([37, 1, 64, 5, 1], [0, 200, 130, 17, 333], group, head_dim, seed=group * head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_uniform_decode_with_splits(group: int, head_dim: int) -> None:
+    check([1, 1, 1], [0, 95, 300], group, head_dim, seed=7 + group)
+
+
+def test_decode_state_is_clean_between_steps() -> None:
+    # the split tickets and partial workspace are reused by the next step: it must not see stale state
+    first = make_batch([1, 1], [300, 40], HEADS, 2, 64, torch.float32, DEVICE, seed=1)
+    second = make_batch([1, 1], [20, 290], HEADS, 2, 64, torch.float32, DEVICE, seed=2)
+    backend = TritonAttentionBackend(first.layout, torch.device(DEVICE))
+    for batch in (first, second, first):
+        assert rel_err(run_backend(backend, batch)[0], reference(batch)[0]) <= 1e-4
+
+
+def test_decode_without_splits_and_odd_shapes() -> None:
+    # many requests -> one split (the direct-write path); GQA group 3 and head_dim 80 (padded tiles)
+    batch_q, ctx = [1] * 40, [(13 * i) % 70 for i in range(40)]
+    batch = make_batch(batch_q, ctx, 6, 2, 80, torch.float32, DEVICE, seed=3)
+    backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+    assert backend.num_splits(40) == 4 and backend.num_splits(200) == 1
+    backend.num_splits = lambda n: 1  # type: ignore[method-assign]
+    out, _ = run_backend(backend, batch)
+    assert rel_err(out, reference(batch)[0]) <= 1e-4
+    mixed = make_batch([3, 20, 1], [5, 40, 9], 6, 2, 80, torch.float32, DEVICE, seed=4)
+    out, _ = run_backend(TritonAttentionBackend(mixed.layout, torch.device(DEVICE)), mixed)
+    assert rel_err(out, reference(mixed)[0]) <= 1e-4
+
+
+def test_single_request_and_block_size_8() -> None:
+    batch = make_batch([50], [70], 4, 2, 64, torch.float32, DEVICE, block_size=8, seed=5)
+    out, _ = run_backend(TritonAttentionBackend(batch.layout, torch.device(DEVICE)), batch)
+    assert rel_err(out, reference(batch)[0]) <= 1e-4
+
+
+def test_half_precision() -> None:
+    check([9, 1, 30], [40, 64, 0], 4, 64, dtype=torch.float16, tol=1e-2, seed=11)
+
+
+def test_page_indices() -> None:
+    batch = make_batch([1, 4, 1], [40, 0, 15], 4, 4, 64, torch.float32, DEVICE)
+    common = batch.common
+    out = torch.full((64,), -1, dtype=torch.int32, device=DEVICE)
+    build_page_indices(common.block_tables, common.seq_lens, out, 16)
+    expected = torch.cat([common.block_tables[i, : -(-int(s) // 16)] for i, s in enumerate(common.seq_lens_cpu)])
+    assert torch.equal(out[: len(expected)], expected)
+    assert (out[len(expected):] == -1).all()
