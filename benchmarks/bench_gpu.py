@@ -72,8 +72,13 @@ def weight_bytes(rt: Runtime) -> int:
     return total
 
 
+COMPILE_OPTIONS: dict = {}  # from the command line: capture / compile sizes shared by every runtime built
+
+
 def make_runtime(model: str, **kwargs) -> tuple[Runtime, float]:
     start = time.perf_counter()
+    for key, value in COMPILE_OPTIONS.items():
+        kwargs.setdefault(key, value)
     kwargs.setdefault("max_num_seqs", 256)
     kwargs.setdefault("max_num_batched_tokens", 4096)
     kwargs.setdefault("gpu_memory_utilization", 0.85)
@@ -113,14 +118,17 @@ def decode_floor_seconds(rt: Runtime, batch: int, ceil: Ceilings) -> tuple[float
     return (wbytes + kv) / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
 
 
-def hf_decode_tokens_per_s(model: str, batch: int, new_tokens: int = 32) -> float:
+def hf_model(model: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from kiln.models.loader.presets import preset_config
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(preset_config(model), dtype=torch.bfloat16).eval()
+        return AutoModelForCausalLM.from_config(preset_config(model), dtype=torch.bfloat16).eval()
+
+
+def hf_decode_tokens_per_s(hf: torch.nn.Module, batch: int, new_tokens: int = 32) -> float:
     ids = torch.randint(0, hf.config.vocab_size, (batch, PROMPT_LEN), device="cuda")
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
@@ -129,10 +137,7 @@ def hf_decode_tokens_per_s(model: str, batch: int, new_tokens: int = 32) -> floa
         start = time.perf_counter()
         hf.generate(ids, **kwargs)
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    del hf
-    torch.cuda.empty_cache()
-    return batch * new_tokens / seconds
+    return batch * new_tokens / (time.perf_counter() - start)
 
 
 def cmd_decode(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
@@ -140,16 +145,21 @@ def cmd_decode(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     for model in args.models:
         rt, build = make_runtime(model, level=args.level, attention_backend=args.backend)
         print(f"{model}: built in {build:.1f}s, backend {rt.engine.backend.name}", flush=True)
+        steps = {batch: decode_step_seconds(rt, batch) for batch in args.batches}
+        floors = {batch: decode_floor_seconds(rt, batch, ceil) for batch in args.batches}
+        del rt
+        torch.cuda.empty_cache()
+        hf_net = hf_model(model) if args.hf else None
         for batch in args.batches:
-            step = decode_step_seconds(rt, batch)
-            bytes_floor, compute_floor = decode_floor_seconds(rt, batch, ceil)
-            hf = hf_decode_tokens_per_s(model, batch) if args.hf else float("nan")
-            rows.append(dict(model=model, batch=batch, backend=rt.engine.backend.name, step_ms=step * 1e3,
+            step = steps[batch]
+            bytes_floor, compute_floor = floors[batch]
+            hf = hf_decode_tokens_per_s(hf_net, batch) if hf_net is not None else float("nan")
+            rows.append(dict(model=model, batch=batch, backend=args.backend, step_ms=step * 1e3,
                              tokens_per_s=batch / step, floor_ms=max(bytes_floor, compute_floor) * 1e3,
                              x_floor=step / max(bytes_floor, compute_floor), hf_tokens_per_s=hf,
                              x_hf=(batch / step) / hf if hf == hf else float("nan")))
             print(rows[-1], flush=True)
-        del rt
+        del hf_net
         torch.cuda.empty_cache()
     print(table(["model", "batch", "backend", "step ms", "tok/s", "floor ms", "x floor", "HF tok/s", "x HF"],
                 [[r["model"], r["batch"], r["backend"], r["step_ms"], r["tokens_per_s"], r["floor_ms"],
@@ -165,7 +175,6 @@ def cmd_matrix(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
             kwargs = dict(level=level, attention_backend=backend)
             if level:
                 kwargs["cudagraph_mode"] = mode
-                kwargs["cudagraph_capture_sizes"] = tuple(args.batches)
             try:
                 rt, build = make_runtime(args.model, **kwargs)
             except Exception as exc:  # a backend missing on this machine is a row, not a crash
@@ -214,6 +223,7 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
                fraction_of_roofline=roof / seconds, build_s=build)
     del rt
     torch.cuda.empty_cache()
+    print(row, flush=True)  # before the (slow) baseline, so a time-out still leaves kiln's number
     if args.hf:
         row["hf_output_tokens_per_s"] = hf_throughput(args.model, lens, args.hf_batch)
         row["x_hf"] = row["output_tokens_per_s"] / row["hf_output_tokens_per_s"]
@@ -223,12 +233,7 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
 
 def hf_throughput(model: str, lens: list[tuple[int, int]], batch: int) -> float:
     """transformers batched generate over the same workload, in length-sorted batches (its best case)."""
-    from transformers import AutoModelForCausalLM
-
-    from kiln.models.loader.presets import preset_config
-
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(preset_config(model), dtype=torch.bfloat16).eval()
+    hf = hf_model(model)
     rng = random.Random(1)
     order = sorted(lens, key=lambda x: x[0])
     total, start = 0, time.perf_counter()
@@ -243,15 +248,38 @@ def hf_throughput(model: str, lens: list[tuple[int, int]], batch: int) -> float:
     return total / (time.perf_counter() - start)
 
 
+def cmd_profile(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
+    """Where a decode step's time goes: torch.profiler over steady-state decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rt, _ = make_runtime(args.model, level=args.level, attention_backend=args.backend)
+    engine = rt.engine
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request(list(range(1, PROMPT_LEN + 1)), params)
+    for _ in range(8):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(16):
+            engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    return []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("decode", "matrix", "throughput"):
+    for name in ("decode", "matrix", "throughput", "profile"):
         p = sub.add_parser(name)
         p.add_argument("--level", type=int, default=2)
         p.add_argument("--backend", default="auto")
         p.add_argument("--hf", action="store_true", help="also run the transformers baseline")
         p.add_argument("--json", default=None)
+        p.add_argument("--capture-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+        p.add_argument("--passes", action="store_true", help="enable kiln's fusion passes (off: Inductor's own)")
+        p.add_argument("--compile-sizes", type=int, nargs="*", default=[],
+                       help="exact sizes to compile (default none: the dynamic range serves every size)")
         if name == "decode":
             p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama3-8b"])
             p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
@@ -260,15 +288,21 @@ def main() -> None:
             p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
             p.add_argument("--backends", nargs="+", default=["torch", "triton", "flashinfer"])
             p.add_argument("--modes", nargs="+", default=["EAGER", "NONE", "PIECEWISE", "FULL_AND_PIECEWISE"])
+        if name == "profile":
+            p.add_argument("--model", default="smollm2-135m")
+            p.add_argument("--batch", type=int, default=1)
         if name == "throughput":
             p.add_argument("--model", default="llama3-8b")
             p.add_argument("--requests", type=int, default=256)
             p.add_argument("--hf-batch", type=int, default=64)
     args = parser.parse_args()
+    COMPILE_OPTIONS.update(cudagraph_capture_sizes=tuple(args.capture_sizes), compile_sizes=tuple(args.compile_sizes),
+                           enable_passes=args.passes)
     ceil = measure_ceilings()
     print(f"{stamp()}\ncopy bandwidth {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
-    rows = {"decode": cmd_decode, "matrix": cmd_matrix, "throughput": cmd_throughput}[args.cmd](args, ceil)
+    commands = {"decode": cmd_decode, "matrix": cmd_matrix, "throughput": cmd_throughput, "profile": cmd_profile}
+    rows = commands[args.cmd](args, ceil)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"stamp": stamp(), "ceilings": asdict(ceil), "rows": rows}, f, indent=1)

@@ -6,6 +6,7 @@ Optimisation levels (-O0..-O3) only supply defaults; anything the user sets expl
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,14 @@ class CacheConfig:
             raise ValueError(f"prefix_hash must be 'sha256' or 'fast', got {self.prefix_hash!r}")
 
 
+class GraphSupport(enum.IntEnum):
+    """How much of a step an attention backend can run inside a CUDA graph (ordered: min() degrades)."""
+
+    NEVER = 0
+    UNIFORM_DECODE = 1
+    ALWAYS = 2
+
+
 class CUDAGraphMode:
     NONE = "NONE"
     PIECEWISE = "PIECEWISE"
@@ -98,8 +107,9 @@ class CompilationConfig:
     """What the compiler does. Fields left as None take the level's default in `resolve`."""
 
     level: int = 2
-    compile_sizes: tuple[int, ...] | None = None
-    compile_ranges: tuple[int, ...] = ()  # extra range split points inside [1, max_num_batched_tokens]
+    compile_sizes: tuple[int, ...] | None = None  # exact token counts compiled with static shapes
+    # extra range end points inside [1, max_num_batched_tokens]: (16,) -> ranges [1, 16] and [17, max]
+    compile_ranges: tuple[int, ...] = ()
     cudagraph_mode: str | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_cudagraph_capture_size: int = 512
@@ -114,10 +124,12 @@ class CompilationConfig:
             raise ValueError(f"level must be 0, 1, 2 or 3, got {self.level!r}")
         if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGraphMode.ALL:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGraphMode.ALL}, got {self.cudagraph_mode!r}")
-        for name in ("compile_sizes", "cudagraph_capture_sizes"):
+        for name in ("compile_sizes", "compile_ranges", "cudagraph_capture_sizes"):
             sizes = getattr(self, name)
             if sizes is not None and any(int(s) < 1 for s in sizes):
                 raise ValueError(f"{name} must be positive integers, got {sizes}")
+            if isinstance(sizes, list):  # lists from the CLI or kwargs: keep the config hashable
+                object.__setattr__(self, name, tuple(sizes))
 
     def resolve(self, device: torch.device, max_num_batched_tokens: int) -> CompilationConfig:
         """Fill every None with the level's default for this device; explicit values are kept."""
@@ -147,13 +159,17 @@ class CompilationConfig:
             else:
                 sizes = (1,) if level == 2 else (1, 2, 4)
         sizes = tuple(sorted({int(s) for s in sizes if int(s) <= max_num_batched_tokens}))
+        # an end point at or above the budget would make an empty range
+        ranges = tuple(sorted({int(p) for p in self.compile_ranges if int(p) < max_num_batched_tokens}))
         return dataclasses.replace(
             self,
-            compile_sizes=sizes,
+            compile_sizes=sizes if level >= 1 else (),
+            compile_ranges=ranges if level >= 1 else (),
             cudagraph_mode=mode,
             cudagraph_capture_sizes=capture if mode != CUDAGraphMode.NONE else (),
-            enable_passes=self.enable_passes if self.enable_passes is not None else level >= 2,
-            max_autotune=self.max_autotune if self.max_autotune is not None else level >= 3,
+            # -O0 compiles nothing, so passes and autotuning cannot apply whatever was asked for
+            enable_passes=level >= 1 and (self.enable_passes if self.enable_passes is not None else level >= 2),
+            max_autotune=level >= 1 and (self.max_autotune if self.max_autotune is not None else level >= 3),
         )
 
 

@@ -1,1 +1,83 @@
+"""The compiler: capture the model once with Dynamo, split at attention, compile the pieces with Inductor
+per token-count range and exact size, and dispatch by token count at run time (docs/compiler.md).
 
+The runtime uses `install_compiler`; everything else is here for tests, benchmarks and the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kiln.compiler.ranges import CompileKey, Dispatcher, TokenCountError, build_ranges
+from kiln.compiler.stats import CompileStats
+from kiln.config import CompilationConfig
+
+if TYPE_CHECKING:  # the rest pulls in Dynamo and Inductor (seconds): only when something is compiled
+    from torch import nn
+
+    from kiln.compiler.capture import CompiledForward
+    from kiln.compiler.inductor import ArtifactStore
+    from kiln.compiler.pass_hook import PostGradPassHook
+
+__all__ = ["CompileKey", "CompileStats", "CompiledForward", "Dispatcher", "TokenCountError", "build_dispatcher",
+           "compile_model", "install_compiler"]
+
+logger = logging.getLogger("kiln.compiler")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CompiledForward":
+        from kiln.compiler.capture import CompiledForward
+
+        return CompiledForward
+    raise AttributeError(f"module 'kiln.compiler' has no attribute {name!r}")
+
+
+def build_dispatcher(config: CompilationConfig, max_num_tokens: int) -> Dispatcher:
+    return Dispatcher(build_ranges(max_num_tokens, config.compile_ranges), config.compile_sizes or ())
+
+
+def compile_model(model: nn.Module, config: CompilationConfig, max_num_tokens: int, *, progress: bool = True,
+                  store: ArtifactStore | None = None, pass_hook: PostGradPassHook | None = None,
+                  attention_backend: Any = None) -> CompiledForward:
+    """A CompiledForward for a resolved config; nothing is traced or compiled until its first call.
+
+    `attention_backend` (class or instance) tells the passes what the attention op can do (kiln/passes)."""
+    from kiln.compiler.backend import KilnBackend
+    from kiln.compiler.capture import CompiledForward
+    from kiln.compiler.dump import DebugDump
+    from kiln.compiler.inductor import InductorCompiler, inductor_config_patches
+    from kiln.compiler.pass_hook import PostGradPassHook
+
+    if config.level < 1:
+        raise ValueError("compile_model needs level >= 1; -O0 runs the model eagerly")
+    dump = DebugDump(config.debug_dump_path) if config.debug_dump_path else None
+    if pass_hook is None:
+        from kiln.passes import build_pass_manager
+
+        pass_hook = PostGradPassHook([build_pass_manager(config, attention_backend)])
+    hook = pass_hook
+    compiler = InductorCompiler(inductor_config_patches(config, hook), dump, store)
+    backend = KilnBackend(build_dispatcher(config, max_num_tokens), compiler, CompileStats(level=config.level),
+                          dump, progress, graph_passes=hook.run_graph_passes if config.enable_passes else None)
+    return CompiledForward(model, backend, dump)
+
+
+def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool = True) -> CompiledForward | None:
+    """Compile the runner's model and warm it up; the runner then runs the compiled forward.
+
+    `config` must be resolved. The runner keeps exact token counts (no padding): without CUDA graphs an
+    exact-size artifact is only worth using on an exact match, and any other count has its range.
+    """
+    logger.info("compilation config (resolved): %s", config)
+    if config.level < 1:
+        return None
+    from kiln.compiler.warmup import warm_up
+
+    compiled = compile_model(runner.model, config, runner.max_num_tokens, progress=progress,
+                             attention_backend=getattr(runner, "backend", None))
+    warm_up(compiled, runner.input_ids, runner.positions, compiled.backend.dispatcher)
+    runner.forward_fn = compiled
+    logger.info("compiler ready: %s", compiled.stats.summary())
+    return compiled

@@ -25,7 +25,17 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     return None
 
 
+# Other ops that, like attention, run between compiled pieces: fused variants that kiln/passes rewrites
+# attention calls to (they need this step's paged cache, so they cannot live inside a compiled piece).
+_SPLIT_OPS: list[torch._ops.OpOverloadPacket] = []
+
+
+def register_split_op(op: torch._ops.OpOverloadPacket) -> None:
+    if op not in _SPLIT_OPS:
+        _SPLIT_OPS.append(op)
+
+
 def is_attention_node_target(target: object) -> bool:
-    """True for the op as it appears in an FX graph (the packet or its `.default` overload)."""
-    op = torch.ops.kiln.attention
-    return target is op or target is op.default
+    """True for the op as it appears in an FX graph (the packet or its `.default` overload), or a variant
+    registered with `register_split_op`."""
+    return any(target is op or target is op.default for op in (torch.ops.kiln.attention, *_SPLIT_OPS))

@@ -16,7 +16,9 @@ import torch
 
 
 class AttentionFn(Protocol):
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    """k and v None: this step's keys/values are already in the cache (only with cache_only_attention)."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                  out: torch.Tensor) -> None: ...
 
 
@@ -25,6 +27,12 @@ class ForwardContext:
     attention: AttentionFn  # bound to the backend, this step's metadata and the KV cache
     metadata: Any = None  # the backend's metadata, for inspection (tests, graph wrappers)
     num_tokens: int = 0  # tokens in the (possibly padded) batch
+    # For fused ops that write K/V themselves (kiln/passes rope_kv): every layer's paged cache
+    # [num_layers, num_blocks, 2, block_size, Hkv, D], this step's slot mapping, and whether `attention`
+    # accepts k = v = None. Left unset, those ops take the plain path through `attention`.
+    kv_caches: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    cache_only_attention: bool = False
 
 
 _current: ForwardContext | None = None

@@ -154,6 +154,12 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.kv.capacity_tokens
 
+    @property
+    def graph_replays(self) -> dict[str, int]:
+        """CUDA graph replays by mode (FULL per step, PIECEWISE per piece) and steps run without graphs."""
+        pool = getattr(self.worker, "graph_pool", None)
+        return dict(pool.stats.replays) if pool is not None else {}
+
     def stats_snapshot(self) -> dict[str, Any]:
         """Counters and gauges for metrics and benchmarks (plain numbers, cheap to call every step)."""
         kv = self.kv

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, GraphedCallable, RunMode, piecewise_graphs
 from kiln.models.forward_context import ForwardContext, set_forward_context
 from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata
 from kiln.runtime.outputs import TokenLogprobs
@@ -77,7 +78,8 @@ class ModelRunner:
         self.max_num_tokens = max_num_batched_tokens
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.forward_fn: ForwardFn = model.forward  # the compiler replaces this
-        self.pad_num_tokens: Callable[[int, bool], int] = lambda n, uniform_decode: n
+        self.graphs: GraphDispatcher | None = None  # set when CUDA graphs are installed
+        self.full_graph: GraphedCallable | None = None
         self.on_batch: Callable[[BatchShape], None] | None = None  # tensor parallel: broadcast to workers
         self.sampler = Sampler()
         pin = device.type == "cuda"
@@ -106,7 +108,8 @@ class ModelRunner:
         if num_reqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
             raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds the runner's buffers")
         uniform_decode = all(n == 1 for n in sched.num_new_tokens)
-        padded = self.pad_num_tokens(num_tokens, uniform_decode)
+        mode = self.run_mode(num_tokens, uniform_decode)
+        padded = self.graphs.padded_size(num_tokens) if mode is not RunMode.NONE else num_tokens
         ids = self.input_ids_cpu.numpy()
         pos = self.positions_cpu.numpy()
         slots = self.slot_mapping_cpu.numpy()
@@ -149,9 +152,41 @@ class ModelRunner:
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = 0  # padding writes into the null block
+        if mode is RunMode.FULL:  # a FULL decode graph runs one token per request: pad the requests too
+            num_reqs = self._pad_decode_requests(num_reqs, padded)
         shape = BatchShape(num_tokens, padded, num_reqs, len(sampling_rows), max(sched.num_new_tokens, default=0),
                            int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks)
         return shape, sampling_rows
+
+    def run_mode(self, num_tokens: int, uniform_decode: bool) -> RunMode:
+        return self.graphs.mode_for(num_tokens, uniform_decode) if self.graphs is not None else RunMode.NONE
+
+    def _pad_decode_requests(self, num_reqs: int, padded: int) -> int:
+        """Padded requests: one token each, attending to one slot of the null block (valid but empty)."""
+        self.query_start_loc_cpu[num_reqs + 1: padded + 1] = torch.arange(num_reqs + 1, padded + 1)
+        self.seq_lens_cpu[num_reqs:padded] = 1
+        self.block_tables_cpu[num_reqs:padded, 0] = 0
+        for i in range(num_reqs, padded):
+            self._row_owner[i] = None
+        return padded
+
+    def dummy_shape(self, num_tokens: int, decode: bool) -> BatchShape:
+        """A batch touching only the null block, for capturing graphs: `num_tokens` one-token requests, or
+        one request of `num_tokens` tokens."""
+        self.input_ids_cpu[:num_tokens] = 0
+        self.slot_mapping_cpu[:num_tokens] = 0
+        self.query_start_loc_cpu[0] = 0
+        blocks = -(-num_tokens // self.block_size)
+        if decode:
+            self.positions_cpu[:num_tokens] = 0
+            self._pad_decode_requests(0, num_tokens)
+            return BatchShape(num_tokens, num_tokens, num_tokens, 0, 1, 1, True, 1)
+        self.positions_cpu[:num_tokens] = torch.arange(num_tokens)
+        self.query_start_loc_cpu[1] = num_tokens
+        self.seq_lens_cpu[0] = num_tokens
+        self.block_tables_cpu[0, :blocks] = 0
+        self._row_owner[0] = None
+        return BatchShape(num_tokens, num_tokens, 1, 0, num_tokens, num_tokens, False, blocks)
 
     def to_device(self, shape: BatchShape, sampling_rows: list[int]) -> PreparedBatch:
         """Copy the host buffers to the device ones and describe them for attention."""
@@ -187,19 +222,33 @@ class ModelRunner:
         backend_metadata = self.backend.build_metadata(metadata)
         kv_cache, backend = self.kv_cache, self.backend
 
-        def run_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        def run_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                           out: torch.Tensor) -> None:
             backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata)
 
-        return ForwardContext(attention=run_attention, metadata=backend_metadata, num_tokens=num_tokens)
+        return ForwardContext(attention=run_attention, metadata=backend_metadata, num_tokens=num_tokens,
+                              kv_caches=kv_cache, slot_mapping=metadata.slot_mapping,
+                              cache_only_attention=backend.supports_cache_only)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         """Hidden states of the sampling tokens -> logits [num sampling requests, vocab]."""
-        n = batch.num_padded_tokens
-        with set_forward_context(self.forward_context(batch.metadata, n)):
-            hidden = self.forward_fn(self.input_ids[:n], self.positions[:n])
+        hidden = self.run_model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def run_model(self, batch: PreparedBatch) -> torch.Tensor:
+        """The forward over the padded batch, as a FULL graph, PIECEWISE graphs, or compiled/eager pieces."""
+        n = batch.num_padded_tokens
+        desc = BatchDescriptor(n, batch.shape.num_reqs, batch.shape.uniform_decode)
+        mode = self.graphs.dispatch(desc) if self.graphs is not None else RunMode.NONE
+        ids, pos = self.input_ids[:n], self.positions[:n]
+        with set_forward_context(self.forward_context(batch.metadata, n)):
+            if mode is RunMode.FULL:
+                return self.full_graph(desc, lambda: self.forward_fn(ids, pos), (ids, pos))
+            if mode is RunMode.NONE and self.full_graph is not None:
+                self.full_graph.pool.stats.replays["NONE"] += 1  # steps that ran without any graph
+            with piecewise_graphs(n if mode is RunMode.PIECEWISE else None):
+                return self.forward_fn(ids, pos)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.config import CacheConfig, CompilationConfig, RuntimeConfig, SchedulerConfig
 from kiln.runtime.engine import Engine
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.compiler.stats import CompileStats
 
 logger = logging.getLogger("kiln")
 
@@ -53,6 +56,11 @@ class Runtime:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def compile_stats(self) -> CompileStats:
+        """Dynamo traces, Inductor compiles, seconds and per-piece detail (all zero at -O0)."""
+        return self.engine.worker.compile_stats
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: tokens, preemptions, KV usage, prefix-cache queries/hits/hit rate."""

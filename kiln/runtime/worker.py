@@ -65,3 +65,6 @@ class Worker:
         self.compilation = self.config.compilation.resolve(self.device, self.config.scheduler.max_num_batched_tokens)
         self.compiled = install_compiler(self.runner, self.compilation)
         self.compile_stats = self.compiled.stats if self.compiled is not None else CompileStats(level=0)
+        from kiln.compiler.cuda_graphs import install_cuda_graphs
+
+        self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled)

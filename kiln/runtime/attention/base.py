@@ -7,20 +7,13 @@ support so the runtime can pick one and degrade the CUDA-graph mode rather than 
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-
-class GraphSupport(enum.IntEnum):
-    """How much of a step this backend can run inside a CUDA graph (ordered: min() degrades)."""
-
-    NEVER = 0
-    UNIFORM_DECODE = 1
-    ALWAYS = 2
+from kiln.config import GraphSupport  # re-exported: backends declare it here
 
 
 @dataclass
@@ -56,6 +49,9 @@ class AttentionBackend(ABC):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     supported_head_dims: ClassVar[tuple[int, ...] | None] = None  # None: any
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    # forward() accepts k = v = None, meaning this step's K/V are already in the cache (a fused RoPE + cache
+    # write ran before it: kiln/passes/rope_kv.py), and then only reads the cache
+    supports_cache_only: ClassVar[bool] = False
 
     def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
         self.layout = layout
@@ -77,9 +73,11 @@ class AttentionBackend(ABC):
         """Per-step preparation (e.g. FlashInfer plan()); runs outside CUDA graphs."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: Any) -> None:
-        """Write k/v at metadata's slots in kv_cache ([num_blocks, 2, block_size, Hkv, D]) and fill out."""
+        """Write k/v at metadata's slots in kv_cache ([num_blocks, 2, block_size, Hkv, D]) and fill out.
+
+        k/v may be strided views (last-dim stride 1); None only where `supports_cache_only` says so."""
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_head_dims = (64, 128, 256)
     supported_devices = ("cuda",)
+    supports_cache_only = True  # k = v = None: a fused RoPE + cache write (kiln/passes/rope_kv.py) ran first
 
     @classmethod
     def unsupported_reason(cls, layout: AttentionLayout, device: torch.device) -> str | None:
@@ -128,9 +129,10 @@ class FlashInferAttentionBackend(AttentionBackend):
                      layout.num_kv_heads, layout.head_dim, bs, causal=True, **plan_args)
         return FlashInferMetadata(common, wrapper, common.num_tokens)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: FlashInferMetadata) -> None:
-        reshape_and_cache(k, v, kv_cache, metadata.common.slot_mapping)
+        if k is not None and v is not None:
+            reshape_and_cache(k, v, kv_cache, metadata.common.slot_mapping)
         rows = metadata.num_rows
         if rows == 0:
             return

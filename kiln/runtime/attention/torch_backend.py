@@ -17,13 +17,15 @@ from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadat
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     graph_support = GraphSupport.NEVER  # per-request Python loop over CPU-side lengths
+    supports_cache_only = True
 
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         return common
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: CommonAttentionMetadata) -> None:
-        write_kv(k, v, kv_cache, metadata.slot_mapping)
+        if k is not None and v is not None:  # None: already written by a fused RoPE + cache write
+            write_kv(k, v, kv_cache, metadata.slot_mapping)
         layout = self.layout
         block_size = layout.block_size
         group = layout.num_heads // layout.num_kv_heads

@@ -1,0 +1,137 @@
+"""The kiln Dynamo backend: split the captured graph at attention and compile the pieces piecewise.
+
+Dynamo calls the backend once per trace with the FX graph and real example inputs. Everything that will
+ever be compiled is compiled here, for every range and size, so that serving never compiles. The backend
+also keeps what `CompiledForward` needs to call the split graph directly afterwards (bypassing Dynamo's
+guards): each graph input's source expression, and the real inputs of the trace to check them against.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from kiln.compiler.dump import DebugDump
+from kiln.compiler.fakes import token_symbol
+from kiln.compiler.inductor import InductorCompiler
+from kiln.compiler.piecewise import PieceRunner, compile_pieces, generated_forward, install_runners
+from kiln.compiler.ranges import Dispatcher
+from kiln.compiler.split import SplitGraph, split_at_attention
+from kiln.compiler.stats import CompileStats
+
+logger = logging.getLogger("kiln.compiler")
+
+
+@dataclass
+class Capture:
+    """The result of one trace: the Dynamo graph, its split form, and how to feed it."""
+
+    graph: fx.GraphModule
+    split: SplitGraph
+    runners: dict[str, PieceRunner]
+    sources: list[str | None]  # per graph input, Dynamo's source expression (L['self']..., L['input_ids'])
+    example_inputs: list[Any] = field(default_factory=list)  # the trace's real inputs; cleared after checks
+    outputs: Any = None  # what the graph returned on the trace's own call; cleared after checks
+    record: bool = True
+
+
+class KilnBackend:
+    def __init__(self, dispatcher: Dispatcher, compiler: InductorCompiler, stats: CompileStats,
+                 dump: DebugDump | None = None, progress: bool = True,
+                 graph_passes: Callable[[fx.GraphModule], fx.GraphModule] | None = None) -> None:
+        self.graph_passes = graph_passes  # kiln/passes: rewrites that must see across the attention split
+        self.dispatcher = dispatcher
+        self.compiler = compiler
+        self.stats = stats
+        self.dump = dump
+        self.progress = progress
+        self.capture: Capture | None = None
+        self.trace_started: float | None = None  # set by the caller just before entering Dynamo
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        now = time.perf_counter()
+        self.stats.record_trace(now - self.trace_started if self.trace_started is not None else 0.0)
+        symbol = token_symbol(gm)
+        check_token_count_guards(gm, symbol, self.dispatcher.max_num_tokens)
+        if self.graph_passes is not None:
+            gm = self.graph_passes(gm)
+        split = split_at_attention(gm)
+        self.stats.num_pieces = len(split.pieces)
+        self.stats.num_attention_pieces = sum(p.is_attention for p in split.pieces)
+        runners = self._compile(split, symbol)
+        install_runners(split, runners)
+        if self.dump is not None:
+            self.dump.write_split_graph(split, self.dispatcher)
+        capture = Capture(gm, split, runners, [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"],
+                          list(example_inputs))
+        self.capture = capture
+        forward = generated_forward(split.module)
+
+        def run(*args: Any) -> Any:
+            out = forward(*args)
+            if capture.record:  # only the trace's own call: CompiledForward checks it against the result
+                capture.outputs, capture.record = out, False
+            return out
+
+        return run
+
+    def _compile(self, split: SplitGraph, symbol: sympy.Symbol | None) -> dict[str, PieceRunner]:
+        from tqdm.auto import tqdm
+
+        distinct = split.distinct()
+        total = len(distinct) * len(self.dispatcher.keys)
+        start = time.perf_counter()
+        with tqdm(total=total, desc="kiln: compiling pieces", unit="graph", disable=not self.progress,
+                  leave=False) as bar:
+            runners = compile_pieces(split, self.dispatcher, symbol, self.compiler, self.stats, bar.update)
+        logger.info("compiled %d distinct pieces (of %d, %d attention) x %d ranges/sizes = %d graphs in "
+                    "%.1f s; %s", len(distinct), len(split.pieces), self.stats.num_attention_pieces,
+                    len(self.dispatcher.keys), total, time.perf_counter() - start, self.dispatcher.describe())
+        return runners
+
+
+def check_token_count_guards(gm: fx.GraphModule, symbol: sympy.Symbol | None, max_num_tokens: int) -> None:
+    """Fail if the trace is only valid for some token counts: calls skip guards, so they must be vacuous.
+
+    A model that branches on the token count (`if x.shape[0] > 4`) makes Dynamo guard on it or specialise
+    it; one graph for every count would then be silently wrong for some of them.
+    """
+    if symbol is None:
+        if max_num_tokens > 1:
+            raise ValueError("Dynamo specialised the token count to a constant; the model's forward must "
+                             "not depend on the number of tokens")
+        return
+    shape_env = None
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            shape_env = value.node.shape_env
+            break
+        if isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape):
+            shape_env = next(s for s in value.shape if isinstance(s, torch.SymInt)).node.shape_env
+            break
+    if shape_env is None:
+        return
+    samples = sorted({1, 2, 3, max(1, max_num_tokens // 2), max_num_tokens})
+    for guard in shape_env.guards:
+        expr = guard.expr
+        for n in samples:
+            value = expr.xreplace({s: sympy.Integer(n) for s in expr.free_symbols})
+            if value == sympy.false:  # unevaluated leftovers (e.g. FloorDiv) are given the benefit
+                raise ValueError(f"the model's forward depends on the token count (Dynamo guard {expr} fails "
+                                 f"for {n} tokens); kiln needs one graph valid for every token count")
+
+
+def _source_name(node: fx.Node) -> str | None:
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return None
+    name = source.name  # a property in recent torch, a method in older releases
+    return name() if callable(name) else name

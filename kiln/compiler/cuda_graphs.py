@@ -1,0 +1,281 @@
+"""CUDA graphs: which mode a step runs in (BatchDescriptor -> FULL | PIECEWISE | NONE), and the wrappers
+that capture on first sight of a size and replay afterwards.
+
+FULL graphs wrap the whole forward, attention included: one launch per uniform decode step (every request
+one token), on backends that can capture attention. PIECEWISE graphs wrap each compiled piece while
+attention runs eagerly between them: mixed prefill/decode batches, and decode on backends that cannot be
+captured. FULL and FULL_AND_PIECEWISE both run mixed batches piecewise; FULL_DECODE_ONLY runs them without
+graphs. Above the largest capture size the compiled pieces run without graphs. Graphs are keyed by the
+padded token count: the runner pads a batch up to the next capture size, and padded tokens write into the
+null KV block.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import enum
+import gc
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.config import CUDAGraphMode, GraphSupport
+
+logger = logging.getLogger("kiln.compiler")
+
+
+class RunMode(enum.Enum):
+    NONE = "NONE"
+    PIECEWISE = "PIECEWISE"
+    FULL = "FULL"
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """What a captured graph depends on: padded token and request counts, and whether every request decodes
+    exactly one token (the only shape some backends can capture)."""
+
+    num_tokens: int
+    num_reqs: int
+    uniform_decode: bool
+
+
+class GraphDispatcher:
+    """Resolves the configured mode against what the attention backend and the compiler can do, pads token
+    counts to capture sizes, and picks the mode of each step (FULL > PIECEWISE > NONE)."""
+
+    def __init__(self, mode: str, capture_sizes: Sequence[int], backend_support: GraphSupport,
+                 has_pieces: bool, max_num_reqs: int | None = None) -> None:
+        self.capture_sizes = sorted(set(capture_sizes))
+        self.max_size = self.capture_sizes[-1] if self.capture_sizes else 0
+        # a FULL decode graph at size s runs s (padded) requests: no more than the runner's request slots
+        self.max_full_size = min(self.max_size, max_num_reqs if max_num_reqs is not None else self.max_size)
+        full_wanted = mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
+        # FULL graphs are for uniform decode batches, and only on a backend that can capture its attention
+        self.full_decode = full_wanted and backend_support >= GraphSupport.UNIFORM_DECODE
+        # PIECEWISE needs compiled pieces to wrap; FULL mode also runs mixed batches piecewise
+        piecewise_wanted = mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL)
+        self.piecewise = piecewise_wanted and has_pieces
+        if not self.capture_sizes:
+            self.full_decode = self.piecewise = False
+        self.mode = mode
+        if full_wanted and not self.full_decode:
+            logger.warning("cudagraph_mode=%s: the attention backend cannot be captured (%s); using %s",
+                           mode, backend_support.name, "PIECEWISE" if self.piecewise else "no graphs")
+
+    @property
+    def enabled(self) -> bool:
+        return self.full_decode or self.piecewise
+
+    def padded_size(self, num_tokens: int) -> int:
+        """The capture size a batch of num_tokens runs at (itself above the largest size)."""
+        if not self.enabled or num_tokens > self.max_size:
+            return num_tokens
+        return self.capture_sizes[bisect.bisect_left(self.capture_sizes, num_tokens)]
+
+    def mode_for(self, num_tokens: int, uniform_decode: bool) -> RunMode:
+        """num_tokens: unpadded."""
+        if not self.enabled or num_tokens > self.max_size:
+            return RunMode.NONE
+        if self.full_decode and uniform_decode and self.padded_size(num_tokens) <= self.max_full_size:
+            return RunMode.FULL
+        return RunMode.PIECEWISE if self.piecewise else RunMode.NONE
+
+    def dispatch(self, desc: BatchDescriptor) -> RunMode:
+        return self.mode_for(desc.num_tokens, desc.uniform_decode)
+
+    def describe(self) -> str:
+        parts = [f"mode {self.mode}", f"{len(self.capture_sizes)} sizes up to {self.max_size}"]
+        parts.append(f"FULL for uniform decode up to {self.max_full_size}" if self.full_decode else "no FULL")
+        parts.append("PIECEWISE otherwise" if self.piecewise else "no PIECEWISE")
+        return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# capture / replay
+
+
+class TorchGraph:
+    """torch.cuda.CUDAGraph behind the small interface the wrappers use (tests substitute a fake)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+GraphFactory = Callable[[Any], Any]
+
+
+@dataclass
+class GraphStats:
+    captures: dict[str, int] = field(default_factory=lambda: {"FULL": 0, "PIECEWISE": 0})
+    replays: dict[str, int] = field(default_factory=lambda: {"FULL": 0, "PIECEWISE": 0, "NONE": 0})
+    capture_seconds: float = 0.0
+    memory_bytes: int = 0
+    after_warmup_captures: int = 0
+
+
+class GraphPool:
+    """One memory pool shared by every graph (captured largest-first, smaller ones reuse its memory)."""
+
+    def __init__(self, factory: GraphFactory | None = None, check_inputs: bool = False) -> None:
+        self.factory = factory or TorchGraph
+        self.handle = torch.cuda.graph_pool_handle() if factory is None else None
+        self.stats = GraphStats()
+        self.check_inputs = check_inputs
+        self.warmed_up = False
+        self._captured_any = False
+
+    @contextlib.contextmanager
+    def _capturing(self) -> Iterator[None]:
+        # after the first graph, a GC pass during capture only costs time (nothing it frees is reusable)
+        disable = self._captured_any and gc.isenabled()
+        if disable:
+            gc.disable()
+        try:
+            yield
+        finally:
+            if disable:
+                gc.enable()
+            self._captured_any = True
+
+    def capture(self, kind: str, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        if self.warmed_up:
+            self.stats.after_warmup_captures += 1
+            logger.warning("captured a %s CUDA graph after warm-up (a size was missed at start-up)", kind)
+        start = time.perf_counter()
+        graph = self.factory(self.handle)
+        with self._capturing():
+            output = graph.capture(fn)
+        self.stats.captures[kind] += 1
+        self.stats.capture_seconds += time.perf_counter() - start
+        return graph, output
+
+
+class GraphedCallable:
+    """Captures `fn` once per key and replays it after; the captured outputs are held, so their memory
+    stays valid, and returned by every replay."""
+
+    def __init__(self, pool: GraphPool, kind: str) -> None:
+        self.pool = pool
+        self.kind = kind
+        self.entries: dict[Any, tuple[Any, Any, list[int]]] = {}
+
+    def __call__(self, key: Any, fn: Callable[[], Any], inputs: Sequence[torch.Tensor] = ()) -> Any:
+        entry = self.entries.get(key)
+        if entry is None:
+            fn()  # one eager run first: lazy initialisation (cuBLAS handles, autotuning) must not be captured
+            graph, output = self.pool.capture(self.kind, fn)
+            self.entries[key] = (graph, output, [t.data_ptr() for t in inputs])
+            return output
+        graph, output, addresses = entry
+        if self.pool.check_inputs and addresses != [t.data_ptr() for t in inputs]:
+            raise RuntimeError(f"{self.kind} CUDA graph for {key}: an input moved since capture")
+        graph.replay()
+        self.pool.stats.replays[self.kind] += 1
+        return output
+
+
+# The step's mode, seen by the piece wrappers (set by the runner around one forward).
+_piecewise_size: int | None = None
+
+
+@contextlib.contextmanager
+def piecewise_graphs(num_tokens: int | None) -> Iterator[None]:
+    global _piecewise_size
+    previous, _piecewise_size = _piecewise_size, num_tokens
+    try:
+        yield
+    finally:
+        _piecewise_size = previous
+
+
+class GraphedPiece:
+    """Wraps a compiled piece: under `piecewise_graphs(n)` a call with n tokens replays that piece's graph."""
+
+    def __init__(self, runner: Callable[..., Any], pool: GraphPool, num_tokens_of: Callable[[tuple], int]) -> None:
+        self.runner = runner
+        self.graphs = GraphedCallable(pool, "PIECEWISE")
+        self.num_tokens_of = num_tokens_of
+
+    def __call__(self, *args: Any) -> Any:
+        size = _piecewise_size
+        if size is None or self.num_tokens_of(args) != size:
+            return self.runner(*args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        return self.graphs(size, lambda: self.runner(*args), tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# installation and start-up capture
+
+
+def wrap_pieces(compiled: Any, pool: GraphPool) -> int:
+    """Put a GraphedPiece in front of every compiled (non-attention) piece of the split graph."""
+    split = compiled.capture.split
+    wrapped = 0
+    for piece in split.pieces:
+        if piece.is_attention:
+            continue
+        runner = split.module.__dict__[piece.name]
+        split.module.__dict__[piece.name] = GraphedPiece(runner, pool, runner.num_tokens)
+        wrapped += 1
+    return wrapped
+
+
+def install_cuda_graphs(runner: Any, config: Any, compiled: Any, *, progress: bool = True,
+                        factory: GraphFactory | None = None) -> GraphPool | None:
+    """Resolve the graph mode for this runner's backend, wrap the pieces, and capture every size now.
+
+    `runner` is the ModelRunner (duck-typed: the compiler does not import the runtime); `factory` replaces
+    torch.cuda.CUDAGraph in tests.
+    """
+    if config.cudagraph_mode in (None, CUDAGraphMode.NONE) or (factory is None and runner.device.type != "cuda"):
+        return None
+    has_pieces = compiled is not None and compiled.capture is not None
+    dispatcher = GraphDispatcher(config.cudagraph_mode, config.cudagraph_capture_sizes or (),
+                                 type(runner.backend).graph_support, has_pieces, runner.max_num_seqs)
+    if not dispatcher.enabled:
+        return None
+    pool = GraphPool(factory, check_inputs=config.debug_check_graph_inputs)
+    if dispatcher.piecewise:
+        wrap_pieces(compiled, pool)
+    runner.graphs, runner.full_graph = dispatcher, GraphedCallable(pool, "FULL")
+    capture_all(runner, dispatcher, pool, progress)
+    logger.info("CUDA graphs: %s; %d FULL + %d PIECEWISE captured in %.1fs, %.0f MiB", dispatcher.describe(),
+                pool.stats.captures["FULL"], pool.stats.captures["PIECEWISE"], pool.stats.capture_seconds,
+                pool.stats.memory_bytes / 2**20)
+    return pool
+
+
+@torch.inference_mode()
+def capture_all(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, progress: bool) -> None:
+    """Capture every (size, mode) largest-first on null-block batches, so serving never captures."""
+    from tqdm import tqdm
+
+    on_gpu = runner.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize(runner.device)
+        before = torch.cuda.memory_allocated(runner.device)  # graph pools' live blocks count as allocated
+    sizes = sorted(dispatcher.capture_sizes, reverse=True)
+    for size in tqdm(sizes, desc="capturing CUDA graphs", unit="size", disable=not progress):
+        if dispatcher.mode_for(size, True) is RunMode.FULL:
+            runner.run_model(runner.to_device(runner.dummy_shape(size, decode=True), []))
+        if dispatcher.mode_for(size, False) is RunMode.PIECEWISE:
+            runner.run_model(runner.to_device(runner.dummy_shape(size, decode=False), []))
+    if on_gpu:
+        torch.cuda.synchronize(runner.device)
+        pool.stats.memory_bytes = max(torch.cuda.memory_allocated(runner.device) - before, 0)
+    pool.warmed_up = True

@@ -1,0 +1,75 @@
+"""Compile statistics: every Dynamo trace and Inductor compile, counted, timed and attributed to a piece.
+
+A trace or compile after warm-up means some step paid compile latency while serving; it is a bug, so it
+is counted separately and logged as a warning rather than hidden in a debug log.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger("kiln.compiler")
+
+
+@dataclass
+class PieceStats:
+    """One distinct compiled piece (several pieces of the split graph may share it)."""
+
+    piece_hash: str
+    occurrences: list[str]  # submodule names in the split graph that run this piece
+    num_nodes: int
+    compile_seconds: dict[str, float] = field(default_factory=dict)  # str(CompileKey) -> seconds
+
+
+@dataclass
+class CompileStats:
+    level: int = 0
+    dynamo_traces: int = 0
+    inductor_compiles: int = 0
+    traces_after_warmup: int = 0
+    compiles_after_warmup: int = 0
+    trace_seconds: float = 0.0  # Dynamo bytecode analysis + FX capture
+    compile_seconds: float = 0.0  # all Inductor compiles
+    warmup_seconds: float = 0.0  # the whole start-up compile phase, trace and test forwards included
+    num_pieces: int = 0  # pieces of the split graph (2L+1)
+    num_attention_pieces: int = 0
+    pieces: dict[str, PieceStats] = field(default_factory=dict)  # by structural hash
+    warm: bool = False
+
+    def record_trace(self, seconds: float) -> None:
+        self.dynamo_traces += 1
+        self.trace_seconds += seconds
+        if self.warm:
+            self.traces_after_warmup += 1
+            logger.warning("Dynamo traced the model again after warm-up (trace #%d): a recompile while "
+                           "serving is a bug; check guards and the token-dim marking", self.dynamo_traces)
+
+    def record_compile(self, piece: PieceStats, key: str, seconds: float) -> None:
+        self.inductor_compiles += 1
+        self.compile_seconds += seconds
+        piece.compile_seconds[key] = piece.compile_seconds.get(key, 0.0) + seconds
+        if self.warm:
+            self.compiles_after_warmup += 1
+            logger.warning("Inductor compiled piece %s for %s after warm-up (%.1f s): compiling while "
+                           "serving is a bug", piece.piece_hash, key, seconds)
+
+    def mark_warm(self, seconds: float) -> None:
+        self.warm = True
+        self.warmup_seconds = seconds
+
+    @property
+    def num_distinct_pieces(self) -> int:
+        return len(self.pieces)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["num_distinct_pieces"] = self.num_distinct_pieces
+        return out
+
+    def summary(self) -> str:
+        return (f"-O{self.level}: {self.dynamo_traces} Dynamo trace(s) in {self.trace_seconds:.1f} s, "
+                f"{self.inductor_compiles} Inductor compile(s) in {self.compile_seconds:.1f} s, "
+                f"{self.num_pieces} pieces ({self.num_distinct_pieces} distinct compiled, "
+                f"{self.num_attention_pieces} attention), warm-up {self.warmup_seconds:.1f} s")

@@ -1,0 +1,119 @@
+"""CUDA-graph dispatch on CPU: the descriptor -> mode table, and capture/replay through a fake graph that
+re-runs the captured function and writes into the captured outputs, as a real graph replay would."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kiln import Runtime, SamplingParams
+from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, RunMode, install_cuda_graphs
+from kiln.config import CUDAGraphMode, GraphSupport, default_capture_sizes
+from tests.conftest import random_prompts
+
+SIZES = (1, 2, 4, 8, 16)
+FULL, PIECE, NONE = RunMode.FULL, RunMode.PIECEWISE, RunMode.NONE
+
+
+@pytest.mark.parametrize("mode, support, pieces, expected", [
+    # expected modes for: uniform decode of 3, mixed batch of 3, uniform decode of 16, mixed 17 (above max)
+    (CUDAGraphMode.FULL_AND_PIECEWISE, GraphSupport.ALWAYS, True, (FULL, PIECE, FULL, NONE)),
+    (CUDAGraphMode.FULL_AND_PIECEWISE, GraphSupport.UNIFORM_DECODE, True, (FULL, PIECE, FULL, NONE)),
+    (CUDAGraphMode.FULL_AND_PIECEWISE, GraphSupport.NEVER, True, (PIECE, PIECE, PIECE, NONE)),
+    (CUDAGraphMode.FULL_AND_PIECEWISE, GraphSupport.NEVER, False, (NONE, NONE, NONE, NONE)),
+    (CUDAGraphMode.FULL, GraphSupport.ALWAYS, True, (FULL, PIECE, FULL, NONE)),
+    (CUDAGraphMode.FULL, GraphSupport.NEVER, True, (PIECE, PIECE, PIECE, NONE)),
+    (CUDAGraphMode.FULL_DECODE_ONLY, GraphSupport.UNIFORM_DECODE, True, (FULL, NONE, FULL, NONE)),
+    (CUDAGraphMode.FULL_DECODE_ONLY, GraphSupport.NEVER, True, (NONE, NONE, NONE, NONE)),
+    (CUDAGraphMode.PIECEWISE, GraphSupport.ALWAYS, True, (PIECE, PIECE, PIECE, NONE)),
+    (CUDAGraphMode.NONE, GraphSupport.ALWAYS, True, (NONE, NONE, NONE, NONE)),
+])
+def test_dispatch_table(mode, support, pieces, expected) -> None:
+    d = GraphDispatcher(mode, SIZES, support, pieces)
+    got = (d.mode_for(3, True), d.mode_for(3, False), d.mode_for(16, True), d.mode_for(17, False))
+    assert got == expected
+    assert d.dispatch(BatchDescriptor(d.padded_size(3), 4, True)) == expected[0]
+
+
+def test_padding_to_capture_sizes_and_edges() -> None:
+    d = GraphDispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, SIZES, GraphSupport.ALWAYS, True)
+    assert [d.padded_size(n) for n in (1, 3, 5, 8, 9, 16, 17, 100)] == [1, 4, 8, 8, 16, 16, 17, 100]
+    # a FULL decode graph needs as many request slots as its size
+    small = GraphDispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, SIZES, GraphSupport.ALWAYS, True, max_num_reqs=6)
+    assert small.mode_for(4, True) is FULL and small.mode_for(5, True) is PIECE
+    assert not GraphDispatcher(CUDAGraphMode.FULL, (), GraphSupport.ALWAYS, True).enabled
+
+
+def test_default_capture_sizes() -> None:
+    sizes = default_capture_sizes(512)
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 512 and 256 in sizes and 264 not in sizes
+    assert all(b - a == 16 for a, b in zip(sizes[sizes.index(256):], sizes[sizes.index(256) + 1:]))
+    assert default_capture_sizes(100)[-1] == 96
+
+
+class FakeGraph:
+    """Capture runs fn; replay runs it again and copies the results into the captured outputs."""
+
+    captures = 0
+    replays = 0
+
+    def __init__(self, pool: object) -> None:
+        self.fn = None
+        self.output = None
+
+    def capture(self, fn):
+        FakeGraph.captures += 1
+        self.fn, self.output = fn, fn()
+        return self.output
+
+    def replay(self) -> None:
+        FakeGraph.replays += 1
+        fresh = self.fn()
+        pairs = zip(self.output, fresh) if isinstance(self.output, (tuple, list)) else [(self.output, fresh)]
+        for old, new in pairs:
+            if isinstance(old, torch.Tensor):
+                old.copy_(new)
+
+
+@pytest.fixture(scope="module")
+def runtimes(tiny_checkpoint):
+    path = str(tiny_checkpoint("tiny-llama")[0])
+    kwargs = dict(device="cpu", dtype="fp32", max_num_batched_tokens=64, max_num_seqs=8)
+    eager = Runtime(path, level=0, **kwargs)
+    graphed = Runtime(path, level=1, **kwargs)
+    return eager, graphed
+
+
+def test_fake_graphs_replay_to_the_same_tokens(runtimes, monkeypatch) -> None:
+    eager, graphed = runtimes
+    worker = graphed.engine.worker
+    # pretend the torch backend can be captured, so FULL decode graphs are exercised too
+    monkeypatch.setattr(type(worker.backend), "graph_support", GraphSupport.ALWAYS)
+    config = dataclasses.replace(worker.compilation, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                                 cudagraph_capture_sizes=SIZES)
+    pool = install_cuda_graphs(worker.runner, config, worker.compiled, progress=False, factory=FakeGraph)
+    assert pool is not None
+    worker.graph_pool = pool
+    captured = dict(pool.stats.captures)
+    num_pieces = sum(not p.is_attention for p in worker.compiled.capture.split.pieces)
+    # FULL decode graphs only up to max_num_seqs=8 request slots; PIECEWISE for every size and piece
+    assert captured == {"FULL": 4, "PIECEWISE": len(SIZES) * num_pieces}
+
+    prompts = random_prompts([3, 7, 1, 4], 256, seed=31)  # the first step is a 15-token mixed batch
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
+    assert got == expected
+    replays = graphed.engine.graph_replays
+    assert replays["FULL"] > 0 and replays["PIECEWISE"] > 0  # decode steps and mixed steps both replayed
+    assert pool.stats.captures == captured and pool.stats.after_warmup_captures == 0
+    # a repeated descriptor replays rather than captures
+    before = dict(replays)
+    graphed.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert graphed.engine.graph_replays["FULL"] > before["FULL"] and pool.stats.captures == captured
+    # above the largest capture size the compiled pieces run without graphs
+    graphed.generate([random_prompts([40], 256)[0]], SamplingParams(max_tokens=1))
+    assert graphed.engine.graph_replays["NONE"] > before.get("NONE", 0)
+    assert graphed.compile_stats.compiles_after_warmup == 0

@@ -1,0 +1,111 @@
+"""The -O0..-O3 resolution table, explicit overrides, and how levels reach the config (fast, no compile)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from kiln.cli import add_runtime_args, runtime_kwargs
+from kiln.config import CompilationConfig, CUDAGraphMode, default_capture_sizes
+from kiln.runtime.runtime import build_config
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")  # resolve() only looks at the device type
+BUDGET = 2048
+
+
+def resolve(device: torch.device = CPU, budget: int = BUDGET, **kwargs) -> CompilationConfig:
+    return CompilationConfig(**kwargs).resolve(device, budget)
+
+
+# level -> (compile_sizes, enable_passes, max_autotune) on CPU
+CPU_TABLE = {
+    0: ((), False, False),
+    1: ((), False, False),
+    2: ((1,), True, False),
+    3: ((1, 2, 4), True, True),
+}
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_cpu_level_defaults(level: int) -> None:
+    c = resolve(level=level)
+    assert (c.compile_sizes, c.enable_passes, c.max_autotune) == CPU_TABLE[level]
+    assert c.cudagraph_mode == CUDAGraphMode.NONE and c.cudagraph_capture_sizes == ()
+    assert c.compile_ranges == ()
+
+
+def test_gpu_level_defaults() -> None:
+    capture = default_capture_sizes(512)
+    o0, o1, o2, o3 = (resolve(GPU, level=lv) for lv in range(4))
+    assert (o0.cudagraph_mode, o0.compile_sizes, o0.enable_passes, o0.max_autotune) == ("NONE", (), False, False)
+    assert (o1.cudagraph_mode, o1.compile_sizes, o1.enable_passes, o1.max_autotune) == ("PIECEWISE", (), False,
+                                                                                       False)
+    assert o1.cudagraph_capture_sizes == capture
+    assert (o2.cudagraph_mode, o2.enable_passes, o2.max_autotune) == ("FULL_AND_PIECEWISE", True, False)
+    assert o2.compile_sizes == capture  # exact sizes = the CUDA graph capture sizes
+    assert o3.compile_sizes == tuple(sorted(set(capture) | {1024, 2048})) and o3.max_autotune
+
+
+def test_default_level_is_2() -> None:
+    assert CompilationConfig().level == 2
+    assert build_config("tiny-llama").compilation.level == 2
+
+
+def test_capture_sizes_respect_the_budget() -> None:
+    c = resolve(GPU, budget=48, level=2)
+    assert c.cudagraph_capture_sizes == (1, 2, 4, 8, 16, 24, 32, 40, 48)
+    assert c.compile_sizes == c.cudagraph_capture_sizes
+
+
+def test_explicit_options_override_the_level() -> None:
+    assert resolve(level=2, compile_sizes=()).compile_sizes == ()
+    assert resolve(GPU, level=2, compile_sizes=[]).compile_sizes == ()
+    assert resolve(level=1, compile_sizes=(8, 1)).compile_sizes == (1, 8)
+    assert resolve(level=3, max_autotune=False).max_autotune is False
+    assert resolve(level=1, max_autotune=True).max_autotune is True
+    assert resolve(level=1, enable_passes=True).enable_passes is True
+    assert resolve(level=2, enable_passes=False).enable_passes is False
+    assert resolve(GPU, level=2, cudagraph_mode="PIECEWISE").cudagraph_mode == "PIECEWISE"
+    assert resolve(GPU, level=1, cudagraph_capture_sizes=(4, 1)).cudagraph_capture_sizes == (1, 4)
+
+
+def test_what_cannot_apply_is_resolved_away() -> None:
+    # no CUDA graphs on CPU, nothing compiled at -O0, nothing above the token budget
+    assert resolve(CPU, level=2, cudagraph_mode="FULL").cudagraph_mode == "NONE"
+    o0 = resolve(level=0, compile_sizes=(1, 2), enable_passes=True, max_autotune=True, compile_ranges=(8,))
+    assert (o0.compile_sizes, o0.compile_ranges, o0.enable_passes, o0.max_autotune) == ((), (), False, False)
+    assert resolve(budget=64, level=2, compile_sizes=(1, 64, 65, 512)).compile_sizes == (1, 64)
+    assert resolve(budget=64, level=1, compile_ranges=[64, 16, 8, 16, 100]).compile_ranges == (8, 16)
+
+
+def test_invalid_values_are_rejected() -> None:
+    with pytest.raises(ValueError, match="level must be 0, 1, 2 or 3"):
+        CompilationConfig(level=4)
+    with pytest.raises(ValueError, match="compile_sizes must be positive"):
+        CompilationConfig(compile_sizes=(0, 4))
+    with pytest.raises(ValueError, match="compile_ranges must be positive"):
+        CompilationConfig(compile_ranges=(-1,))
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        CompilationConfig(cudagraph_mode="SOMETIMES")
+    assert CompilationConfig(compile_sizes=[2, 1]).compile_sizes == (2, 1)  # lists become hashable tuples
+    hash(CompilationConfig(compile_sizes=[2, 1], compile_ranges=[8]))
+
+
+def test_runtime_kwargs_reach_the_compilation_config() -> None:
+    config = build_config("tiny-llama", level=3, compile_sizes=[4], compile_ranges=[16], max_autotune=False,
+                          debug_dump_path="/tmp/x")
+    c = config.compilation
+    assert (c.level, c.compile_sizes, c.compile_ranges, c.max_autotune, c.debug_dump_path) == \
+        (3, (4,), (16,), False, "/tmp/x")
+
+
+@pytest.mark.parametrize("argv, level", [([], None), (["-O0"], 0), (["-O1"], 1), (["-O3"], 3)])
+def test_cli_level_flags(argv: list[str], level: int | None) -> None:
+    parser = argparse.ArgumentParser()
+    add_runtime_args(parser)
+    kwargs = runtime_kwargs(parser.parse_args(argv + ["--compile-dump", "/tmp/d"]))
+    assert kwargs.get("level") == level  # unset: the CompilationConfig default (2) applies
+    assert kwargs["debug_dump_path"] == "/tmp/d"
+    assert build_config(None, **kwargs).compilation.level == (2 if level is None else level)

@@ -1,0 +1,58 @@
+"""CUDA graphs on the GPU: outputs with graphs equal outputs without, replays instead of re-captures, and no
+compile or capture after warm-up (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import Runtime, SamplingParams
+from tests.conftest import random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def generate_staggered(runtime: Runtime, prompts: list[list[int]]) -> list[list[int]]:
+    """Requests arrive while others decode, so steps mix prefill chunks and decodes (and pure decodes)."""
+    engine = runtime.engine
+    ids = [engine.add_request(p, GREEDY) for p in prompts[:3]]
+    outputs: dict[str, list[int]] = {}
+    pending = list(prompts[3:])
+    while engine.has_unfinished() or pending:
+        if pending and engine.stats.steps % 3 == 2:
+            ids.append(engine.add_request(pending.pop(0), GREEDY))
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    return [outputs[i] for i in ids]
+
+
+@pytest.mark.parametrize("model, dtype, backend", [
+    ("tiny", "fp32", "triton"),
+    ("smollm2-135m", "bf16", "triton"),
+    ("smollm2-135m", "bf16", "flashinfer"),
+])
+def test_graphs_match_no_graphs(tiny_checkpoint, model: str, dtype: str, backend: str) -> None:
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    path = str(tiny_checkpoint("tiny-llama")[0]) if model == "tiny" else model
+    common = dict(device="cuda", dtype=dtype, level=1, attention_backend=backend, max_num_batched_tokens=256,
+                  max_num_seqs=32, kv_cache_bytes=256 << 20, cudagraph_capture_sizes=SIZES)
+    plain = Runtime(path, cudagraph_mode="NONE", **common)
+    graphed = Runtime(path, cudagraph_mode="FULL_AND_PIECEWISE", **common)
+    prompts = random_prompts([5, 17, 1, 40, 9, 3, 60, 2], plain.engine.loaded.spec.vocab_size, seed=5)
+    expected = generate_staggered(plain, prompts)
+    assert generate_staggered(graphed, prompts) == expected
+    replays = graphed.engine.graph_replays
+    assert replays["FULL"] > 0 and replays["PIECEWISE"] > 0
+    pool = graphed.engine.worker.graph_pool
+    captures = dict(pool.stats.captures)
+    generate_staggered(graphed, prompts[:4])  # same descriptors again: replays only
+    assert pool.stats.captures == captures and pool.stats.after_warmup_captures == 0
+    assert graphed.compile_stats.compiles_after_warmup == 0 and graphed.compile_stats.traces_after_warmup == 0
+    print(f"{model}/{backend}: captures {captures}, replays {graphed.engine.graph_replays}, "
+          f"capture {pool.stats.capture_seconds:.1f}s, {pool.stats.memory_bytes / 2**20:.0f} MiB")
