@@ -57,3 +57,23 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> li
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def prompt_logits(runtime, prompt: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, through the runner's buffers, its forward_fn and attention backend."""
+    from kiln import SamplingParams
+    from kiln.models.forward_context import set_forward_context
+    from kiln.runtime.request import Request
+    from kiln.runtime.scheduler import SchedulerOutput
+
+    engine = runtime.engine
+    req = Request("logits", prompt, SamplingParams(), engine.eos_token_ids, engine.max_model_len)
+    assert engine.kv.allocate(req, len(prompt))
+    try:
+        batch = engine.runner.prepare(SchedulerOutput([req], [len(prompt)]))
+        n = batch.num_padded_tokens
+        with torch.inference_mode(), set_forward_context(engine.runner.forward_context(batch.metadata, n)):
+            hidden = engine.runner.forward_fn(engine.runner.input_ids[:n], engine.runner.positions[:n])
+            return engine.model.compute_logits(hidden[: len(prompt)]).float()
+    finally:
+        engine.kv.free(req)

@@ -14,10 +14,7 @@ import torch
 
 from kiln import Runtime, SamplingParams
 from kiln.compiler import CompileKey, TokenCountError
-from kiln.models.forward_context import set_forward_context
-from kiln.runtime.request import Request
-from kiln.runtime.scheduler import SchedulerOutput
-from tests.conftest import random_prompts
+from tests.conftest import prompt_logits, random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -42,21 +39,6 @@ def runtimes(tiny_checkpoint, dump_dir: Path) -> dict[int, Runtime]:
         made[level] = Runtime(path, level=level, device="cpu", dtype="fp32", max_num_batched_tokens=BUDGET,
                               max_num_seqs=8, **options)
     return made
-
-
-def prompt_logits(runtime: Runtime, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position through the runner's buffers and the installed forward_fn."""
-    engine = runtime.engine
-    req = Request("logits", prompt, SamplingParams(), engine.eos_token_ids, engine.max_model_len)
-    assert engine.kv.allocate(req, len(prompt))
-    try:
-        batch = engine.runner.prepare(SchedulerOutput([req], [len(prompt)]))
-        n = batch.num_padded_tokens
-        with torch.inference_mode(), set_forward_context(engine.runner.forward_context(batch.metadata, n)):
-            hidden = engine.runner.forward_fn(engine.runner.input_ids[:n], engine.runner.positions[:n])
-            return engine.model.compute_logits(hidden[: len(prompt)]).float()
-    finally:
-        engine.kv.free(req)
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])

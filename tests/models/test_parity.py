@@ -6,28 +6,10 @@ import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
-from kiln.models.forward_context import set_forward_context
-from kiln.runtime.request import Request
-from kiln.runtime.scheduler import SchedulerOutput
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import hf_greedy, prompt_logits, random_prompts
 
 PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama3"]
 LENGTHS = [1, 3, 9, 16, 17, 40, 77, 130]
-
-
-def prompt_logits(runtime: Runtime, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, through the real runner buffers and attention backend."""
-    engine = runtime.engine
-    req = Request("logits", prompt, SamplingParams(), engine.eos_token_ids, engine.max_model_len)
-    assert engine.kv.allocate(req, len(prompt))
-    try:
-        batch = engine.runner.prepare(SchedulerOutput([req], [len(prompt)]))
-        n = batch.num_padded_tokens
-        with torch.inference_mode(), set_forward_context(engine.runner.forward_context(batch.metadata, n)):
-            hidden = engine.runner.forward_fn(engine.runner.input_ids[:n], engine.runner.positions[:n])
-            return engine.model.compute_logits(hidden[: len(prompt)]).float()
-    finally:
-        engine.kv.free(req)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
