@@ -9,6 +9,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# tests count compiles, so a runtime must not load what an earlier one cached; tests/cache turns it back on
+os.environ.setdefault("KILN_DISABLE_COMPILE_CACHE", "1")
 
 
 @pytest.fixture(scope="session")

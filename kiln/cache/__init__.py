@@ -1,1 +1,46 @@
+"""The on-disk compile artifact cache (docs/cache.md): key (key.py), store (store.py), CLI (cli.py).
 
+The runtime asks `store_factory` for a factory; the compiler calls it once the pass hook exists (its
+uuid is a key factor) and hands the store to Inductor's compile step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from kiln.cache.key import cache_key, key_factors
+from kiln.cache.store import CompileCacheStore, cache_disabled, cache_root, compile_root
+
+__all__ = ["CompileCacheStore", "cache_disabled", "cache_key", "cache_root", "compile_root", "key_factors",
+           "split_graph_text", "store_factory"]
+
+StoreFactory = Callable[[Any, Mapping[str, Any]], CompileCacheStore]
+
+
+def store_factory(*, spec: Any, dtype: torch.dtype, compilation: Any, max_num_tokens: int,
+                  device: torch.device, attention_backend: str, rank: int = 0,
+                  tp_size: int = 1) -> StoreFactory | None:
+    """None when the cache is off (KILN_DISABLE_COMPILE_CACHE=1) or nothing is compiled (-O0)."""
+    if cache_disabled() or compilation.level < 1:
+        return None
+
+    def make(pass_hook: Any, inductor_patches: Mapping[str, Any]) -> CompileCacheStore:
+        uuid = pass_hook.uuid() if pass_hook is not None else None
+        factors = key_factors(spec=spec, dtype=dtype, compilation=compilation, max_num_tokens=max_num_tokens,
+                              device=device, attention_backend=attention_backend, pass_uuid=uuid,
+                              inductor_patches=inductor_patches, tp_size=tp_size)
+        return CompileCacheStore(compile_root() / cache_key(factors), rank, factors)
+
+    return make
+
+
+def split_graph_text(split: Any) -> str:
+    """The split graph as the cache records it: which piece runs what, then the graph's code."""
+    lines = ["# kiln split graph: pieces in call order"]
+    for piece in split.pieces:
+        lines.append(f"#   {piece.name}: " + ("attention (eager)" if piece.is_attention
+                                               else f"compiled {piece.structural_hash[:32]}"))
+    return "\n".join(lines) + "\n\n" + split.module.print_readable(print_output=False)

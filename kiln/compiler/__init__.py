@@ -7,6 +7,7 @@ The runtime uses `install_compiler`; everything else is here for tests, benchmar
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kiln.compiler.ranges import CompileKey, Dispatcher, TokenCountError, build_ranges
@@ -64,20 +65,50 @@ def compile_model(model: nn.Module, config: CompilationConfig, max_num_tokens: i
     return CompiledForward(model, backend, dump)
 
 
-def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool = True) -> CompiledForward | None:
+def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool = True,
+                     store_factory: Callable[[PostGradPassHook, dict[str, Any]], Any] | None = None,
+                     ) -> CompiledForward | None:
     """Compile the runner's model and warm it up; the runner then runs the compiled forward.
 
     `config` must be resolved. The runner keeps exact token counts (no padding): without CUDA graphs an
     exact-size artifact is only worth using on an exact match, and any other count has its range.
+    `store_factory(pass_hook, inductor_patches)` gives the artifact cache's store (kiln.cache): it needs
+    the hook because the passes' uuid is part of the cache key.
     """
     logger.info("compilation config (resolved): %s", config)
     if config.level < 1:
         return None
     from kiln.compiler.warmup import warm_up
 
-    compiled = compile_model(runner.model, config, runner.max_num_tokens, progress=progress,
-                             attention_backend=getattr(runner, "backend", None))
-    warm_up(compiled, runner.input_ids, runner.positions, compiled.backend.dispatcher)
+    attention = getattr(runner, "backend", None)
+    pass_hook = store = None
+    if store_factory is not None:
+        from kiln.compiler.inductor import inductor_config_patches
+        from kiln.compiler.pass_hook import PostGradPassHook
+        from kiln.passes import build_pass_manager
+
+        pass_hook = PostGradPassHook([build_pass_manager(config, attention)])
+        store = store_factory(pass_hook, inductor_config_patches(config, pass_hook))
+    compiled = compile_model(runner.model, config, runner.max_num_tokens, progress=progress, store=store,
+                             pass_hook=pass_hook, attention_backend=attention)
+    try:
+        warm_up(compiled, runner.input_ids, runner.positions, compiled.backend.dispatcher)
+    finally:  # never leave the cache's lock held (or a half-filled key marked ready) on failure
+        if store is not None and not compiled.stats.warm:
+            store.close()
+    if store is not None:
+        _finish_store(store, compiled)
     runner.forward_fn = compiled
     logger.info("compiler ready: %s", compiled.stats.summary())
     return compiled
+
+
+def _finish_store(store: Any, compiled: CompiledForward) -> None:
+    from kiln.cache import split_graph_text
+
+    stats = compiled.stats
+    capture = compiled.backend.capture
+    store.finish(split_graph_text(capture.split) if capture is not None else None, stats.warmup_seconds)
+    stats.cache_key = store.key
+    stats.cache_hits, stats.cache_saves, stats.cache_recovered = store.hits, store.saves, store.recovered
+    stats.cold_warmup_seconds = store.cold_seconds

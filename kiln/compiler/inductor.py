@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import sympy
 import torch
 import torch._inductor
+import torch.utils._pytree as pytree
 from torch import fx
 
 from kiln.compiler.dump import DebugDump
@@ -60,7 +61,7 @@ class InductorCompiler:
         if self.store is not None:
             loaded = self.store.load(piece_hash, key)
             if loaded is not None:
-                return loaded, False
+                return with_output_structure(gm, loaded), False
         fake_mode, inputs = example_inputs(gm, key, symbol)
         dump = self.dump.inductor_output(f"{piece_hash[:12]}_{key}") if self.dump else contextlib.nullcontext()
         scope = compiling(f"{piece_hash[:12]}_{key}", key)  # which range/size the post-grad passes serve
@@ -81,3 +82,13 @@ def _compile(gm: fx.GraphModule, inputs: list[Any], patches: dict[str, Any]) -> 
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(copy.deepcopy(gm), inputs, config_patches=patches)  # compile_fx may mutate its graph
+
+
+def with_output_structure(gm: fx.GraphModule, fn: CompiledFn) -> CompiledFn:
+    """A loaded artifact returns a flat list of outputs, whereas a fresh compile returns the graph's own
+    structure (compile_fx re-nests the outputs of a graph that does not return a flat tuple)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    leaves, spec = pytree.tree_flatten(out)
+    if isinstance(out, (tuple, list)) and len(leaves) == len(out):
+        return fn
+    return lambda *args: pytree.tree_unflatten(list(fn(*args)), spec)

@@ -37,6 +37,12 @@ class CompileStats:
     num_attention_pieces: int = 0
     pieces: dict[str, PieceStats] = field(default_factory=dict)  # by structural hash
     warm: bool = False
+    # the compile cache (kiln/cache): None/0 without one
+    cache_key: str | None = None
+    cache_hits: int = 0  # artifacts loaded instead of compiled
+    cache_saves: int = 0
+    cache_recovered: int = 0  # corrupt artifacts discarded and recompiled
+    cold_warmup_seconds: float | None = None  # warm-up of the start that filled the cache, on a hit
 
     def record_trace(self, seconds: float) -> None:
         self.dynamo_traces += 1
@@ -72,4 +78,12 @@ class CompileStats:
         return (f"-O{self.level}: {self.dynamo_traces} Dynamo trace(s) in {self.trace_seconds:.1f} s, "
                 f"{self.inductor_compiles} Inductor compile(s) in {self.compile_seconds:.1f} s, "
                 f"{self.num_pieces} pieces ({self.num_distinct_pieces} distinct compiled, "
-                f"{self.num_attention_pieces} attention), warm-up {self.warmup_seconds:.1f} s")
+                f"{self.num_attention_pieces} attention), warm-up {self.warmup_seconds:.1f} s"
+                + self.cache_summary())
+
+    def cache_summary(self) -> str:
+        if self.cache_key is None:
+            return ""
+        cold = f" (cold start: {self.cold_warmup_seconds:.1f} s)" if self.cold_warmup_seconds is not None else ""
+        return (f"; compile cache {self.cache_key[:12]}: {self.cache_hits} loaded, {self.cache_saves} saved, "
+                f"{self.cache_recovered} recovered; compile phase {self.warmup_seconds:.1f} s{cold}")

@@ -63,7 +63,13 @@ class Worker:
         from kiln.compiler import CompileStats, install_compiler
 
         self.compilation = self.config.compilation.resolve(self.device, self.config.scheduler.max_num_batched_tokens)
-        self.compiled = install_compiler(self.runner, self.compilation)
+        from kiln.cache import store_factory
+        from kiln.models.parallel import tp_rank
+
+        factory = store_factory(spec=self.loaded.spec, dtype=self.loaded.dtype, compilation=self.compilation,
+                                max_num_tokens=self.runner.max_num_tokens, device=self.device,
+                                attention_backend=self.backend.name, rank=tp_rank(), tp_size=tp_size())
+        self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory)
         self.compile_stats = self.compiled.stats if self.compiled is not None else CompileStats(level=0)
         from kiln.compiler.cuda_graphs import install_cuda_graphs
 

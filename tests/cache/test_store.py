@@ -1,0 +1,123 @@
+"""The artifact cache end to end on CPU (tiny Llama, -O1: three Inductor compiles when cold).
+
+A second Runtime on the same model (from another directory) compiles nothing and generates the same
+tokens; damaged artifacts are recompiled with a warning; two concurrent warm-ups both succeed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kiln import Runtime, SamplingParams
+from kiln.cache.store import ARTIFACT_SUFFIX, READY, compile_root, verify_file
+from tests.conftest import random_prompts
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+OPTIONS = dict(level=1, device="cpu", dtype="fp32", max_num_batched_tokens=32, max_num_seqs=4)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("kiln_cache")
+    saved = {k: os.environ.get(k) for k in ("KILN_CACHE_DIR", "KILN_DISABLE_COMPILE_CACHE")}
+    os.environ["KILN_CACHE_DIR"] = str(path)
+    os.environ.pop("KILN_DISABLE_COMPILE_CACHE", None)
+    yield path
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("tiny-llama")[0]
+
+
+@pytest.fixture(scope="module")
+def cold(cache_dir: Path, checkpoint: Path) -> Runtime:
+    return Runtime(str(checkpoint), **OPTIONS)
+
+
+def greedy(runtime: Runtime) -> list[list[int]]:
+    prompts = random_prompts([5, 11, 3], 200, seed=3)
+    return [list(out.outputs[0].token_ids) for out in runtime.generate(prompts, GREEDY)]
+
+
+def artifacts(cache_dir: Path) -> list[Path]:
+    return sorted(compile_root(cache_dir).rglob(f"*{ARTIFACT_SUFFIX}"))
+
+
+def test_cold_start_fills_the_cache(cold: Runtime, cache_dir: Path) -> None:
+    stats = cold.compile_stats
+    assert stats.cache_key is not None and stats.cache_hits == 0
+    assert stats.inductor_compiles == stats.cache_saves == 3
+    key_dir = compile_root(cache_dir) / stats.cache_key
+    assert (key_dir / "cache_key_factors.json").is_file()
+    assert (key_dir / "rank_0" / READY).is_file() and (key_dir / "rank_0" / "split_graph.txt").is_file()
+    assert len(artifacts(cache_dir)) == 3 and all(verify_file(p) is None for p in artifacts(cache_dir))
+
+
+def test_warm_start_compiles_nothing(cold: Runtime, checkpoint: Path, tmp_path: Path) -> None:
+    moved = tmp_path / "elsewhere"  # the model's location is not part of the key
+    shutil.copytree(checkpoint, moved)
+    warm = Runtime(str(moved), **OPTIONS)
+    stats = warm.compile_stats
+    assert stats.inductor_compiles == 0 and stats.cache_hits == 3, stats.summary()
+    assert stats.cache_key == cold.compile_stats.cache_key
+    assert stats.cold_warmup_seconds is not None
+    assert greedy(warm) == greedy(cold)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_artifact_is_recompiled(damage: str, cold: Runtime, checkpoint: Path, cache_dir: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    victim = artifacts(cache_dir)[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
+    assert verify_file(victim) is not None
+    with caplog.at_level(logging.WARNING, logger="kiln.cache"):
+        runtime = Runtime(str(checkpoint), **OPTIONS)
+    stats = runtime.compile_stats
+    assert stats.inductor_compiles == 1 and stats.cache_hits == 2 and stats.cache_recovered == 1
+    assert any("discarding artifact" in r.getMessage() and victim.name in r.getMessage() for r in caplog.records)
+    assert verify_file(victim) is None  # rewritten, and the key is ready again
+    assert (victim.parent / READY).is_file()
+    assert greedy(runtime) == greedy(cold)
+
+
+def test_disabled_cache_compiles(cold: Runtime, checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+    stats = Runtime(str(checkpoint), **OPTIONS).compile_stats
+    assert stats.inductor_compiles == 3 and stats.cache_key is None and stats.cache_hits == 0
+
+
+def test_concurrent_warmups(tmp_path: Path) -> None:
+    env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path / "unused")}
+    env.pop("KILN_DISABLE_COMPILE_CACHE", None)
+    cmd = [sys.executable, "-m", "kiln.cli", "warmup", "tiny-llama", "-O1", "--device", "cpu",
+           "--max-num-batched-tokens", "32", "--cache-dir", str(tmp_path / "cache")]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert "inductor_compiles=" in out
+    compiles = sorted(int(out.split("inductor_compiles=")[1].split()[0]) for out, _ in outs)
+    assert compiles[0] == 0  # one filled the key, the other waited for it and loaded
+    verify = subprocess.run([sys.executable, "-m", "kiln.cli", "cache", "--cache-dir", str(tmp_path / "cache"),
+                             "verify"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert verify.returncode == 0 and "3 ok, 0 bad" in verify.stdout
+    assert len(list((tmp_path / "cache").rglob(READY))) == 1
