@@ -36,6 +36,19 @@ def test_tp2_matches_tp1(reference) -> None:
         runtime.engine.shutdown()
 
 
+@pytest.mark.slow
+def test_tp2_matches_tp1_at_o2(reference) -> None:
+    """The row-parallel all-reduces are traced into the compiled pieces (functional collectives over gloo)."""
+    runtime = Runtime("tiny-qwen3", level=2, compile_sizes=(), device="cpu", tensor_parallel_size=2,
+                      max_num_batched_tokens=64)
+    try:
+        assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
+        stats = runtime.compile_stats
+        assert stats.dynamo_traces == 1 and stats.compiles_after_warmup == 0
+    finally:
+        runtime.engine.shutdown()
+
+
 def test_torchrun_style_launch_uses_the_same_entry_point(reference) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -32,7 +32,8 @@ def shared_prefix_prompts(n: int, prefix_len: int, seed: int) -> list[list[int]]
     {"max_num_batched_tokens": 256},
     {"max_num_batched_tokens": 24},  # chunked prefill
     {"max_num_batched_tokens": 64, "num_blocks": 14},  # preemption
-], ids=["plain", "chunked", "preempted"])
+    {"max_num_batched_tokens": 24, "level": 2, "compile_sizes": ()},  # compiled, chunked
+], ids=["plain", "chunked", "preempted", "compiled-O2"])
 def test_caching_does_not_change_greedy_output(checkpoint, kwargs) -> None:
     prompts = shared_prefix_prompts(8, 70, seed=1)
     on, off = make(checkpoint, True, **kwargs), make(checkpoint, False, **kwargs)
