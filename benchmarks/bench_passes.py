@@ -3,8 +3,9 @@
 For every pass configuration the model is compiled afresh (-O2, the decode batches as compile and CUDA
 graph capture sizes), then timed in the same process: the median engine step while `batch` requests
 decode, and the median step that prefills one `prefill`-token prompt (prefix caching off). Ratios are
-against passes disabled. The rewrite counts show whether a pass applied at all (rope_kv needs a backend
-that attends from the cache alone: flashinfer or torch, not triton).
+against passes disabled. The rewrite counts (summed over compiles: distinct pieces x ranges/sizes, plus
+the graph-level stage) show whether a pass applied at all: rope_kv needs a backend that attends from the
+cache alone (flashinfer or torch, not triton).
 
     python -m benchmarks.bench_passes --preset smollm2-135m                 # GPU, bf16
     python -m benchmarks.bench_passes --preset llama3-8b --prefill 2048

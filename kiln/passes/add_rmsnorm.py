@@ -1,0 +1,125 @@
+"""Residual add + RMSNorm as one kernel (kiln::fused_add_rms_norm / kiln::rms_norm).
+
+Matches, in Inductor's post-grad graph, RMSNorm over the last dim of a [T, hidden] tensor, in the form
+the model's RMSNorm decomposes to (dtype casts optional):
+
+    xf = x.float(); y = w * (xf * rsqrt(mean(xf ** 2, -1) + eps)).to(x.dtype)
+
+and, when x is itself `a + b`, the add with it. On CUDA the replacement is one Triton program per row that
+holds the row in registers: it reads a and b once, writes a + b and the normalised row. Inductor emits a
+looped reduction for wide rows (hidden 4096) that reads x twice, which is what this pass is after.
+
+Where Inductor has already folded the residual add into the preceding matmul (addmm: the add's other
+user is the next matmul), only the norm is replaced. Per-head norms (Qwen3's q/k norm, 3-D) are left to
+qk_norm_rope.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from kiln.passes.base import KilnPass, erase_if_dead, set_fake_value
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+def _is(node: object, *targets: object) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _other(node: fx.Node, one: fx.Node) -> object:
+    """The other operand of a binary op that has `one` as an operand, or None."""
+    a, b = node.args[:2]
+    return b if a is one else a if b is one else None
+
+
+def _through_cast(node: fx.Node) -> fx.Node:
+    """The node a convert_element_type reads, else the node itself."""
+    return node.args[0] if _is(node, prims.convert_element_type.default) else node  # type: ignore[return-value]
+
+
+class AddRMSNormPass(KilnPass):
+    name = "add_rmsnorm"
+
+    def apply_post_grad(self, graph: fx.Graph) -> int:
+        import kiln.passes.ops  # noqa: F401 - registers the ops
+
+        count = 0
+        for rsqrt in list(graph.nodes):
+            if not _is(rsqrt, aten.rsqrt.default) or getattr(rsqrt, "_erased", False):
+                continue
+            match = self._match(rsqrt)
+            if match is None:
+                continue
+            x, weight, eps, out, dead = match
+            summed = x if _is(x, aten.add.Tensor) and self._fusable_add(x) else None
+            with graph.inserting_after(x):
+                if summed is not None:
+                    a, b = summed.args[:2]
+                    fused = graph.call_function(torch.ops.kiln.fused_add_rms_norm.default, (a, b, weight, eps))
+                    set_fake_value(fused, torch.ops.kiln.fused_add_rms_norm.default, a, b, weight, eps)
+                    with graph.inserting_after(fused):
+                        normed = graph.call_function(operator.getitem, (fused, 0))
+                        new_sum = graph.call_function(operator.getitem, (fused, 1))
+                    for i, n in enumerate((normed, new_sum)):
+                        n.meta["val"] = fused.meta["val"][i] if "val" in fused.meta else None
+                else:
+                    normed = graph.call_function(torch.ops.kiln.rms_norm.default, (x, weight, eps))
+                    set_fake_value(normed, torch.ops.kiln.rms_norm.default, x, weight, eps)
+            out.replace_all_uses_with(normed)
+            erase_if_dead(graph, dead)
+            if summed is not None:
+                summed.replace_all_uses_with(new_sum)
+                graph.erase_node(summed)
+            count += 1
+        return count
+
+    @staticmethod
+    def _fusable_add(add: fx.Node) -> bool:
+        a, b = add.args[:2]
+        va, vb, vx = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (a, b, add))
+        return all(isinstance(v, torch.Tensor) for v in (va, vb)) and va.shape == vx.shape == vb.shape \
+            and va.dtype == vb.dtype == vx.dtype  # type: ignore[union-attr]
+
+    @staticmethod
+    def _match(rsqrt: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node, list[fx.Node]] | None:
+        add_eps = rsqrt.args[0]
+        if not _is(add_eps, aten.add.Tensor, aten.add.Scalar) or len(add_eps.users) != 1 \
+                or not isinstance(add_eps.args[1], float):
+            return None
+        mean = add_eps.args[0]
+        if not _is(mean, aten.mean.dim) or len(mean.users) != 1 or len(mean.args) < 3 or mean.args[2] is not True:
+            return None
+        square = mean.args[0]
+        if not _is(square, aten.pow.Tensor_Scalar) or square.args[1] != 2 or len(square.users) != 1:
+            return None
+        xf = square.args[0]
+        xv = xf.meta.get("val")
+        if not isinstance(xv, torch.Tensor) or xv.dim() != 2 or list(mean.args[1]) not in ([-1], [1]):
+            return None
+        if len(rsqrt.users) != 1:
+            return None
+        scaled = next(iter(rsqrt.users))
+        if not _is(scaled, aten.mul.Tensor) or _other(scaled, rsqrt) is not xf or len(scaled.users) != 1:
+            return None
+        cast = next(iter(scaled.users))
+        out = next(iter(cast.users)) if _is(cast, prims.convert_element_type.default) and len(cast.users) == 1 \
+            else cast
+        if not _is(out, aten.mul.Tensor) or (cast is not out and _other(out, cast) is None):
+            return None
+        weight = _other(out, cast if cast is not out else scaled)
+        wv = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+        if not isinstance(wv, torch.Tensor) or wv.dim() != 1:
+            return None
+        x = _through_cast(xf)
+        # a cast feeds only the norm; x itself may also feed the rest of the graph (the residual stream)
+        if (xf is not x and set(xf.users) != {square, scaled}) or not {square, scaled} <= set(xf.users):
+            return None
+        out_v = out.meta.get("val")
+        if not isinstance(out_v, torch.Tensor) or out_v.dtype != x.meta["val"].dtype:
+            return None
+        dead = [out, cast, scaled, rsqrt, add_eps, mean, square] + ([xf] if xf is not x else [])
+        return x, weight, float(add_eps.args[1]), out, dead  # type: ignore[return-value]

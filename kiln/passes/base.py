@@ -1,0 +1,88 @@
+"""What a kiln pass is: a name, where it runs, which token counts it suits, and a uuid for cache keys.
+
+A pass runs at one or both of two places:
+
+- on the captured graph, before it is split at attention (`apply_graph`): the only place where work on
+  both sides of the attention op is visible, and where model-level structure (which module a node came
+  from) is still attached. One graph serves every token count, so these passes cannot be gated by range.
+- inside Inductor, as part of its post-grad pipeline, once per piece and per compile range/size
+  (`apply_post_grad`): on normalised ATen graphs; these can be gated by token count (`applies_to`).
+
+Both return how many places they rewrote, which the manager records (tests assert on it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import fx
+
+from kiln.passes.config import PassConfig
+from kiln.passes.context import CompileScope
+
+
+@dataclass(frozen=True)
+class PassEnv:
+    """What the passes need to know about the runtime they compile for."""
+
+    # the attention backend can attend reading only the paged cache (`supports_cache_only`), which is
+    # what lets rope_kv move the K/V write out of it
+    cache_only_attention: bool = False
+
+
+class KilnPass:
+    name: ClassVar[str]
+
+    def __init__(self, config: PassConfig, env: PassEnv) -> None:
+        self.config = config
+        self.env = env
+
+    def applies_to(self, scope: CompileScope | None) -> bool:
+        """Post-grad gating: only compiles whose whole token range lies within the configured bound."""
+        bound = self.config.token_bound(self.name)
+        return bound is None or scope is None or scope.hi <= bound
+
+    def apply_graph(self, gm: fx.GraphModule) -> int:
+        return 0
+
+    def apply_post_grad(self, graph: fx.Graph) -> int:
+        return 0
+
+    def uuid(self) -> str:
+        """Changes whenever the pass's code or its inputs change (Inductor and kiln cache keys use it)."""
+        source = inspect.getsource(sys.modules[type(self).__module__])
+        return hashlib.sha256(f"{self.name}|{self.env}|{source}".encode()).hexdigest()
+
+
+def single_user(node: fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def erase_if_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase the given nodes that nothing uses any more, consumers before producers."""
+    pending = [n for n in dict.fromkeys(nodes) if n.op in ("call_function", "call_method")]
+    changed = True
+    while changed:
+        changed = False
+        for node in list(pending):
+            if not node.users:
+                graph.erase_node(node)
+                pending.remove(node)
+                changed = True
+
+
+def set_fake_value(node: fx.Node, op: object, *args: object) -> None:
+    """Fill node.meta["val"] by running `op`'s fake implementation on the arguments' fake values, as
+    Inductor expects every node of a post-grad graph to carry one."""
+    from torch._guards import detect_fake_mode
+
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
+    mode = detect_fake_mode([v for v in vals if v is not None])
+    if mode is None:
+        return
+    with mode:
+        node.meta["val"] = op(*vals)  # type: ignore[operator]

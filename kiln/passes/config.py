@@ -1,0 +1,85 @@
+"""`PassConfig`: which of kiln's fusion passes run, and for which token counts.
+
+Resolved once from the `CompilationConfig` (`enable_passes`, `passes`, `level`). The level defaults list
+only passes whose measured gain justifies them (docs/passes.md, docs/BENCHMARKS.md); every other pass is
+still selectable by name with `passes=(...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# In the order the manager runs them: graph-level passes first (they change what is split out), then the
+# post-grad ones; `noop` runs last in post-grad so it also tidies what the fusions leave behind.
+ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "add_rmsnorm", "silu_mul")
+
+# -O2/-O3 defaults. Only passes with a measured gain belong here, and none has one yet (docs/passes.md):
+# on the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
+# as it was, noop changes nothing; on CPU rope_kv and noop are slower. rope_kv's GPU measurement needs
+# the flashinfer backend (`bench_passes --backend flashinfer`, and `--kernels` for the kernel alone).
+LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
+    0: (),
+    1: (),
+    2: (),
+    3: (),
+}
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    noop: bool = False
+    rope_kv: bool = False
+    qk_norm_rope: bool = False
+    add_rmsnorm: bool = False
+    silu_mul: bool = False
+    # pass name -> largest token count it is compiled for; a compile range is covered only when its upper
+    # end is within the bound (post-grad passes only: graph-level passes see one graph for every count)
+    max_tokens: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [name for name, _ in self.max_tokens if name not in ALL_PASSES]
+        if unknown:
+            raise ValueError(f"max_tokens names unknown passes {unknown}; passes: {', '.join(ALL_PASSES)}")
+        if isinstance(self.max_tokens, dict):  # accept a dict, keep the config hashable
+            object.__setattr__(self, "max_tokens", tuple(sorted(self.max_tokens.items())))
+
+    @classmethod
+    def from_names(cls, names: tuple[str, ...] | list[str], **kwargs: Any) -> PassConfig:
+        """Names as in `--passes`: "add_rmsnorm" or, bounded to small token counts, "add_rmsnorm<=64"."""
+        flags, bounds = {}, dict(kwargs.pop("max_tokens", ()))
+        for entry in names:
+            name, _, bound = entry.partition("<=")
+            name = name.strip()
+            if name not in ALL_PASSES:
+                raise ValueError(f"unknown compiler pass {name!r}; choose from {', '.join(ALL_PASSES)}")
+            flags[name] = True
+            if bound:
+                if not bound.strip().isdigit() or int(bound) < 1:
+                    raise ValueError(f"pass bound must be a positive token count: {entry!r}")
+                bounds[name] = int(bound)
+        return cls(**flags, max_tokens=tuple(sorted(bounds.items())), **kwargs)
+
+    @classmethod
+    def from_compilation(cls, config: Any) -> PassConfig:
+        """From a resolved CompilationConfig: nothing unless passes are enabled, else the explicit list or
+        the level's defaults."""
+        if not getattr(config, "enable_passes", False):
+            return cls()
+        names = config.passes if config.passes is not None else LEVEL_DEFAULTS.get(config.level, ())
+        return cls.from_names(tuple(names))
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        return tuple(n for n in ALL_PASSES if getattr(self, n))
+
+    def token_bound(self, name: str) -> int | None:
+        return dict(self.max_tokens).get(name)
+
+    def without(self, name: str) -> PassConfig:
+        return dataclasses.replace(self, **{name: False})
+
+    def describe(self) -> str:
+        bounds = ", ".join(f"{n}<={b}" for n, b in self.max_tokens)
+        return f"passes [{', '.join(self.enabled) or 'none'}]" + (f" (token bounds: {bounds})" if bounds else "")

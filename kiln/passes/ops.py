@@ -1,0 +1,171 @@
+"""The custom ops kiln's fusion passes rewrite graphs to, with reference implementations.
+
+The reference code reproduces the model's own arithmetic (kiln/models/layers.py) step for step, dtype
+casts included, so a rewritten graph gives the numbers the original gave. On CUDA the ops run the Triton
+kernels in kiln/passes/kernels.py instead: one launch where Inductor or the attention backend used two.
+
+`kiln::rope_attention` is a split point like `kiln::attention` (attention_op.register_split_op): it runs
+between compiled pieces, where the paged cache and slot mapping of this step are at hand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.models.attention_op import register_split_op
+from kiln.models.forward_context import get_forward_context
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if x.device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- reference arithmetic (the model's, verbatim in effect) ---------------------------------------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_ref(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x [T, H, D] by the cached cos/sin of each token's position."""
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def write_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] into kv_cache [num_blocks, 2, block_size, Hkv, D] at slot_mapping[:T]."""
+    block_size = kv_cache.shape[2]
+    slots = slot_mapping[: k.shape[0]]
+    block, offset = slots // block_size, slots % block_size
+    kv_cache[block, 0, offset] = k
+    kv_cache[block, 1, offset] = v
+
+
+def norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_weight is not None and k_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    return rope_ref(positions, q, cos_sin_cache), rope_ref(positions, k, cos_sin_cache)
+
+
+# -- RoPE (+ optional q/k norm) + K/V write + attention from the cache ------------------------------------
+@torch.library.custom_op("kiln::rope_attention", mutates_args=("out",))
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor, out: torch.Tensor, layer_idx: int,
+                   q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                   eps: float = 0.0) -> None:
+    """Like kiln::attention on RoPE'd (optionally q/k-normed) q/k, with the rotation and the K/V write done
+    in one kernel when the backend can then attend from the cache alone; otherwise the plain path."""
+    ctx = get_forward_context()
+    if ctx.cache_only_attention and ctx.kv_caches is not None and ctx.slot_mapping is not None:
+        q_rot = rope_and_cache(q, k, v, positions, cos_sin_cache, ctx.kv_caches[layer_idx], ctx.slot_mapping,
+                               q_norm_weight, k_norm_weight, eps)
+        ctx.attention(layer_idx, q_rot, None, None, out)
+        return
+    q_rot, k_rot = norm_rope_ref(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+    ctx.attention(layer_idx, q_rot, k_rot, v, out)
+
+
+@rope_attention.register_fake
+def _rope_attention_fake(q, k, v, positions, cos_sin_cache, out, layer_idx, q_norm_weight=None,
+                         k_norm_weight=None, eps=0.0) -> None:
+    return None
+
+
+register_split_op(torch.ops.kiln.rope_attention)
+
+
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                   eps: float = 0.0) -> torch.Tensor:
+    """-> rotated q; rotated k and v land in kv_cache (one layer's) at slot_mapping."""
+    if _use_triton(q):
+        from kiln.passes.kernels import norm_rope_triton
+
+        return norm_rope_triton(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
+                                slot_mapping=slot_mapping)[0]
+    q_rot, k_rot = norm_rope_ref(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
+    write_cache(k_rot, v, kv_cache, slot_mapping)
+    return q_rot
+
+
+# -- q/k norm + RoPE, inside a compiled piece ------------------------------------------------------------
+@torch.library.custom_op("kiln::qk_norm_rope", mutates_args=())
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(q):
+        from kiln.passes.kernels import norm_rope_triton
+
+        q_rot, k_rot = norm_rope_triton(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
+        assert k_rot is not None
+        return q_rot, k_rot
+    return norm_rope_ref(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
+
+
+@qk_norm_rope.register_fake
+def _qk_norm_rope_fake(q, k, positions, cos_sin_cache, q_weight, k_weight, eps):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device))
+
+
+# -- residual add + RMSNorm ---------------------------------------------------------------------------
+@torch.library.custom_op("kiln::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _use_triton(x):
+        from kiln.passes.kernels import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, None, weight, eps)[0]
+    return rms_norm_ref(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(x + residual), x + residual)."""
+    if _use_triton(x):
+        from kiln.passes.kernels import add_rms_norm_triton
+
+        normed, summed = add_rms_norm_triton(x, residual, weight, eps)
+        assert summed is not None
+        return normed, summed
+    summed = x + residual
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+@fused_add_rms_norm.register_fake
+def _fused_add_rms_norm_fake(x, residual, weight, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+# -- SiLU-and-mul over the merged gate_up output -----------------------------------------------------------
+@torch.library.custom_op("kiln::silu_and_mul", mutates_args=())
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2N] = [gate | up] -> silu(gate) * up, [T, N]."""
+    if _use_triton(x):
+        from kiln.passes.kernels import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@silu_and_mul.register_fake
+def _silu_and_mul_fake(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))

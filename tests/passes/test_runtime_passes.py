@@ -1,0 +1,111 @@
+"""Compiled end to end (-O2, Inductor C++ on CPU): greedy generation is identical with passes on and off.
+
+Per model: all passes on vs passes disabled (same tokens, same logits, and the expected rewrite counts
+from the real compile); on Qwen3, which has every pattern, each pass alone vs disabled; and the -O2
+default pass set. Runtimes are built once per module: each costs a few Inductor compiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import Runtime, SamplingParams
+from kiln.models.forward_context import set_forward_context
+from kiln.passes import ALL_PASSES, LEVEL_DEFAULTS, pass_manager_of
+from kiln.passes.manager import GRAPH_SCOPE
+from kiln.runtime.request import Request
+from kiln.runtime.scheduler import SchedulerOutput
+from tests.conftest import random_prompts
+from tests.passes.conftest import NUM_LAYERS, PRESETS
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = random_prompts([1, 6, 21, 40, 3], 256, seed=5)  # budget 32: chunked prefills mixed with decodes
+OPTIONS = dict(level=2, device="cpu", dtype="fp32", max_num_batched_tokens=32, max_num_seqs=4, num_blocks=64,
+               compile_sizes=())
+GRAPH_COUNTS = {"noop": NUM_LAYERS, "rope_kv": NUM_LAYERS, "qk_norm_rope": 0}  # qk norms go into rope_kv
+PIECE_COUNTS = {"add_rmsnorm": 2 * NUM_LAYERS + 1, "silu_mul": NUM_LAYERS, "noop": 0}
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    made: dict[tuple[str, tuple[str, ...] | None], Runtime] = {}
+
+    def get(preset: str, passes: tuple[str, ...] | None) -> Runtime:
+        """passes: () disables them, None takes the level's default set. With passes, the debug dump is on:
+        it also turns Inductor's cache off, so every piece really runs the post-grad passes (and counts)."""
+        if (preset, passes) not in made:
+            extra: dict = {"enable_passes": False} if passes == () else {} if passes is None else {"passes": passes}
+            if passes != ():
+                extra["debug_dump_path"] = str(tmp_path_factory.mktemp("dump"))
+            made[preset, passes] = Runtime(str(tiny_checkpoint(preset)[0]), **OPTIONS, **extra)
+        return made[preset, passes]
+
+    return get
+
+
+def greedy(rt: Runtime) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in rt.generate(PROMPTS, GREEDY)]
+
+
+def prompt_logits(rt: Runtime, prompt: list[int]) -> torch.Tensor:
+    engine = rt.engine
+    req = Request("logits", prompt, SamplingParams(), engine.eos_token_ids, engine.max_model_len)
+    assert engine.kv.allocate(req, len(prompt))
+    try:
+        batch = engine.runner.prepare(SchedulerOutput([req], [len(prompt)]))
+        n = batch.num_padded_tokens
+        with torch.inference_mode(), set_forward_context(engine.runner.forward_context(batch.metadata, n)):
+            hidden = engine.runner.forward_fn(engine.runner.input_ids[:n], engine.runner.positions[:n])
+            return engine.model.compute_logits(hidden[:n]).float()
+    finally:
+        engine.kv.free(req)
+
+
+def model_total(rt: Runtime, name: str) -> int:
+    """Rewrites by a post-grad pass over every compiled piece of the model, for its one compile range."""
+    compiled = rt.engine.worker.compiled
+    manager = pass_manager_of(compiled)
+    total = 0
+    for piece_hash, group in compiled.capture.split.distinct().items():
+        scopes = [s for s in manager.matches if s.startswith(piece_hash[:12])]
+        assert len(scopes) == 1
+        total += manager.matches[scopes[0]].get(name, 0) * len(group)
+    return total
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_all_passes_on_vs_off(runtime, preset: str) -> None:
+    on, off = runtime(preset, ALL_PASSES), runtime(preset, ())
+    assert greedy(on) == greedy(off)
+    prompt = random_prompts([19], 256, seed=1)[0]
+    diff = (prompt_logits(on, prompt) - prompt_logits(off, prompt)).abs().max().item()
+    assert diff < 1e-5, f"{preset}: max |logit diff| {diff:.2e}"
+    manager = pass_manager_of(on.engine.worker.compiled)
+    assert {n: c for n, c in manager.matches[GRAPH_SCOPE].items() if n in GRAPH_COUNTS} == GRAPH_COUNTS
+    for name, expected in PIECE_COUNTS.items():
+        assert model_total(on, name) == expected, name
+    assert pass_manager_of(off.engine.worker.compiled) is None  # disabled: no hook installed at all
+    dumps = manager.dump_dir
+    assert (dumps / GRAPH_SCOPE / "01_rope_kv.after.txt").read_text().count("kiln.rope_attention") == NUM_LAYERS
+
+
+@pytest.mark.parametrize("name", ALL_PASSES)
+def test_each_pass_alone_on_qwen3(runtime, name: str) -> None:
+    on, off = runtime("tiny-qwen3", (name,)), runtime("tiny-qwen3", ())
+    assert greedy(on) == greedy(off)
+    manager = pass_manager_of(on.engine.worker.compiled)
+    total = manager.matches[GRAPH_SCOPE][name] + model_total(on, name)
+    assert total == {**PIECE_COUNTS, "noop": NUM_LAYERS, "rope_kv": NUM_LAYERS, "qk_norm_rope": NUM_LAYERS}[name]
+
+
+def test_level_two_defaults(runtime) -> None:
+    rt = runtime("tiny-llama", None)
+    manager = pass_manager_of(rt.engine.worker.compiled)
+    assert tuple(p.name for p in manager.passes) == LEVEL_DEFAULTS[2]
+    assert greedy(rt) == greedy(runtime("tiny-llama", ()))
+    # the hook Inductor keys its cache with names the pass manager
+    hook = rt.engine.worker.compiled.backend.compiler.config_patches["post_grad_custom_post_pass"]
+    assert hook.passes == [manager]
