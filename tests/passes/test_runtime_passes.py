@@ -8,15 +8,11 @@ default pass set. Runtimes are built once per module: each costs a few Inductor 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kiln import Runtime, SamplingParams
-from kiln.models.forward_context import set_forward_context
 from kiln.passes import ALL_PASSES, LEVEL_DEFAULTS, pass_manager_of
 from kiln.passes.manager import GRAPH_SCOPE
-from kiln.runtime.request import Request
-from kiln.runtime.scheduler import SchedulerOutput
-from tests.conftest import random_prompts
+from tests.conftest import prompt_logits, random_prompts
 from tests.passes.conftest import NUM_LAYERS, PRESETS
 
 pytestmark = pytest.mark.slow
@@ -48,20 +44,6 @@ def runtime(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
 
 def greedy(rt: Runtime) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in rt.generate(PROMPTS, GREEDY)]
-
-
-def prompt_logits(rt: Runtime, prompt: list[int]) -> torch.Tensor:
-    engine = rt.engine
-    req = Request("logits", prompt, SamplingParams(), engine.eos_token_ids, engine.max_model_len)
-    assert engine.kv.allocate(req, len(prompt))
-    try:
-        batch = engine.runner.prepare(SchedulerOutput([req], [len(prompt)]))
-        n = batch.num_padded_tokens
-        with torch.inference_mode(), set_forward_context(engine.runner.forward_context(batch.metadata, n)):
-            hidden = engine.runner.forward_fn(engine.runner.input_ids[:n], engine.runner.positions[:n])
-            return engine.model.compute_logits(hidden[:n]).float()
-    finally:
-        engine.kv.free(req)
 
 
 def model_total(rt: Runtime, name: str) -> int:
