@@ -9,6 +9,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels run through Triton's CPU interpreter here. Set for the whole session, before anything
+    # imports triton: Triton caches the flag, so setting it per test only works if nothing read it earlier.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # tests count compiles, so a runtime must not load what an earlier one cached; tests/cache turns it back on
 os.environ.setdefault("KILN_DISABLE_COMPILE_CACHE", "1")
 

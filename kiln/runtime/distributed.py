@@ -128,8 +128,9 @@ def _spawned_worker(config: RuntimeConfig, rank: int, world: int, env: dict[str,
 
 def spawn_workers(config: RuntimeConfig, world: int) -> list[mp.Process]:
     """Start ranks 1..world-1 on this host (rank 0 is the caller) with an env:// rendezvous."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # a fresh port per group: a port from an earlier group in this process may still be held or half-closed
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
     env = {"MASTER_ADDR": os.environ["MASTER_ADDR"], "MASTER_PORT": os.environ["MASTER_PORT"],
            "WORLD_SIZE": str(world)}
     ctx = mp.get_context("spawn")

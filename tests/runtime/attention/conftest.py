@@ -17,7 +17,15 @@ if INTERPRET:
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import kiln.runtime.attention.triton_kernels  # noqa: F401
+        import importlib
+        import sys
+
+        # another test may have imported the kernels already, compiled for a GPU: define them again, interpreted
+        for name in ("kiln.runtime.attention.triton_kernels", "kiln.runtime.attention.triton_backend"):
+            if name in sys.modules:
+                importlib.reload(sys.modules[name])
+            else:
+                importlib.import_module(name)
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]

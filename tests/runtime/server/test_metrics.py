@@ -70,7 +70,7 @@ def test_engine_counters_are_read_at_scrape_time(served: Served, monkeypatch: py
     stats = CompileStats(level=2, dynamo_traces=1, inductor_compiles=5, compile_seconds=12.5,
                          compiles_after_warmup=2)
     monkeypatch.setattr(engine, "compile_stats", stats, raising=False)
-    monkeypatch.setattr(engine, "graph_replays", {"FULL": 40, "PIECEWISE": 3}, raising=False)
+    monkeypatch.setattr(type(engine), "graph_replays", property(lambda self: {"FULL": 40, "PIECEWISE": 3}))
     samples = scrape(served)
     assert value(samples, "kiln:num_preemptions_total") == 7
     assert value(samples, "kiln:compile_dynamo_traces_total") == 1
