@@ -22,9 +22,6 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_usable * self.block_size
 
-    def blocks_of(self, req: Request) -> list[Block]:
-        return self.req_blocks.get(req.request_id, [])
-
     def block_ids_of(self, req: Request) -> list[int]:
         return self.req_block_ids.get(req.request_id, [])
 
