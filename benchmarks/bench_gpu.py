@@ -7,6 +7,7 @@ transformers' eager `generate` on the same shapes.
     python benchmarks/bench_gpu.py decode --models smollm2-135m llama3-8b --batches 1 8 64
     python benchmarks/bench_gpu.py throughput --model llama3-8b --requests 256
     python benchmarks/bench_gpu.py matrix --model smollm2-135m      # every backend x graph mode
+    python benchmarks/bench_gpu.py tp --model llama3-70b --tp 2     # tensor parallel decode (one config a run)
 
 Writes a JSON of all rows to --json when given.
 """
@@ -109,10 +110,12 @@ def decode_step_seconds(rt: Runtime, batch: int, steps: int = 32) -> float:
 
 
 def decode_floor_seconds(rt: Runtime, batch: int, ceil: Ceilings) -> tuple[float, float]:
-    """(bytes floor, compute floor) of one decode step: weights once + each request's KV, vs 2*params FLOPs."""
-    wbytes = weight_bytes(rt)
+    """(bytes floor, compute floor) of one decode step on one GPU: its weights once + each request's KV, vs
+    2*params FLOPs. Under tensor parallelism every GPU reads only its shard, so the floor is per shard."""
+    wbytes = weight_bytes(rt)  # this rank's shard
     spec = rt.engine.loaded.spec
-    kv_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    kv_heads = rt.engine.kv_cache.shape[-2]  # KV heads held by this rank
+    kv_token = 2 * spec.num_layers * kv_heads * spec.head_dim * 2
     kv = batch * (PROMPT_LEN + 16) * kv_token
     flops = 2 * (wbytes / 2) * batch
     return (wbytes + kv) / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
@@ -194,6 +197,28 @@ def cmd_matrix(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     return rows
 
 
+def cmd_tp(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
+    """Decode at each batch with the model split over --tp GPUs (one config per process: NCCL state stays clean)."""
+    rt, build = make_runtime(args.model, level=args.level, attention_backend=args.backend,
+                             tensor_parallel_size=args.tp)
+    print(f"{args.model} TP={args.tp}: built in {build:.1f}s, {weight_bytes(rt) / 1e9:.1f} GB of weights per GPU",
+          flush=True)
+    rows = []
+    try:
+        for batch in args.batches:
+            step = decode_step_seconds(rt, batch)
+            floor = max(decode_floor_seconds(rt, batch, ceil))
+            rows.append(dict(model=args.model, tp=args.tp, batch=batch, step_ms=step * 1e3, tokens_per_s=batch / step,
+                             floor_ms=floor * 1e3, x_floor=step / floor, build_s=build))
+            print(rows[-1], flush=True)
+    finally:
+        rt.engine.shutdown()
+    print(table(["model", "TP", "batch", "step ms", "tok/s", "floor ms (per GPU)", "x floor"],
+                [[r["model"], r["tp"], r["batch"], r["step_ms"], r["tokens_per_s"], r["floor_ms"], r["x_floor"]]
+                 for r in rows]))
+    return rows
+
+
 def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     rng = random.Random(0)
     rt, build = make_runtime(args.model, level=args.level, attention_backend=args.backend)
@@ -270,7 +295,7 @@ def cmd_profile(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("decode", "matrix", "throughput", "profile"):
+    for name in ("decode", "matrix", "throughput", "profile", "tp"):
         p = sub.add_parser(name)
         p.add_argument("--level", type=int, default=2)
         p.add_argument("--backend", default="auto")
@@ -288,6 +313,10 @@ def main() -> None:
             p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
             p.add_argument("--backends", nargs="+", default=["torch", "triton", "flashinfer"])
             p.add_argument("--modes", nargs="+", default=["EAGER", "NONE", "PIECEWISE", "FULL_AND_PIECEWISE"])
+        if name == "tp":
+            p.add_argument("--model", default="llama3-8b")
+            p.add_argument("--tp", type=int, default=2)
+            p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
         if name == "profile":
             p.add_argument("--model", default="smollm2-135m")
             p.add_argument("--batch", type=int, default=1)
@@ -301,7 +330,8 @@ def main() -> None:
     ceil = measure_ceilings()
     print(f"{stamp()}\ncopy bandwidth {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
-    commands = {"decode": cmd_decode, "matrix": cmd_matrix, "throughput": cmd_throughput, "profile": cmd_profile}
+    commands = {"decode": cmd_decode, "matrix": cmd_matrix, "throughput": cmd_throughput, "profile": cmd_profile,
+                "tp": cmd_tp}
     rows = commands[args.cmd](args, ceil)
     if args.json:
         with open(args.json, "w") as f:
