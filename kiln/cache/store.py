@@ -9,6 +9,11 @@ never loaded and never fatal.
 Concurrency: the first process to find a key not ready takes the directory's file lock and fills it;
 others wait for it (then find it ready and only load), or, past `lock_timeout`, compile privately,
 still loading what is there and writing atomically. The `ready` marker is written last.
+
+While kiln compiles, Inductor's own cache (generated code, built C++ libraries, FX graph cache) and the
+Triton kernel cache are pointed under the key directory (`inductor/`, `triton/`), so a warm start needs
+nothing outside `$KILN_CACHE_DIR`: loading an artifact on another host, or after /tmp was cleaned, finds
+the built kernels beside it instead of rebuilding them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +204,25 @@ class CompileCacheStore:
                 atomic_write(self.dir / READY, json.dumps(marker, indent=2).encode())
         finally:
             self.close()
+
+    @contextmanager
+    def own_caches(self) -> Iterator[None]:
+        """Inductor's and Triton's caches under this key's directory for the duration (restored after)."""
+        from torch._inductor.utils import clear_caches
+
+        saved = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.key_dir / "inductor")
+        os.environ["TRITON_CACHE_DIR"] = str(self.key_dir / "triton")
+        clear_caches()  # Inductor memoises its cache paths
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            clear_caches()
 
     def close(self) -> None:
         if self.mode == "write" and self._lock.is_locked:

@@ -6,6 +6,7 @@ The runtime uses `install_compiler`; everything else is here for tests, benchmar
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -92,7 +93,8 @@ def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool =
     compiled = compile_model(runner.model, config, runner.max_num_tokens, progress=progress, store=store,
                              pass_hook=pass_hook, attention_backend=attention)
     try:
-        warm_up(compiled, runner.input_ids, runner.positions, compiled.backend.dispatcher)
+        with store.own_caches() if store is not None else contextlib.nullcontext():
+            warm_up(compiled, runner.input_ids, runner.positions, compiled.backend.dispatcher)
     finally:  # never leave the cache's lock held (or a half-filled key marked ready) on failure
         if store is not None and not compiled.stats.warm:
             store.close()

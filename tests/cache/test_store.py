@@ -68,6 +68,9 @@ def test_cold_start_fills_the_cache(cold: Runtime, cache_dir: Path) -> None:
     assert (key_dir / "cache_key_factors.json").is_file()
     assert (key_dir / "rank_0" / READY).is_file() and (key_dir / "rank_0" / "split_graph.txt").is_file()
     assert len(artifacts(cache_dir)) == 3 and all(verify_file(p) is None for p in artifacts(cache_dir))
+    # Inductor's own cache (its generated code and built libraries) was written under the key, not /tmp
+    assert any((key_dir / "inductor").rglob("*.py"))
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR", "") != str(key_dir / "inductor")  # restored afterwards
 
 
 def test_warm_start_compiles_nothing(cold: Runtime, checkpoint: Path, tmp_path: Path) -> None:
