@@ -219,11 +219,22 @@ def cmd_tp(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     return rows
 
 
-def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
+def throughput_workload(requests: int) -> tuple[random.Random, list[tuple[int, int]]]:
+    """(rng for the prompt tokens, (input, output) lengths uniform in [100, 1024]), seeded."""
     rng = random.Random(0)
+    return rng, [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(requests)]
+
+
+def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
+    if args.hf_only:  # the baseline alone (e.g. on a second GPU while kiln runs on the first)
+        _, lens = throughput_workload(args.requests)
+        row = dict(model=args.model, requests=args.requests, hf_batch=args.hf_batch,
+                   hf_output_tokens_per_s=hf_throughput(args.model, lens, args.hf_batch))
+        print(table(list(row), [list(row.values())]))
+        return [row]
+    rng, lens = throughput_workload(args.requests)
     rt, build = make_runtime(args.model, level=args.level, attention_backend=args.backend)
     vocab = rt.engine.loaded.spec.vocab_size
-    lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(args.requests)]
     prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in lens]
     rt.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * 4)
@@ -269,6 +280,7 @@ def hf_throughput(model: str, lens: list[tuple[int, int]], batch: int) -> float:
             ids = torch.tensor([[rng.randrange(1000) for _ in range(width)] for _ in chunk], device="cuda")
             hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
             total += sum(c[1] for c in chunk)  # tokens beyond a request's own length are padding work
+            print(f"HF batch {i // batch + 1}: {total} output tokens in {time.perf_counter() - start:.0f}s", flush=True)
     torch.cuda.synchronize()
     return total / (time.perf_counter() - start)
 
@@ -324,6 +336,7 @@ def main() -> None:
             p.add_argument("--model", default="llama3-8b")
             p.add_argument("--requests", type=int, default=256)
             p.add_argument("--hf-batch", type=int, default=64)
+            p.add_argument("--hf-only", action="store_true", help="run only the transformers baseline")
     args = parser.parse_args()
     COMPILE_OPTIONS.update(cudagraph_capture_sizes=tuple(args.capture_sizes), compile_sizes=tuple(args.compile_sizes),
                            enable_passes=args.passes)

@@ -32,11 +32,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prefix-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--capture-sizes", type=int, nargs="*", default=None, help="CUDA graph sizes (GPU)")
     args = parser.parse_args()
+    extra = {} if args.capture_sizes is None else dict(cudagraph_capture_sizes=tuple(args.capture_sizes))
     rows, results = [], {}
     for caching in (False, True):
         rt = Runtime(args.model, level=args.level, device=args.device, enable_prefix_caching=caching,
-                     max_num_batched_tokens=2048, max_num_seqs=args.requests)
+                     max_num_batched_tokens=2048, max_num_seqs=args.requests, **extra)
         vocab = rt.engine.loaded.spec.vocab_size
         rng = random.Random(0)
         system = [rng.randrange(100, vocab) for _ in range(args.prefix_tokens)]
