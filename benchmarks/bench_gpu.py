@@ -73,6 +73,7 @@ def weight_bytes(rt: Runtime) -> int:
     return total
 
 
+ASYNC_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 COMPILE_OPTIONS: dict = {}  # from the command line: capture / compile sizes shared by every runtime built
 
 
@@ -148,25 +149,30 @@ def cmd_decode(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     for model in args.models:
         rt, build = make_runtime(model, level=args.level, attention_backend=args.backend)
         print(f"{model}: built in {build:.1f}s, backend {rt.engine.backend.name}", flush=True)
-        steps = {batch: decode_step_seconds(rt, batch) for batch in args.batches}
+        steps = {}
+        for overlap in ASYNC_MODES[args.async_scheduling]:
+            rt.engine.async_scheduling = overlap  # switchable between steps: an A/B on one compiled runtime
+            steps.update({(batch, overlap): decode_step_seconds(rt, batch) for batch in args.batches})
         floors = {batch: decode_floor_seconds(rt, batch, ceil) for batch in args.batches}
         del rt
         torch.cuda.empty_cache()
         hf_net = hf_model(model) if args.hf else None
         for batch in args.batches:
-            step = steps[batch]
             bytes_floor, compute_floor = floors[batch]
             hf = hf_decode_tokens_per_s(hf_net, batch) if hf_net is not None else float("nan")
-            rows.append(dict(model=model, batch=batch, backend=args.backend, step_ms=step * 1e3,
-                             tokens_per_s=batch / step, floor_ms=max(bytes_floor, compute_floor) * 1e3,
-                             x_floor=step / max(bytes_floor, compute_floor), hf_tokens_per_s=hf,
-                             x_hf=(batch / step) / hf if hf == hf else float("nan")))
-            print(rows[-1], flush=True)
+            for overlap in ASYNC_MODES[args.async_scheduling]:
+                step = steps[batch, overlap]
+                rows.append(dict(model=model, batch=batch, backend=args.backend, async_scheduling=overlap,
+                                 step_ms=step * 1e3, tokens_per_s=batch / step,
+                                 floor_ms=max(bytes_floor, compute_floor) * 1e3,
+                                 x_floor=step / max(bytes_floor, compute_floor), hf_tokens_per_s=hf,
+                                 x_hf=(batch / step) / hf if hf == hf else float("nan")))
+                print(rows[-1], flush=True)
         del hf_net
         torch.cuda.empty_cache()
-    print(table(["model", "batch", "backend", "step ms", "tok/s", "floor ms", "x floor", "HF tok/s", "x HF"],
-                [[r["model"], r["batch"], r["backend"], r["step_ms"], r["tokens_per_s"], r["floor_ms"],
-                  r["x_floor"], r["hf_tokens_per_s"], r["x_hf"]] for r in rows]))
+    print(table(["model", "batch", "backend", "async", "step ms", "tok/s", "floor ms", "x floor", "HF tok/s", "x HF"],
+                [[r["model"], r["batch"], r["backend"], r["async_scheduling"], r["step_ms"], r["tokens_per_s"],
+                  r["floor_ms"], r["x_floor"], r["hf_tokens_per_s"], r["x_hf"]] for r in rows]))
     return rows
 
 
@@ -200,7 +206,7 @@ def cmd_matrix(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
 def cmd_tp(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     """Decode at each batch with the model split over --tp GPUs (one config per process: NCCL state stays clean)."""
     rt, build = make_runtime(args.model, level=args.level, attention_backend=args.backend,
-                             tensor_parallel_size=args.tp)
+                             tensor_parallel_size=args.tp, cudagraph_mode=args.cudagraph_mode)
     print(f"{args.model} TP={args.tp}: built in {build:.1f}s, {weight_bytes(rt) / 1e9:.1f} GB of weights per GPU",
           flush=True)
     rows = []
@@ -213,9 +219,9 @@ def cmd_tp(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
             print(rows[-1], flush=True)
     finally:
         rt.engine.shutdown()
-    print(table(["model", "TP", "batch", "step ms", "tok/s", "floor ms (per GPU)", "x floor"],
-                [[r["model"], r["tp"], r["batch"], r["step_ms"], r["tokens_per_s"], r["floor_ms"], r["x_floor"]]
-                 for r in rows]))
+    print(table(["model", "TP", "graphs", "batch", "step ms", "tok/s", "floor ms (per GPU)", "x floor"],
+                [[r["model"], r["tp"], args.cudagraph_mode, r["batch"], r["step_ms"], r["tokens_per_s"], r["floor_ms"],
+                  r["x_floor"]] for r in rows]))
     return rows
 
 
@@ -320,6 +326,8 @@ def main() -> None:
         if name == "decode":
             p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama3-8b"])
             p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+            p.add_argument("--async-scheduling", choices=sorted(ASYNC_MODES), default="both",
+                           help="overlap host work with the GPU: off, on, or both measured on one runtime")
         if name == "matrix":
             p.add_argument("--model", default="smollm2-135m")
             p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
@@ -328,6 +336,7 @@ def main() -> None:
         if name == "tp":
             p.add_argument("--model", default="llama3-8b")
             p.add_argument("--tp", type=int, default=2)
+            p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
             p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
         if name == "profile":
             p.add_argument("--model", default="smollm2-135m")

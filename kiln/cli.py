@@ -38,6 +38,8 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="overlap each step's scheduling and token processing with the previous forward")
     parser.add_argument("--compile-dump", default=None, metavar="DIR",
                         help="write Dynamo/depyf, split-graph and Inductor output code here")
     parser.add_argument("--seed", type=int, default=0)
@@ -53,6 +55,8 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kwargs[name] = getattr(args, name)
     if getattr(args, "no_prefix_caching", False):
         kwargs["enable_prefix_caching"] = False
+    if getattr(args, "async_scheduling", False):
+        kwargs["async_scheduling"] = True
     if getattr(args, "compile_dump", None):
         kwargs["debug_dump_path"] = args.compile_dump
     return kwargs

@@ -51,6 +51,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     long_prefill_token_threshold: int = 0  # 0: a prefill may take the whole remaining budget
+    # overlap a step's host work (schedule, input fill, token processing) with the previous step's forward
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

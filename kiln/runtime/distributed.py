@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -142,6 +143,22 @@ def spawn_workers(config: RuntimeConfig, world: int) -> list[mp.Process]:
         proc.start()
         procs.append(proc)
     return procs
+
+
+def watch_start_up(procs: list[mp.Process], ready: threading.Event) -> None:
+    """Until `ready`, report a worker that dies at once: rank 0 would otherwise sit in a collective until
+    the group's timeout (KILN_TP_TIMEOUT) with no hint of why."""
+
+    def watch() -> None:
+        while not ready.wait(1.0):
+            for rank, proc in enumerate(procs, start=1):
+                if not proc.is_alive():
+                    logger.error("tensor-parallel worker rank %d exited during start-up (code %s); rank 0 fails "
+                                 "when its pending collective times out (KILN_TP_TIMEOUT=%s s)", rank, proc.exitcode,
+                                 os.environ.get("KILN_TP_TIMEOUT", "300"))
+                    return
+
+    threading.Thread(target=watch, name="kiln-tp-start-up-watch", daemon=True).start()
 
 
 def check_workers(procs: list[mp.Process]) -> None:

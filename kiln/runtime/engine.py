@@ -1,7 +1,9 @@
 """The engine: owns the model, KV cache, scheduler and runner, and advances every request by one step.
 
 `step()` = schedule -> prepare + forward + sample -> append tokens, detokenize, check stops -> outputs.
-A request with `n > 1` runs as n child requests sharing a prompt (and its prefix-cache blocks).
+With async scheduling a step's host work overlaps the device: `step()` launches step k, then processes
+step k-1 while k runs (see docs/runtime.md). A request with `n > 1` runs as n child requests sharing a
+prompt (and its prefix-cache blocks).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,39 +20,26 @@ import torch
 
 from kiln.config import RuntimeConfig, resolve_device
 from kiln.models.loader.load import LoadedModel
+from kiln.runtime.async_step import LaunchedStep
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv.block_pool import BlockPool
 from kiln.runtime.kv.hashing import block_hash_fn
 from kiln.runtime.kv.manager import KVCacheManager
-from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.parent import ParentRequest
 from kiln.runtime.request import Request, RequestStatus
+from kiln.runtime.sampler import needs_output_tokens
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.worker import Worker
 
 logger = logging.getLogger("kiln")
 
 
 @dataclass
-class _Parent:
-    """A user request: its n children and what was last reported for each."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    detokenizers: list[IncrementalDetokenizer | None]
-    reported_tokens: list[int] = field(default_factory=list)
-    reported_logprobs: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.children)
-
-
-@dataclass
 class EngineStats:
-    steps: int = 0
+    steps: int = 0  # launched
+    overlapped_steps: int = 0  # launched while the previous step was still in flight (async scheduling)
     scheduled_tokens: int = 0  # tokens actually run through the model (prefix hits excluded)
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -63,6 +53,7 @@ class Engine:
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._tp_procs: list = []
+        self._ready = threading.Event()  # set once built: ends the tensor-parallel start-up watch
         self._channel = None
         agree = None
         if config.tensor_parallel_size > 1:
@@ -82,11 +73,18 @@ class Engine:
         self.runner.eos_token_ids = self.eos_token_ids
         if self._channel is not None:
             self.runner.on_batch = self._broadcast
-        self.parents: dict[str, _Parent] = {}
+        self.parents: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
+        # May be switched between steps. Tensor-parallel workers only see rank 0's host buffers, never the
+        # sampled tokens that an overlapped step reads on the device, so TP runs synchronously.
+        self.async_scheduling = config.scheduler.async_scheduling and config.tensor_parallel_size == 1
+        if config.scheduler.async_scheduling and not self.async_scheduling:
+            logger.warning("async scheduling is not supported with tensor parallelism; running synchronously")
+        self._inflight: LaunchedStep | None = None  # launched, not yet processed (async scheduling only)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
+        self._ready.set()
 
     # -- set-up helpers --------------------------------------------------------------------------------
     def _start_tensor_parallel(self, config: RuntimeConfig):
@@ -103,6 +101,7 @@ class Engine:
                 raise SystemExit(0)
         else:
             self._tp_procs = tp.spawn_workers(config, world)
+            tp.watch_start_up(self._tp_procs, self._ready)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         group = tp.init_tensor_parallel(0, world, self.device)
@@ -165,6 +164,7 @@ class Engine:
         kv = self.kv
         return {
             "steps": self.stats.steps,
+            "overlapped_steps": self.stats.overlapped_steps,
             "scheduled_tokens": self.stats.scheduled_tokens,
             "prompt_tokens": self.stats.prompt_tokens,
             "generation_tokens": self.stats.generation_tokens,
@@ -235,8 +235,8 @@ class Engine:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             raise
         self.stats.prompt_tokens += len(token_ids) * params.n
-        self.parents[request_id] = _Parent(request_id, text, token_ids, children, detoks,
-                                           [0] * params.n, [0] * params.n)
+        self.parents[request_id] = ParentRequest(request_id, text, token_ids, children, detoks,
+                                                 [0] * params.n, [0] * params.n)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -254,17 +254,54 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step and return the outputs of the requests it advanced.
+
+        Async scheduling: launch step k, then process step k-1 (append, stop checks, detokenize) while the
+        device runs k, and return k-1's outputs; with nothing left to launch, finish the step in flight.
+        """
+        if not self.async_scheduling:
+            if self._inflight is not None:  # left over from before async scheduling was switched off
+                return self._complete(self._take_inflight())
+            sched = self.scheduler.schedule()
+            return [] if sched.is_empty else self._complete(self._launch(sched))
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None and self._inflight.needs_drain:
+            outputs = self._complete(self._take_inflight())  # penalties read those tokens' values on the host
         sched = self.scheduler.schedule()
+        if sched.is_empty and self._inflight is not None:
+            # nothing can launch before the in-flight tokens land (e.g. each is a request's last)
+            outputs = self._complete(self._take_inflight())
+            sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        result = self.runner.execute(sched)
+            return outputs
+        previous, self._inflight = self._inflight, self._launch(sched)
+        if previous is None:  # outputs (if any) came from a drain above, which left nothing in flight
+            return outputs
+        self.stats.overlapped_steps += 1
+        return self._complete(previous)
+
+    def _take_inflight(self) -> LaunchedStep:
+        step, self._inflight = self._inflight, None
+        assert step is not None
+        return step
+
+    def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        step = self.runner.execute(sched)
         self.scheduler.advance(sched)
         self.stats.steps += 1
         self.stats.scheduled_tokens += sched.total_tokens
+        step.needs_drain = any(needs_output_tokens(sched.requests[row].params) for row in step.rows)
+        return step
+
+    def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Append a launched step's tokens (waiting for them), check stops, and build the outputs."""
         now = time.time()
-        touched: dict[str, _Parent] = {}
-        for row, token, logprobs in zip(result.request_indices, result.token_ids, result.logprobs):
-            req = sched.requests[row]
+        touched: dict[str, ParentRequest] = {}
+        for row, token, logprobs in zip(step.rows, step.token_ids(), step.logprobs):
+            req = step.sched.requests[row]
+            req.num_pending_tokens -= 1
+            if req.finished:  # stopped or aborted after this step launched: the token is void, its blocks freed
+                continue
             req.append_output(token, logprobs)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
@@ -272,13 +309,13 @@ class Engine:
             parent = self.parents[req.request_id.partition("#")[0]]
             self._process_token(parent, req)
             touched[parent.request_id] = parent
-        outputs = [self._make_output(p) for p in touched.values()]
+        outputs = [p.make_output() for p in touched.values()]
         for parent in touched.values():
             if parent.finished:
                 del self.parents[parent.request_id]
         return outputs
 
-    def _process_token(self, parent: _Parent, req: Request) -> None:
+    def _process_token(self, parent: ParentRequest, req: Request) -> None:
         status = req.check_stop_token()
         detok = parent.detokenizers[parent.children.index(req)]
         if detok is not None:
@@ -292,29 +329,3 @@ class Engine:
 
     def _count_finished(self, reason: str, n: int) -> None:
         self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + n
-
-    def _make_output(self, parent: _Parent) -> RequestOutput:
-        completions = []
-        for i, (req, detok) in enumerate(zip(parent.children, parent.detokenizers)):
-            new_tokens = req.output_token_ids[parent.reported_tokens[i]:]
-            parent.reported_tokens[i] = len(req.output_token_ids)
-            delta_logprobs = None
-            if req.logprobs is not None:
-                delta_logprobs = req.logprobs[parent.reported_logprobs[i]:]
-                parent.reported_logprobs[i] = len(req.logprobs)
-            delta_text = detok.take_delta(finished=req.finished) if detok is not None else ""
-            completions.append(CompletionOutput(
-                index=i,
-                text=detok.output_text if detok is not None else "",
-                # a live list while running (copying every step would be quadratic), a copy once finished
-                token_ids=list(req.output_token_ids) if req.finished else req.output_token_ids,
-                finish_reason=req.status.value if req.finished else None,
-                stop_reason=req.stop_reason,
-                logprobs=req.logprobs,
-                delta_text=delta_text,
-                delta_token_ids=new_tokens,
-                delta_logprobs=delta_logprobs,
-            ))
-        first = parent.children[0]
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
-                             parent.finished, first.metrics, first.num_cached_tokens)

@@ -3,6 +3,10 @@
 Every input the forward reads lives in a buffer allocated once at start-up; a step only copies into
 them, so compiled pieces and CUDA graphs always see the same addresses. Attention metadata is set in
 the forward context for the duration of the forward, never passed as a graph input.
+
+`execute` only queues work on the device and returns: the host may fill the next step's buffers while this
+step runs (overlapped scheduling). A request's newest token may then still be on the device; its input slot
+is filled there from the previous step's sampled tokens.
 """
 
 from __future__ import annotations
@@ -16,22 +20,13 @@ import torch
 
 from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, GraphedCallable, RunMode, piecewise_graphs
 from kiln.models.forward_context import ForwardContext, set_forward_context
+from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
 from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata
-from kiln.runtime.outputs import TokenLogprobs
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import Sampler, SamplingBatch
 from kiln.runtime.scheduler import SchedulerOutput
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class StepResult:
-    """Sampled token per sampling request of the step (in scheduler order)."""
-
-    request_indices: list[int]
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
 
 
 @dataclass(frozen=True)
@@ -54,6 +49,7 @@ class PreparedBatch:
     metadata: CommonAttentionMetadata
     logits_indices: torch.Tensor  # [num sampling requests], device
     sampling_rows: list[int]  # scheduler indices of the requests that sample
+    context: ForwardContext | None = None  # built ahead of the forward by `execute`
 
     @property
     def num_padded_tokens(self) -> int:
@@ -96,14 +92,26 @@ class ModelRunner:
         self.seq_lens_cpu, self.seq_lens = buffers((s,), torch.int32)
         self.block_tables_cpu, self.block_tables = buffers((s, self.max_blocks_per_seq), torch.int32)
         self.logits_indices_cpu, self.logits_indices = buffers((s,), torch.int64)
+        # input_ids positions whose token is still on the device, and its row in the previous step's samples
+        self.pending_dst_cpu, self.pending_dst = buffers((s,), torch.int64)
+        self.pending_src_cpu, self.pending_src = buffers((s,), torch.int64)
+        self._last_sampled: torch.Tensor | None = None  # the previous launch's sampled tokens, on the device
+        self._last_rows: dict[str, int] = {}  # request id -> its row there
+        # The host buffers are uploaded without blocking: the next fill must wait until the copies ran.
+        self._inputs_consumed = DeviceEvent(device)
+        self._readback = TokenReadback(s, device)
 
     # -- input preparation -------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> PreparedBatch:
-        shape, sampling_rows = self.fill_host(sched)
-        return self.to_device(shape, sampling_rows)
+        shape, sampling_rows, num_pending = self.fill_host(sched)
+        batch = self.to_device(shape, sampling_rows)
+        if num_pending:
+            self._copy_pending_tokens(num_pending)
+        return batch
 
-    def fill_host(self, sched: SchedulerOutput) -> tuple[BatchShape, list[int]]:
-        """Write the step's flat inputs into the host buffers."""
+    def fill_host(self, sched: SchedulerOutput) -> tuple[BatchShape, list[int], int]:
+        """Write the step's flat inputs into the host buffers; also returns how many input tokens are pending."""
+        self._inputs_consumed.synchronize()
         num_reqs, num_tokens = len(sched.requests), sched.total_tokens
         if num_reqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
             raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds the runner's buffers")
@@ -116,10 +124,11 @@ class ModelRunner:
         qsl = self.query_start_loc_cpu.numpy()
         seq_lens = self.seq_lens_cpu.numpy()
         tables = self.block_tables_cpu.numpy()
+        pending_dst, pending_src = self.pending_dst_cpu.numpy(), self.pending_src_cpu.numpy()
         bs = self.block_size
         sampling_rows: list[int] = []
         qsl[0] = 0
-        cursor = max_blocks = 0
+        cursor = max_blocks = num_pending = 0
         owners = self._row_owner
         for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
             start = req.num_computed_tokens
@@ -132,7 +141,12 @@ class ModelRunner:
             owners[i], self._row_blocks[i] = block_ids, len(block_ids)
             max_blocks = max(max_blocks, len(block_ids))
             if n == 1:  # decode: scalar writes beat building numpy arrays
-                ids[cursor] = req.token_ids[start]
+                if start < req.num_tokens:
+                    ids[cursor] = req.token_ids[start]
+                else:  # sampled by the step in flight: filled on the device (a pending token is always alone)
+                    ids[cursor] = 0
+                    pending_dst[num_pending], pending_src[num_pending] = cursor, self._last_rows[req.request_id]
+                    num_pending += 1
                 pos[cursor] = start
                 slots[cursor] = 0 if start < req.num_shared_tokens else block_ids[start // bs] * bs + start % bs
             else:
@@ -156,7 +170,7 @@ class ModelRunner:
             num_reqs = self._pad_decode_requests(num_reqs, padded)
         shape = BatchShape(num_tokens, padded, num_reqs, len(sampling_rows), max(sched.num_new_tokens, default=0),
                            int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks)
-        return shape, sampling_rows
+        return shape, sampling_rows, num_pending
 
     def run_mode(self, num_tokens: int, uniform_decode: bool) -> RunMode:
         return self.graphs.mode_for(num_tokens, uniform_decode) if self.graphs is not None else RunMode.NONE
@@ -217,6 +231,14 @@ class ModelRunner:
         self.block_tables[:num_reqs].copy_(self.block_tables_cpu[:num_reqs], non_blocking=nb)
         self.logits_indices[:num_sampling].copy_(self.logits_indices_cpu[:num_sampling], non_blocking=nb)
 
+    def _copy_pending_tokens(self, num: int) -> None:
+        """Put the previous step's sampled tokens into input_ids on the device, in place (CUDA graphs read that
+        buffer). Queued after the upload on the same stream, so it lands over the placeholders."""
+        nb = self.device.type == "cuda"
+        dst = self.pending_dst[:num].copy_(self.pending_dst_cpu[:num], non_blocking=nb)
+        src = self.pending_src[:num].copy_(self.pending_src_cpu[:num], non_blocking=nb)
+        self.input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, src))
+
     # -- forward -------------------------------------------------------------------------------------
     def forward_context(self, metadata: CommonAttentionMetadata, num_tokens: int) -> ForwardContext:
         backend_metadata = self.backend.build_metadata(metadata)
@@ -242,7 +264,8 @@ class ModelRunner:
         desc = BatchDescriptor(n, batch.shape.num_reqs, batch.shape.uniform_decode)
         mode = self.graphs.dispatch(desc) if self.graphs is not None else RunMode.NONE
         ids, pos = self.input_ids[:n], self.positions[:n]
-        with set_forward_context(self.forward_context(batch.metadata, n)):
+        context = batch.context if batch.context is not None else self.forward_context(batch.metadata, n)
+        with set_forward_context(context):
             if mode is RunMode.FULL:
                 return self.full_graph(desc, lambda: self.forward_fn(ids, pos), (ids, pos))
             if mode is RunMode.NONE and self.full_graph is not None:
@@ -251,20 +274,32 @@ class ModelRunner:
                 return self.forward_fn(ids, pos)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        shape, sampling_rows = self.fill_host(sched)
+    def execute(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queue one step (inputs, forward, sampling, token read-back) on the device without waiting for it."""
+        shape, sampling_rows, num_pending = self.fill_host(sched)
         if self.on_batch is not None:
             self.on_batch(shape)
         batch = self.to_device(shape, sampling_rows)
+        if num_pending:
+            self._copy_pending_tokens(num_pending)
+        # Built before the event, not inside the forward: a backend may copy from the pinned host buffers while
+        # planning (flashinfer copies query_start_loc_cpu non-blocking), and the next fill must wait for that too.
+        batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
+        self._inputs_consumed.record()
         logits = self.forward(batch)
-        if not batch.sampling_rows:
-            return StepResult([], [], [])
         reqs = [sched.requests[i] for i in batch.sampling_rows]
-        sampled = self.sampler(logits, SamplingBatch(
+        self._last_rows = {r.request_id: j for j, r in enumerate(reqs)}
+        if not reqs:
+            self._last_sampled = None
+            return LaunchedStep(sched, [], [])
+        tokens, logprobs = self.sampler.sample(logits, SamplingBatch(
             params=[r.params for r in reqs],
             generators=[r.generator for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
             eos_token_ids=self.eos_token_ids,
+            num_pending_tokens=[r.num_pending_tokens for r in reqs],
         ))
-        return StepResult(batch.sampling_rows, sampled.token_ids, sampled.logprobs)
+        self._last_sampled = tokens
+        host, landed = self._readback.start(tokens)
+        return LaunchedStep(sched, batch.sampling_rows, logprobs, host, landed)

@@ -39,6 +39,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.num_computed_tokens = 0
+        # tokens sampled by a launched step whose values have not reached the host yet (overlapped scheduling)
+        self.num_pending_tokens = 0
         # positions below this already sit in shared, cached blocks: their K/V must not be rewritten
         self.num_shared_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first admission (reported)
@@ -53,6 +55,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Known tokens plus those still on the device: what the scheduler computes towards."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,4 +90,4 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens})")
+                f"computed={self.num_computed_tokens}, pending={self.num_pending_tokens})")

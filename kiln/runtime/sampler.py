@@ -5,6 +5,10 @@ temperature -> top-k -> top-p -> min-p -> sample. Everything is batched over row
 seeded rows: a seeded request must reproduce no matter what shares its batch, so it draws exactly one
 exponential per vocab entry from its own generator each step (an exponential race, equivalent to sampling
 from the softmax).
+
+Nothing here waits for the device (except logprobs, which are read back at once): small per-row tensors go
+up through pinned memory without blocking, and `sample` leaves the tokens on the device, so the host can
+prepare the next step while this one still runs.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ class SamplingBatch:
     params: list[SamplingParams]
     generators: list[torch.Generator | None]  # on the logits' device; None: use the default generator
     prompt_token_ids: list[list[int]]  # for the repetition penalty
-    output_token_ids: list[list[int]]  # generated so far (penalties, min_tokens)
+    output_token_ids: list[list[int]]  # generated so far, as known on the host (penalties, min_tokens)
     eos_token_ids: frozenset[int]  # the model's EOS ids
+    # per row, generated tokens not on the host yet (overlapped scheduling): they count towards min_tokens
+    num_pending_tokens: list[int] | None = None
 
 
 @dataclass
@@ -38,8 +44,18 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
 
 
+def needs_output_tokens(params: SamplingParams) -> bool:
+    """Sampling reads the values of earlier generated tokens, so they must all be on the host first."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        tokens, logprobs = self.sample(logits, batch)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """Token ids per row, left on the logits' device (no sync), and logprobs (read back at once)."""
         params = batch.params
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {len(params)} rows")
@@ -58,14 +74,15 @@ class Sampler:
         else:
             tokens = logits.argmax(dim=-1)
             if sampled:
-                tokens[sampled] = _sample(logits[sampled], [params[i] for i in sampled],
-                                          [batch.generators[i] for i in sampled])
+                rows = _device_tensor(sampled, torch.long, logits.device)
+                tokens[rows] = _sample(logits[rows], [params[i] for i in sampled],
+                                       [batch.generators[i] for i in sampled])
 
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         if raw_logprobs is not None:
             for row, entry in zip(lp_rows, _gather_logprobs(raw_logprobs, tokens[lp_rows], params, lp_rows)):
                 logprobs[row] = entry
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+        return tokens, logprobs
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -73,8 +90,9 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     vocab = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
+    pending = batch.num_pending_tokens or [0] * len(batch.params)
     for i, p in enumerate(batch.params):
-        if len(batch.output_token_ids[i]) >= p.min_tokens:
+        if len(batch.output_token_ids[i]) + pending[i] >= p.min_tokens:
             continue
         # ignore_eos rows never stop on EOS anyway (the caller handles that), so EOS stays samplable.
         banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | batch.eos_token_ids
@@ -82,7 +100,8 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
         rows += [i] * len(banned)
         cols += sorted(banned)
     if rows:
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+        index = (_device_tensor(rows, torch.long, logits.device), _device_tensor(cols, torch.long, logits.device))
+        logits[index] = _NEG_INF
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -128,7 +147,8 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams],
     if len(unseeded) == len(generators):
         noise.exponential_()
     elif unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        rows = _device_tensor(unseeded, torch.long, probs.device)
+        noise[rows] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
     for i, generator in enumerate(generators):
         if generator is not None:
             noise[i].exponential_(generator=generator)
@@ -142,7 +162,7 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     vocab = logits.shape[1]
     ascending, order = logits.sort(dim=-1)
     if any(p.top_k > 0 for p in params):
-        k = torch.tensor([min(p.top_k, vocab) or vocab for p in params], device=logits.device)
+        k = _device_tensor([min(p.top_k, vocab) or vocab for p in params], torch.long, logits.device)
         kth_largest = ascending.gather(1, (vocab - k).unsqueeze(1))
         ascending.masked_fill_(ascending < kth_largest, _NEG_INF)
     if any(p.top_p < 1.0 for p in params):
@@ -182,9 +202,21 @@ def _token_index(logits: torch.Tensor, rows: list[int],
                            dtype=torch.long)
     # Out-of-range ids (e.g. a tokenizer larger than the logits) would be a device-side assert on CUDA.
     keep = (col_idx >= 0) & (col_idx < logits.shape[1])
-    return row_idx[keep].to(logits.device), col_idx[keep].to(logits.device)
+    return _to_device(row_idx[keep], logits.device), _to_device(col_idx[keep], logits.device)
 
 
 def _row_tensor(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
     """A per-row parameter as a [rows, 1] fp32 column that broadcasts against the logits."""
-    return torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(1)
+    return _device_tensor(values, torch.float32, logits.device).unsqueeze(1)
+
+
+def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def _to_device(cpu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A blocking copy from pageable memory would wait for the whole stream (the forward) to finish: go
+    through pinned memory and let the copy queue behind it instead."""
+    if device.type != "cuda":
+        return cpu
+    return cpu.pin_memory().to(device, non_blocking=True)

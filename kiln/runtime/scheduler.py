@@ -4,6 +4,10 @@ There is no prefill/decode distinction: each request has `num_computed_tokens` a
 a step advances it by a chunk bounded by the token budget. Running requests go first (so decodes are
 never starved by prefills); when blocks run out the most recently admitted running request is preempted
 (its blocks freed, its progress reset) and requeued at the front of the waiting queue.
+
+With overlapped scheduling a request may have a token still on the device (`num_pending_tokens`): it is
+scheduled as if that token were known (the runner copies its value on the device), never past its length
+limit, and, once preempted, not readmitted before the value reaches the host (recompute needs it).
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ class SchedulerOutput:
         return not self.requests
 
     def samples(self, i: int) -> bool:
-        """Request i reaches its last known token this step, so it gets logits and a new token."""
+        """Request i reaches its last known (or pending) token this step, so it gets logits and a new token."""
         req = self.requests[i]
-        return req.num_computed_tokens + self.num_new_tokens[i] == req.num_tokens
+        return req.num_computed_tokens + self.num_new_tokens[i] == req.num_tokens_with_pending
 
 
 class Scheduler:
@@ -66,7 +70,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending_tokens and req.num_tokens_with_pending >= req.max_total_tokens:
+                i += 1  # its in-flight token is its last: it finishes (length) when that lands
+                continue
+            num_new = self._chunk(req, req.num_tokens_with_pending - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -91,6 +98,10 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending_tokens:
+                # preempted with its token in flight: recompute needs the value. The engine processes that step
+                # before the next schedule, so this only guards the invariant (FCFS: nothing overtakes it).
+                break
             prefix, num_hit = self.kv.find_prefix(req)
             num_new = self._chunk(req, req.num_tokens - num_hit, budget)
             if not self.kv.allocate(req, num_new, prefix):
@@ -118,8 +129,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def advance(self, out: SchedulerOutput) -> None:
-        """Record that the scheduled tokens were computed (before new tokens are appended)."""
-        for req, num_new in zip(out.requests, out.num_new_tokens):
+        """Record a launched step: its tokens count as computed, and each sampling request has one more
+        token pending until the engine appends it."""
+        for i, (req, num_new) in enumerate(zip(out.requests, out.num_new_tokens)):
+            if out.samples(i):
+                req.num_pending_tokens += 1
             req.num_computed_tokens += num_new
 
     def finish(self, req: Request, status: RequestStatus) -> None:

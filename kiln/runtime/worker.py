@@ -46,8 +46,8 @@ class Worker:
         backend_cls = select_backend(config.attention_backend, layout, device)
         self.backend = backend_cls(layout, device)
         sched = config.scheduler
-        num_blocks = kv_cache_num_blocks(config.cache, spec, self.loaded.dtype, device, self.model,
-                                         sched.max_num_batched_tokens, self.num_kv_heads)
+        num_blocks = kv_cache_num_blocks(config.cache, spec, device, self.model, sched.max_num_batched_tokens,
+                                         layout)
         if agree_num_blocks is not None:  # every rank must page the same block ids
             num_blocks = agree_num_blocks(num_blocks)
         self.num_blocks = num_blocks

@@ -75,3 +75,27 @@ def test_dead_worker_stops_the_engine_with_a_clear_error() -> None:
             runtime.generate(PROMPTS[:1], PARAMS)
     finally:
         runtime.engine.shutdown()
+
+
+def test_start_up_watch_reports_a_worker_that_died(caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 would otherwise wait in a collective until the group times out, with no hint of why."""
+    import logging
+    import threading
+    import time
+
+    from kiln.runtime.distributed import watch_start_up
+
+    class DeadWorker:
+        exitcode = 7
+
+        def is_alive(self) -> bool:
+            return False
+
+    ready = threading.Event()
+    with caplog.at_level(logging.ERROR, logger="kiln"):
+        watch_start_up([DeadWorker()], ready)
+        deadline = time.monotonic() + 10
+        while "exited during start-up" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+    ready.set()
+    assert "worker rank 1 exited during start-up (code 7)" in caplog.text

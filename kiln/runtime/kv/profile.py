@@ -13,13 +13,12 @@ from kiln.runtime.attention.torch_backend import TorchAttentionBackend
 
 @torch.inference_mode()
 def profile_activation_peak(model: torch.nn.Module, device: torch.device, num_tokens: int,
-                            block_size: int = 16) -> int:
-    spec = model.spec
-    dtype = next(model.parameters()).dtype
+                            layout: AttentionLayout) -> int:
+    """`layout`: this rank's attention heads (a tensor-parallel rank holds a share of them)."""
+    block_size = layout.block_size
     num_blocks = math.ceil(num_tokens / block_size) + 1
-    cache = torch.zeros(num_blocks, 2, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
-    layout = AttentionLayout(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5,
-                             block_size, dtype)
+    cache = torch.zeros(num_blocks, 2, block_size, layout.num_kv_heads, layout.head_dim, dtype=layout.dtype,
+                        device=device)
     backend = TorchAttentionBackend(layout, device)
     i32 = dict(dtype=torch.int32, device=device)
     qsl = torch.tensor([0, num_tokens], dtype=torch.int32)

@@ -9,6 +9,7 @@ import torch
 
 from kiln.config import CacheConfig
 from kiln.models.base import ModelSpec
+from kiln.runtime.attention.base import AttentionLayout
 
 logger = logging.getLogger("kiln")
 
@@ -20,18 +21,18 @@ def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_kv
     return spec.num_layers * 2 * block_size * num_kv_heads * spec.head_dim * element
 
 
-def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                        model: torch.nn.Module, max_num_batched_tokens: int, num_kv_heads: int) -> int:
-    """num_kv_heads: this rank's share of the KV heads."""
+def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.device, model: torch.nn.Module,
+                        max_num_batched_tokens: int, layout: AttentionLayout) -> int:
+    """`layout`: this rank's share of the attention heads, its KV dtype and block size."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_block = bytes_per_block(spec, dtype, cache.block_size, num_kv_heads)
+    per_block = bytes_per_block(spec, layout.dtype, cache.block_size, layout.num_kv_heads)
     if cache.kv_cache_bytes is not None:
         budget = cache.kv_cache_bytes
     elif device.type == "cpu":
         budget = CPU_DEFAULT_KV_BYTES
     else:
-        budget = _gpu_budget(cache, device, model, max_num_batched_tokens)
+        budget = _gpu_budget(cache, device, model, max_num_batched_tokens, layout)
     num_blocks = budget // per_block + 1  # + the null block
     if num_blocks < 2:
         raise ValueError(f"KV cache budget of {budget} bytes holds no block ({per_block} bytes each); "
@@ -39,13 +40,14 @@ def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, dtype: torch.dtype,
     return int(num_blocks)
 
 
-def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module, num_tokens: int) -> int:
+def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module, num_tokens: int,
+                layout: AttentionLayout) -> int:
     """Budget = total * utilisation - (what is in use now + the activation peak of one forward)."""
     from kiln.runtime.kv.profile import profile_activation_peak
 
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    peak = profile_activation_peak(model, device, num_tokens)
+    peak = profile_activation_peak(model, device, num_tokens, layout)
     used = total - free
     budget = int(total * cache.gpu_memory_utilization) - used - peak
     logger.info("GPU memory: total %.1f GiB, in use %.1f GiB, activation peak %.2f GiB -> KV budget %.1f GiB",
