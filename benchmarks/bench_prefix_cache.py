@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--capture-sizes", type=int, nargs="*", default=None, help="CUDA graph sizes (GPU)")
     args = parser.parse_args()
     extra = {} if args.capture_sizes is None else dict(cudagraph_capture_sizes=tuple(args.capture_sizes))
+    if args.device == "cuda":  # a fixed pool: the second runtime must not size itself around the first's leftovers
+        extra["kv_cache_bytes"] = 8 << 30
     rows, results = [], {}
     for caching in (False, True):
         rt = Runtime(args.model, level=args.level, device=args.device, enable_prefix_caching=caching,
