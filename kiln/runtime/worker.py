@@ -6,11 +6,12 @@ Worker alone, driven by the batches rank 0 broadcasts (kiln/runtime/distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
-from kiln.config import RuntimeConfig
+from kiln.config import CUDAGraphMode, RuntimeConfig
 from kiln.models.base import ModelSpec
 from kiln.models.loader.load import LoadedModel, load_model
 from kiln.models.parallel import tp_size
@@ -63,6 +64,12 @@ class Worker:
         from kiln.compiler import CompileStats, install_compiler
 
         self.compilation = self.config.compilation.resolve(self.device, self.config.scheduler.max_num_batched_tokens)
+        graphs = self.compilation.cudagraph_mode not in (None, CUDAGraphMode.NONE)
+        if graphs and tp_size() > 1 and self.device.type == "cuda":
+            # graphs capture under TP on GPUs, but serving from them hung on a 2x H200 (docs/distributed.md):
+            # run the compiled pieces without graphs rather than hang
+            logger.warning("CUDA graphs are not supported with tensor parallelism on GPUs yet; running without")
+            self.compilation = dataclasses.replace(self.compilation, cudagraph_mode=CUDAGraphMode.NONE)
         from kiln.cache import store_factory
         from kiln.models.parallel import tp_rank
 

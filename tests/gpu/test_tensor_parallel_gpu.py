@@ -1,5 +1,6 @@
-"""Tensor parallelism over NCCL on 2 GPUs: greedy tokens equal TP=1 on a tiny fp32 model, without and with
-compilation + CUDA graphs (the all-reduces run inside the compiled pieces and the captured graphs)."""
+"""Tensor parallelism over NCCL on 2 GPUs: greedy tokens equal TP=1 on a tiny fp32 model, eager and compiled
+(the all-reduces run inside the compiled pieces). CUDA graphs are turned off under TP on GPUs for now
+(serving from them hung on a 2x H200): asking for them must degrade to no graphs, not hang."""
 
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ def test_tp2_matches_tp1_on_gpus(reference, level: int, mode: str) -> None:
         assert runtime.engine.kv_cache.shape[-2] == 1  # one of the two KV heads per GPU
         if level:
             assert runtime.compile_stats.compiles_after_warmup == 0
-        if mode != "NONE":
-            assert runtime.engine.graph_replays.get("FULL", 0) > 0  # NCCL all-reduce replayed inside graphs
+        assert runtime.engine.worker.graph_pool is None  # FULL_AND_PIECEWISE asked: degraded to no graphs
     finally:
         runtime.engine.shutdown()
