@@ -8,6 +8,9 @@ import logging
 import sys
 from typing import Any
 
+from kiln.config import CUDAGraphMode
+from kiln.passes.config import ALL_PASSES
+
 # subcommand -> module with `add_parser(subparsers)`; each sets `func` on its parser
 SUBCOMMANDS = {
     "generate": "kiln.cli_generate",
@@ -40,6 +43,16 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="overlap each step's scheduling and token processing with the previous forward")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                        help="shard the model over N GPUs (or N CPU processes) of this host")
+    parser.add_argument("--cudagraph-mode", default=None, choices=CUDAGraphMode.ALL,
+                        help="override the level's CUDA graph mode")
+    parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
+                        help="token counts to capture graphs for (default: 1, 2, 4, 8, 16, ... up to 512)")
+    parser.add_argument("--compile-sizes", type=int, nargs="*", default=None, metavar="N",
+                        help="exact token counts compiled with static shapes (none: the ranges serve all)")
+    parser.add_argument("--passes", nargs="*", default=None, metavar="PASS",
+                        help=f"kiln fusion passes to enable ({', '.join(ALL_PASSES)}); none given: all off")
     parser.add_argument("--compile-dump", default=None, metavar="DIR",
                         help="write Dynamo/depyf, split-graph and Inductor output code here")
     parser.add_argument("--seed", type=int, default=0)
@@ -50,9 +63,14 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "load_format": args.load_format,
                               "attention_backend": args.attention_backend, "seed": args.seed}
     for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes",
-                 "gpu_memory_utilization"):
+                 "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
+    for name in ("cudagraph_capture_sizes", "compile_sizes"):
+        if getattr(args, name, None) is not None:
+            kwargs[name] = tuple(getattr(args, name))
+    if getattr(args, "passes", None) is not None:
+        kwargs.update(passes=tuple(args.passes), enable_passes=bool(args.passes))
     if getattr(args, "no_prefix_caching", False):
         kwargs["enable_prefix_caching"] = False
     if getattr(args, "async_scheduling", False):

@@ -126,6 +126,12 @@ class CompilationConfig:
             raise ValueError(f"level must be 0, 1, 2 or 3, got {self.level!r}")
         if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGraphMode.ALL:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGraphMode.ALL}, got {self.cudagraph_mode!r}")
+        if self.passes is not None:
+            from kiln.passes.config import ALL_PASSES  # a leaf module (no torch): the pass names
+
+            unknown = [p for p in self.passes if p.partition("<=")[0] not in ALL_PASSES]
+            if unknown:
+                raise ValueError(f"unknown passes {unknown}; passes: {', '.join(ALL_PASSES)}")
         for name in ("compile_sizes", "compile_ranges", "cudagraph_capture_sizes"):
             sizes = getattr(self, name)
             if sizes is not None and any(int(s) < 1 for s in sizes):

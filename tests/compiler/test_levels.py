@@ -109,3 +109,20 @@ def test_cli_level_flags(argv: list[str], level: int | None) -> None:
     assert kwargs.get("level") == level  # unset: the CompilationConfig default (2) applies
     assert kwargs["debug_dump_path"] == "/tmp/d"
     assert build_config(None, **kwargs).compilation.level == (2 if level is None else level)
+
+
+def test_cli_compile_and_parallel_flags_reach_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_runtime_args(parser)
+    argv = ["-O1", "--cudagraph-mode", "PIECEWISE", "--cudagraph-capture-sizes", "1", "8", "--compile-sizes",
+            "--passes", "silu_mul", "--tensor-parallel-size", "2"]
+    config = build_config("tiny-llama", **runtime_kwargs(parser.parse_args(argv)))
+    c = config.compilation
+    assert (c.cudagraph_mode, c.cudagraph_capture_sizes, c.compile_sizes) == ("PIECEWISE", (1, 8), ())
+    assert (c.passes, c.enable_passes, config.tensor_parallel_size) == (("silu_mul",), True, 2)
+    plain = build_config("tiny-llama", **runtime_kwargs(parser.parse_args([])))
+    assert plain.tensor_parallel_size == 1 and plain.compilation.passes is None
+    off = runtime_kwargs(parser.parse_args(["--passes"]))
+    assert off["enable_passes"] is False
+    with pytest.raises(SystemExit):  # argparse rejects an unknown graph mode
+        parser.parse_args(["--cudagraph-mode", "SOMETIMES"])
