@@ -3,7 +3,7 @@
 Each start runs in a fresh process (`kiln warmup`), as a real restart would: same model, same fresh cache
 directory. "Cold" fills the cache, "warm" loads it. The issue's target is warm <= 25% of cold.
 
-    python -m benchmarks.bench_compile_cache [MODEL] [-O2] [--device cpu] [--repeats 1]
+    python -m benchmarks.bench_compile_cache [MODEL] [-O2] [--device cpu] [--repeats 1] [kiln warmup flags]
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ def main() -> None:
     parser.add_argument("-O", dest="level", type=int, default=2, choices=[1, 2, 3])
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=1, help="warm starts to run (the best is reported)")
-    parser.add_argument("--max-num-batched-tokens", default=None)
-    args = parser.parse_args()
-    extra = ["--max-num-batched-tokens", args.max_num_batched_tokens] if args.max_num_batched_tokens else []
+    args, extra = parser.parse_known_args()  # anything else goes to `kiln warmup` (e.g. --cudagraph-capture-sizes)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-cache-") as cache_dir, \
             tempfile.TemporaryDirectory(prefix="kiln-bench-inductor-") as inductor_dir, \
             tempfile.TemporaryDirectory(prefix="kiln-bench-inductor-empty-") as empty_dir:
