@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,27 @@ def prompt_logits(runtime, prompt: list[int]) -> torch.Tensor:
             return engine.model.compute_logits(hidden[: len(prompt)]).float()
     finally:
         engine.kv.free(req)
+
+
+def assert_pool_clean(runtime) -> None:
+    """No request holds KV blocks or waits anywhere: what every leak test ends with."""
+    engine = runtime.engine
+    assert engine.kv.num_allocated_requests == 0
+    assert engine.pool.num_free == engine.pool.num_usable
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.parents
+
+
+def add_mixed_requests(engine, count: int, seed: int, *, stop_tokens: bool = False) -> tuple[list[str], random.Random]:
+    """`count` random requests (lengths 1..120, greedy or sampled, n 1 or 2, some seeded, optionally random stop
+    token ids) for leak tests; returns their ids and the generator to keep drawing abort decisions from."""
+    from kiln import SamplingParams
+
+    rng = random.Random(0)
+    prompts = random_prompts([rng.randint(1, 120) for _ in range(count)], 256, seed=seed)
+    ids = []
+    for i, prompt in enumerate(prompts):
+        extra = {"stop_token_ids": rng.choice([[], [rng.randint(3, 255)]])} if stop_tokens else {}
+        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]),
+                                n=rng.choice([1, 1, 2]), seed=rng.choice([None, i]), **extra)
+        ids.append(engine.add_request(prompt, params))
+    return ids, rng

@@ -16,7 +16,7 @@ import pytest
 from kiln import Runtime, SamplingParams
 from kiln.cli import add_runtime_args, runtime_kwargs
 from kiln.runtime.runtime import build_config
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import add_mixed_requests, assert_pool_clean, hf_greedy, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +58,6 @@ def assert_same(runtime: Runtime, prompts, params) -> list:
     assert summary(overlapped) == summary(sync)
     assert_pool_clean(runtime)
     return overlapped
-
-
-def assert_pool_clean(runtime: Runtime) -> None:
-    engine = runtime.engine
-    assert engine.kv.num_allocated_requests == 0
-    assert engine.pool.num_free == engine.pool.num_usable
-    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.parents
 
 
 def mixed_params(n: int, seed: int, **kwargs) -> list[SamplingParams]:
@@ -211,14 +204,8 @@ def test_logprobs(runtime) -> None:
 def test_abort_in_flight_and_no_block_leak(checkpoint) -> None:
     runtime = make(checkpoint, max_num_batched_tokens=96, num_blocks=40, max_num_seqs=16)
     engine = runtime.engine
-    rng = random.Random(0)
-    prompts = random_prompts([rng.randint(1, 120) for _ in range(200)], 256, seed=31)
-    ids, finished, aborted = [], 0, 0
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]),
-                                n=rng.choice([1, 1, 2]), seed=rng.choice([None, i]),
-                                stop_token_ids=rng.choice([[], [rng.randint(3, 255)]]))
-        ids.append(engine.add_request(prompt, params))
+    ids, rng = add_mixed_requests(engine, 200, seed=31, stop_tokens=True)
+    finished = aborted = 0
     live = set(ids)
     in_flight_aborts = 0
     while engine.has_unfinished():

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import add_mixed_requests, assert_pool_clean, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -26,13 +24,6 @@ def make(checkpoint, **kwargs) -> Runtime:
 @pytest.fixture(scope="module")
 def runtime(checkpoint) -> Runtime:
     return make(checkpoint, max_num_batched_tokens=256)
-
-
-def assert_pool_clean(runtime: Runtime) -> None:
-    engine = runtime.engine
-    assert engine.kv.num_allocated_requests == 0
-    assert engine.pool.num_free == engine.pool.num_usable
-    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.parents
 
 
 def test_output_invariant_to_batching_chunking_and_preemption(checkpoint, runtime) -> None:
@@ -132,13 +123,8 @@ def test_eos_stops_unless_ignored(checkpoint) -> None:
 def test_no_block_leak_after_mixed_and_aborted_requests(checkpoint) -> None:
     runtime = make(checkpoint, max_num_batched_tokens=96, num_blocks=40, max_num_seqs=16)
     engine = runtime.engine
-    rng = random.Random(0)
-    prompts = random_prompts([rng.randint(1, 120) for _ in range(200)], 256, seed=11)
-    ids, finished, aborted = [], 0, 0
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]),
-                                n=rng.choice([1, 1, 2]), seed=rng.choice([None, i]))
-        ids.append(engine.add_request(prompt, params))
+    ids, rng = add_mixed_requests(engine, 200, seed=11)
+    finished = aborted = 0
     live = set(ids)
     while engine.has_unfinished():
         if rng.random() < 0.3 and live:
