@@ -252,7 +252,10 @@ class EngineLoop:
 
     def _fail_everything(self) -> None:
         """On the way out: abort what is left (freeing its blocks) and answer every pending command."""
-        error = EngineUnavailableError("the server is shutting down", "shutting_down")
+        if self.dead is None:
+            error = EngineUnavailableError("the server is shutting down", "shutting_down")
+        else:  # say why: e.g. a tensor-parallel worker died (EngineDeadError names the rank)
+            error = EngineUnavailableError(f"the engine stopped: {self.dead}", "engine_dead")
         for request_id in list(self._streams):
             self._abort(request_id, error, "abort")
         while True:
