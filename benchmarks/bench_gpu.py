@@ -344,6 +344,8 @@ def main() -> None:
         if name == "profile":
             p.add_argument("--model", default="smollm2-135m")
             p.add_argument("--batch", type=int, default=1)
+        if name in ("throughput", "profile", "matrix", "tp"):
+            p.add_argument("--async-scheduling", action="store_true", help="overlap host work with the GPU")
         if name == "throughput":
             p.add_argument("--model", default="llama3-8b")
             p.add_argument("--requests", type=int, default=256)
@@ -352,6 +354,8 @@ def main() -> None:
     args = parser.parse_args()
     COMPILE_OPTIONS.update(cudagraph_capture_sizes=tuple(args.capture_sizes), compile_sizes=tuple(args.compile_sizes),
                            enable_passes=args.passes)
+    if args.cmd != "decode":  # decode measures both modes on one runtime (--async-scheduling off|on|both)
+        COMPILE_OPTIONS["async_scheduling"] = args.async_scheduling
     ceil = measure_ceilings()
     print(f"{stamp()}\ncopy bandwidth {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
