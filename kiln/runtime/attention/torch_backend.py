@@ -52,16 +52,13 @@ class TorchAttentionBackend(AttentionBackend):
                      q_start: int, q_end: int, seq_len: int) -> None:
         layout = self.layout
         blocks = block_row[: -(-seq_len // layout.block_size)].long()
-        group = layout.num_heads // layout.num_kv_heads
-        keys = kv_cache[blocks, 0].reshape(-1, layout.num_kv_heads, layout.head_dim)[:seq_len]
-        values = kv_cache[blocks, 1].reshape(-1, layout.num_kv_heads, layout.head_dim)[:seq_len]
-        keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
-        values = values.transpose(0, 1).repeat_interleave(group, dim=0)
+        keys = kv_cache[blocks, 0].reshape(-1, layout.num_kv_heads, layout.head_dim)[:seq_len].transpose(0, 1)
+        values = kv_cache[blocks, 1].reshape(-1, layout.num_kv_heads, layout.head_dim)[:seq_len].transpose(0, 1)
         q_len = q_end - q_start
         # query token j sits at position (seq_len - q_len + j) and sees keys at positions <= that
         mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=seq_len - q_len)
         attn = F.scaled_dot_product_attention(q[q_start:q_end].transpose(0, 1), keys, values, attn_mask=mask,
-                                              scale=layout.scale)
+                                              scale=layout.scale, enable_gqa=True)
         out[q_start:q_end] = attn.transpose(0, 1)
 
     def _attend(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -70,11 +67,10 @@ class TorchAttentionBackend(AttentionBackend):
         layout, device = self.layout, q.device
         num_blocks = -(-max(lens) // layout.block_size)
         blocks = block_tables[torch.tensor(rows, device=device), :num_blocks].long()  # [R, n]
-        group = layout.num_heads // layout.num_kv_heads
 
-        def gather(which: int) -> torch.Tensor:  # [R, H, L, D]
+        def gather(which: int) -> torch.Tensor:  # [R, Hkv, L, D]
             x = kv_cache[blocks, which].reshape(len(rows), -1, layout.num_kv_heads, layout.head_dim)
-            return x.transpose(1, 2).repeat_interleave(group, dim=1)
+            return x.transpose(1, 2)
 
         keys, values = gather(0), gather(1)
         width = max(q_lens)
@@ -94,5 +90,6 @@ class TorchAttentionBackend(AttentionBackend):
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & real[:, :, None]
         mask[:, :, 0] |= ~real
         query = q[tokens].transpose(1, 2)  # [R, H, width, D]
-        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=layout.scale)
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=layout.scale,
+                                              enable_gqa=True)  # query heads share KV heads without copies
         out[tokens[real]] = attn.transpose(1, 2)[real]
