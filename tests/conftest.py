@@ -99,12 +99,14 @@ def add_mixed_requests(engine, count: int, seed: int, *, stop_tokens: bool = Fal
     token ids) for leak tests; returns their ids and the generator to keep drawing abort decisions from."""
     from kiln import SamplingParams
 
+    torch.manual_seed(seed)  # unseeded sampled requests draw from the global generator: same run every time
     rng = random.Random(0)
     prompts = random_prompts([rng.randint(1, 120) for _ in range(count)], 256, seed=seed)
     ids = []
     for i, prompt in enumerate(prompts):
-        extra = {"stop_token_ids": rng.choice([[], [rng.randint(3, 255)]])} if stop_tokens else {}
-        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]),
-                                n=rng.choice([1, 1, 2]), seed=rng.choice([None, i]), **extra)
-        ids.append(engine.add_request(prompt, params))
+        kwargs = dict(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]), n=rng.choice([1, 1, 2]),
+                      seed=rng.choice([None, i]))
+        if stop_tokens:
+            kwargs["stop_token_ids"] = rng.choice([[], [rng.randint(3, 255)]])
+        ids.append(engine.add_request(prompt, SamplingParams(**kwargs)))
     return ids, rng

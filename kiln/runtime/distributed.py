@@ -12,6 +12,7 @@ on one host get those variables set, and processes started by `torchrun` across 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -49,6 +50,9 @@ def _free_port() -> int:
 
 def init_tensor_parallel(rank: int, world: int, device: torch.device) -> dist.ProcessGroup:
     """Join the group (env:// rendezvous) and publish it to the model layers; returns the CPU group."""
+    if after := float(os.environ.get("KILN_DUMP_STACKS_AFTER", "0")):
+        # debugging a hang: every rank prints all its threads' Python stacks every `after` seconds
+        faulthandler.dump_traceback_later(after, repeat=True)
     timeout = timedelta(seconds=float(os.environ.get("KILN_TP_TIMEOUT", "300")))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
