@@ -39,6 +39,7 @@ ARTIFACT_SUFFIX = ".kart"
 READY = "ready.json"
 SPLIT_GRAPH = "split_graph.txt"
 FACTORS = "cache_key_factors.json"
+CAPTURE = "captured_graph.bin"  # the split graph and its input sources: lets a warm start skip Dynamo
 LOCK = ".lock"
 DEFAULT_LOCK_TIMEOUT = 1800.0  # a cold -O3 start of a large model can take this long
 
@@ -193,9 +194,27 @@ class CompileCacheStore:
             return
         self.saves += 1
 
-    def finish(self, split_graph: str | None = None, compile_seconds: float | None = None) -> None:
-        """After warm-up: record the split graph and mark the key ready (if we wrote), release the lock."""
+    def load_capture(self) -> bytes | None:
+        """The saved captured graph of a ready key (None otherwise); a damaged one is deleted, not used."""
+        if self.mode == "closed":
+            self.begin()
+        path = self.dir / CAPTURE
+        if self.mode != "read" or not path.is_file():
+            return None
         try:
+            return unpack(path.read_bytes())
+        except Exception as exc:  # noqa: BLE001 - fall back to tracing, never to a wrong graph
+            logger.warning("compile cache %s: discarding %s (%s); tracing with Dynamo", self.key[:12], CAPTURE, exc)
+            path.unlink(missing_ok=True)
+            return None
+
+    def finish(self, split_graph: str | None = None, compile_seconds: float | None = None,
+               capture: bytes | None = None) -> None:
+        """After warm-up: record the split graph (text, and `capture` for warm starts) and mark the key ready
+        (if we wrote), release the lock."""
+        try:
+            if capture is not None and self.mode != "closed" and not (self.dir / CAPTURE).is_file():
+                atomic_write(self.dir / CAPTURE, pack(capture))  # also replaces one found damaged on a hit
             if self.mode in ("write", "private") or (self.recovered and not self.ready):
                 if split_graph is not None:
                     atomic_write(self.dir / SPLIT_GRAPH, split_graph.encode())

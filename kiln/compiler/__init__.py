@@ -110,7 +110,8 @@ def _finish_store(store: Any, compiled: CompiledForward) -> None:
 
     stats = compiled.stats
     capture = compiled.backend.capture
-    store.finish(split_graph_text(capture.split) if capture is not None else None, stats.warmup_seconds)
+    store.finish(split_graph_text(capture.split) if capture is not None else None, stats.warmup_seconds,
+                 capture.saved if capture is not None else None)
     stats.cache_key = store.key
     stats.cache_hits, stats.cache_saves, stats.cache_recovered = store.hits, store.saves, store.recovered
     stats.cold_warmup_seconds = store.cold_seconds

@@ -18,13 +18,14 @@ import sympy
 import torch
 from torch import fx
 
+from kiln.compiler import saved_capture
 from kiln.compiler.dump import DebugDump
 from kiln.compiler.fakes import token_symbol
 from kiln.compiler.inductor import InductorCompiler
 from kiln.compiler.piecewise import PieceRunner, compile_pieces, generated_forward, install_runners
 from kiln.compiler.ranges import Dispatcher
 from kiln.compiler.split import SplitGraph, split_at_attention
-from kiln.compiler.stats import CompileStats
+from kiln.compiler.stats import CompileStats, PieceStats
 
 logger = logging.getLogger("kiln.compiler")
 
@@ -40,6 +41,8 @@ class Capture:
     example_inputs: list[Any] = field(default_factory=list)  # the trace's real inputs; cleared after checks
     outputs: Any = None  # what the graph returned on the trace's own call; cleared after checks
     record: bool = True
+    saved: bytes | None = None  # this capture for the artifact cache (saved_capture.py); None if not picklable
+    inputs: list[saved_capture.InputInfo] = field(default_factory=list)  # set when loaded from the cache
 
 
 class KilnBackend:
@@ -66,11 +69,12 @@ class KilnBackend:
         self.stats.num_pieces = len(split.pieces)
         self.stats.num_attention_pieces = sum(p.is_attention for p in split.pieces)
         runners = self._compile(split, symbol)
+        sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        saved = _save(split, runners, sources, list(example_inputs)) if self.compiler.store is not None else None
         install_runners(split, runners)
         if self.dump is not None:
             self.dump.write_split_graph(split, self.dispatcher)
-        capture = Capture(gm, split, runners, [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"],
-                          list(example_inputs))
+        capture = Capture(gm, split, runners, sources, list(example_inputs), saved=saved)
         self.capture = capture
         forward = generated_forward(split.module)
 
@@ -81,6 +85,33 @@ class KilnBackend:
             return out
 
         return run
+
+    def restore(self, saved: saved_capture.SavedCapture) -> Capture:
+        """The capture of an earlier start, every artifact loaded from the cache (no Dynamo, no Inductor);
+        raises if any artifact is missing (the caller then traces as usual)."""
+        split = saved.split_graph()
+        runners: dict[str, PieceRunner] = {}
+        infos = {p.name: p for p in saved.pieces}
+        for piece_hash, group in split.distinct().items():
+            self.stats.pieces.setdefault(piece_hash[:12], PieceStats(
+                piece_hash[:12], [p.name for p in group], sum(1 for _ in group[0].module.graph.nodes)))
+            compiled = {}
+            for key in self.dispatcher.keys:
+                fn = self.compiler.load(group[0].module, key, piece_hash)
+                if fn is None:
+                    raise LookupError(f"no cached artifact for piece {piece_hash[:12]} at {key}")
+                compiled[key] = fn
+            for piece in group:
+                info = infos[piece.name]
+                runners[piece.name] = PieceRunner(piece.name, piece_hash, dict(compiled), self.dispatcher,
+                                                  info.token_arg, info.token_arg_is_tensor)
+        install_runners(split, runners)
+        self.stats.num_pieces = len(split.pieces)
+        self.stats.num_attention_pieces = sum(p.is_attention for p in split.pieces)
+        self.stats.capture_loaded = True
+        self.capture = Capture(split.module, split, runners, [i.source for i in saved.inputs], record=False,
+                               inputs=saved.inputs)
+        return self.capture
 
     def _compile(self, split: SplitGraph, symbol: sympy.Symbol | None) -> dict[str, PieceRunner]:
         from tqdm.auto import tqdm
@@ -127,6 +158,22 @@ def check_token_count_guards(gm: fx.GraphModule, symbol: sympy.Symbol | None, ma
             if value == sympy.false:  # unevaluated leftovers (e.g. FloorDiv) are given the benefit
                 raise ValueError(f"the model's forward depends on the token count (Dynamo guard {expr} fails "
                                  f"for {n} tokens); kiln needs one graph valid for every token count")
+
+
+def _save(split: SplitGraph, runners: dict[str, PieceRunner], sources: list[str | None],
+          example_inputs: list[Any]) -> bytes | None:
+    """Inputs whose source does not go through the model (`L['self']`) are the per-call token tensors."""
+    try:
+        per_call = {i for i, src in enumerate(sources) if src is not None and "L['self']" not in src}
+        pieces = [saved_capture.PieceInfo(p.name, p.structural_hash, p.is_attention,
+                                          None if p.is_attention else runners[p.name].token_arg,
+                                          False if p.is_attention else runners[p.name].token_arg_is_tensor)
+                  for p in split.pieces]
+        return saved_capture.dump(split.module, pieces, saved_capture.describe_inputs(sources, example_inputs,
+                                                                                      per_call))
+    except Exception as exc:  # noqa: BLE001 - only a later start's shortcut is lost
+        logger.info("the captured graph cannot be saved (%s); warm starts will trace it again", exc)
+        return None
 
 
 def _source_name(node: fx.Node) -> str | None:

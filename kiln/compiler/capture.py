@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.compiler import saved_capture
 from kiln.compiler.backend import Capture, KilnBackend
 from kiln.compiler.dump import DebugDump
 from kiln.compiler.piecewise import generated_forward
@@ -58,7 +59,35 @@ class CompiledForward:
         direct = self._direct
         if direct is not None:
             return direct(input_ids, positions)
+        if self.backend.capture is None and self._direct_from_cache((input_ids, positions)):
+            return self._direct(input_ids, positions)
         return self._call_dynamo(input_ids, positions)
+
+    def _direct_from_cache(self, args: tuple[torch.Tensor, ...]) -> bool:
+        """A warm start: the split graph an earlier start saved beside its artifacts, checked against this
+        model, replaces the Dynamo trace. False (trace as usual) when there is none or it does not fit."""
+        store = self.backend.compiler.store
+        load_capture = getattr(store, "load_capture", None)
+        if load_capture is None or self.dump is not None:  # dumps need the trace itself
+            return False
+        blob = load_capture()
+        if blob is None:
+            return False
+        hits_before = getattr(store, "hits", 0)
+        try:
+            capture = self.backend.restore(saved_capture.load(blob))
+            infos = capture.inputs
+            self._direct = _direct_caller(capture, self.model, self._fn, self._argnames, args,
+                                          lambda i, value: saved_capture.matches(infos[i], value))
+        except Exception as exc:  # noqa: BLE001 - any doubt means: trace with Dynamo as usual
+            logger.warning("not using the cached captured graph (%s); tracing with Dynamo", exc)
+            self.backend.capture = None
+            self.backend.stats.capture_loaded = False
+            self.backend.stats.pieces.clear()
+            if hasattr(store, "hits"):
+                store.hits = hits_before  # the trace loads them again: count what is used once
+            return False
+        return True
 
     def _call_dynamo(self, *args: torch.Tensor) -> torch.Tensor:
         first = self.backend.capture is None
@@ -75,8 +104,17 @@ class CompiledForward:
         return out
 
     def _make_direct(self, capture: Capture, args: tuple[torch.Tensor, ...], out: Any) -> DirectFn | None:
+        outputs = capture.outputs
+        expected = capture.example_inputs
+
+        def traced(i: int, value: Any) -> bool:
+            want = expected[i]
+            return value is want if isinstance(want, torch.Tensor) else value == want
+
         try:
-            return _direct_caller(capture, self.model, self._fn, self._argnames, args, out)
+            if not (isinstance(outputs, (tuple, list)) and len(outputs) == 1 and outputs[0] is out):
+                raise _Mismatch("the forward's result is not the graph's single output")
+            return _direct_caller(capture, self.model, self._fn, self._argnames, args, traced)
         except _Mismatch as exc:
             logger.warning("calling the compiled graph directly is not possible (%s); calls keep going "
                            "through Dynamo's guards", exc)
@@ -104,10 +142,9 @@ def _private_forward(model: nn.Module) -> Callable[..., Any]:
 
 
 def _direct_caller(capture: Capture, model: nn.Module, fn: Callable[..., Any], argnames: list[str],
-                   args: tuple[torch.Tensor, ...], out: Any) -> DirectFn:
-    outputs = capture.outputs
-    if not (isinstance(outputs, (tuple, list)) and len(outputs) == 1 and outputs[0] is out):
-        raise _Mismatch("the forward's result is not the graph's single output")
+                   args: tuple[torch.Tensor, ...], fits: Callable[[int, Any], bool]) -> DirectFn:
+    """Graph inputs from their sources: model attributes resolved once, token tensors per call; `fits(i,
+    value)` must accept every value this call gives (the traced input itself, or its recorded shape)."""
     scope: dict[str, Any] = {"G": fn.__globals__}
     with contextlib.suppress(Exception):  # helpers that some torch versions use inside source names
         from torch._dynamo.guards import CLOSURE_VARS
@@ -116,7 +153,7 @@ def _direct_caller(capture: Capture, model: nn.Module, fn: Callable[..., Any], a
     frame = {"self": model, **dict(zip(argnames, args))}
     template: list[Any] = [None] * len(capture.sources)
     per_call: list[tuple[int, Callable[[dict[str, Any]], Any]]] = []
-    for i, (source, expected) in enumerate(zip(capture.sources, capture.example_inputs)):
+    for i, source in enumerate(capture.sources):
         if source is None:
             raise _Mismatch(f"graph input {i} has no source")
         try:
@@ -128,8 +165,7 @@ def _direct_caller(capture: Capture, model: nn.Module, fn: Callable[..., Any], a
                 value = template[i] = eval(source, {**scope, "L": frame})  # noqa: S307
         except Exception as exc:  # noqa: BLE001 - any failure means: do not bypass
             raise _Mismatch(f"cannot evaluate {source}: {exc}") from exc
-        same = value is expected if isinstance(expected, torch.Tensor) else value == expected
-        if not same:
+        if not fits(i, value):
             raise _Mismatch(f"{source} does not evaluate to the traced input {i}")
     forward = generated_forward(capture.split.module)
 

@@ -55,13 +55,17 @@ class InductorCompiler:
         self.dump = dump
         self.store = store
 
+    def load(self, gm: fx.GraphModule, key: CompileKey, piece_hash: str) -> CompiledFn | None:
+        """The cached artifact only (None without a store or on a miss)."""
+        loaded = self.store.load(piece_hash, key) if self.store is not None else None
+        return with_output_structure(gm, loaded) if loaded is not None else None
+
     def compile(self, gm: fx.GraphModule, key: CompileKey, symbol: sympy.Symbol | None,
                 piece_hash: str) -> tuple[CompiledFn, bool]:
         """-> (callable taking the piece's inputs, whether Inductor actually compiled: False on a store hit)."""
-        if self.store is not None:
-            loaded = self.store.load(piece_hash, key)
-            if loaded is not None:
-                return with_output_structure(gm, loaded), False
+        loaded = self.load(gm, key, piece_hash)
+        if loaded is not None:
+            return loaded, False
         fake_mode, inputs = example_inputs(gm, key, symbol)
         dump = self.dump.inductor_output(f"{piece_hash[:12]}_{key}") if self.dump else contextlib.nullcontext()
         scope = compiling(f"{piece_hash[:12]}_{key}", key)  # which range/size the post-grad passes serve

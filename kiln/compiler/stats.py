@@ -43,6 +43,7 @@ class CompileStats:
     cache_saves: int = 0
     cache_recovered: int = 0  # corrupt artifacts discarded and recompiled
     cold_warmup_seconds: float | None = None  # warm-up of the start that filled the cache, on a hit
+    capture_loaded: bool = False  # the split graph came from the cache: no Dynamo trace at all
 
     def record_trace(self, seconds: float) -> None:
         self.dynamo_traces += 1
@@ -85,5 +86,6 @@ class CompileStats:
         if self.cache_key is None:
             return ""
         cold = f" (cold start: {self.cold_warmup_seconds:.1f} s)" if self.cold_warmup_seconds is not None else ""
-        return (f"; compile cache {self.cache_key[:12]}: {self.cache_hits} loaded, {self.cache_saves} saved, "
+        graph = ", captured graph loaded (no trace)" if self.capture_loaded else ""
+        return (f"; compile cache {self.cache_key[:12]}: {self.cache_hits} loaded{graph}, {self.cache_saves} saved, "
                 f"{self.cache_recovered} recovered; compile phase {self.warmup_seconds:.1f} s{cold}")

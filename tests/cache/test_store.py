@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kiln import Runtime, SamplingParams
-from kiln.cache.store import ARTIFACT_SUFFIX, READY, compile_root, verify_file
+from kiln.cache.store import ARTIFACT_SUFFIX, CAPTURE, READY, compile_root, pack, unpack, verify_file
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.slow
@@ -79,6 +79,8 @@ def test_warm_start_compiles_nothing(cold: Runtime, checkpoint: Path, tmp_path: 
     warm = Runtime(str(moved), **OPTIONS)
     stats = warm.compile_stats
     assert stats.inductor_compiles == 0 and stats.cache_hits == 3, stats.summary()
+    assert stats.dynamo_traces == 0 and stats.capture_loaded, stats.summary()  # the saved split graph, no trace
+    assert warm.compile_stats.num_pieces == cold.compile_stats.num_pieces
     assert stats.cache_key == cold.compile_stats.cache_key
     assert stats.cold_warmup_seconds is not None
     assert greedy(warm) == greedy(cold)
@@ -99,6 +101,41 @@ def test_damaged_artifact_is_recompiled(damage: str, cold: Runtime, checkpoint: 
     assert verify_file(victim) is None  # rewritten, and the key is ready again
     assert (victim.parent / READY).is_file()
     assert greedy(runtime) == greedy(cold)
+
+
+def test_damaged_captured_graph_falls_back_to_tracing(cold: Runtime, checkpoint: Path, cache_dir: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    saved = next(compile_root(cache_dir).rglob(CAPTURE))
+    data = saved.read_bytes()
+    saved.write_bytes(data[: len(data) // 2])
+    with caplog.at_level(logging.WARNING, logger="kiln.cache"):
+        runtime = Runtime(str(checkpoint), **OPTIONS)
+    stats = runtime.compile_stats
+    assert stats.dynamo_traces == 1 and not stats.capture_loaded and stats.inductor_compiles == 0
+    assert any(CAPTURE in r.getMessage() for r in caplog.records)
+    assert greedy(runtime) == greedy(cold)
+    assert unpack(saved.read_bytes())  # saved again by the start that traced
+
+
+def test_captured_graph_that_does_not_fit_the_model_is_not_used(cold: Runtime, checkpoint: Path, cache_dir: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    from kiln.compiler import saved_capture
+
+    path = next(compile_root(cache_dir).rglob(CAPTURE))
+    original = path.read_bytes()
+    saved = saved_capture.load(unpack(original))
+    first = next(i for i, info in enumerate(saved.inputs) if info.shape is not None)
+    saved.inputs[first] = saved_capture.InputInfo(saved.inputs[first].source, (3, 3), saved.inputs[first].dtype)
+    path.write_bytes(pack(saved_capture.dump(saved.split_module, saved.pieces, saved.inputs)))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kiln.compiler"):
+            runtime = Runtime(str(checkpoint), **OPTIONS)
+        stats = runtime.compile_stats
+        assert stats.dynamo_traces == 1 and stats.inductor_compiles == 0 and stats.cache_hits == 3
+        assert any("does not evaluate to the traced input" in r.getMessage() for r in caplog.records)
+        assert greedy(runtime) == greedy(cold)
+    finally:
+        path.write_bytes(original)
 
 
 def test_disabled_cache_compiles(cold: Runtime, checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
