@@ -21,13 +21,9 @@ import operator
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, erase_if_dead, set_fake_value
+from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value
 
 aten, prims = torch.ops.aten, torch.ops.prims
-
-
-def _is(node: object, *targets: object) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _other(node: fx.Node, one: fx.Node) -> object:
@@ -38,7 +34,7 @@ def _other(node: fx.Node, one: fx.Node) -> object:
 
 def _through_cast(node: fx.Node) -> fx.Node:
     """The node a convert_element_type reads, else the node itself."""
-    return node.args[0] if _is(node, prims.convert_element_type.default) else node  # type: ignore[return-value]
+    return node.args[0] if is_call(node, prims.convert_element_type.default) else node  # type: ignore[return-value]
 
 
 class AddRMSNormPass(KilnPass):
@@ -48,14 +44,14 @@ class AddRMSNormPass(KilnPass):
         import kiln.passes.ops  # noqa: F401 - registers the ops
 
         count = 0
-        for rsqrt in list(graph.nodes):
-            if not _is(rsqrt, aten.rsqrt.default) or getattr(rsqrt, "_erased", False):
+        for rsqrt in live_nodes(graph):
+            if not is_call(rsqrt, aten.rsqrt.default):
                 continue
             match = self._match(rsqrt)
             if match is None:
                 continue
             x, weight, eps, out, dead = match
-            summed = x if _is(x, aten.add.Tensor) and self._fusable_add(x) else None
+            summed = x if is_call(x, aten.add.Tensor) and self._fusable_add(x) else None
             with graph.inserting_after(x):
                 if summed is not None:
                     a, b = summed.args[:2]
@@ -87,14 +83,14 @@ class AddRMSNormPass(KilnPass):
     @staticmethod
     def _match(rsqrt: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node, list[fx.Node]] | None:
         add_eps = rsqrt.args[0]
-        if not _is(add_eps, aten.add.Tensor, aten.add.Scalar) or len(add_eps.users) != 1 \
+        if not is_call(add_eps, aten.add.Tensor, aten.add.Scalar) or len(add_eps.users) != 1 \
                 or not isinstance(add_eps.args[1], float):
             return None
         mean = add_eps.args[0]
-        if not _is(mean, aten.mean.dim) or len(mean.users) != 1 or len(mean.args) < 3 or mean.args[2] is not True:
+        if not is_call(mean, aten.mean.dim) or len(mean.users) != 1 or len(mean.args) < 3 or mean.args[2] is not True:
             return None
         square = mean.args[0]
-        if not _is(square, aten.pow.Tensor_Scalar) or square.args[1] != 2 or len(square.users) != 1:
+        if not is_call(square, aten.pow.Tensor_Scalar) or square.args[1] != 2 or len(square.users) != 1:
             return None
         xf = square.args[0]
         xv = xf.meta.get("val")
@@ -103,12 +99,12 @@ class AddRMSNormPass(KilnPass):
         if len(rsqrt.users) != 1:
             return None
         scaled = next(iter(rsqrt.users))
-        if not _is(scaled, aten.mul.Tensor) or _other(scaled, rsqrt) is not xf or len(scaled.users) != 1:
+        if not is_call(scaled, aten.mul.Tensor) or _other(scaled, rsqrt) is not xf or len(scaled.users) != 1:
             return None
         cast = next(iter(scaled.users))
-        out = next(iter(cast.users)) if _is(cast, prims.convert_element_type.default) and len(cast.users) == 1 \
+        out = next(iter(cast.users)) if is_call(cast, prims.convert_element_type.default) and len(cast.users) == 1 \
             else cast
-        if not _is(out, aten.mul.Tensor) or (cast is not out and _other(out, cast) is None):
+        if not is_call(out, aten.mul.Tensor) or (cast is not out and _other(out, cast) is None):
             return None
         weight = _other(out, cast if cast is not out else scaled)
         wv = weight.meta.get("val") if isinstance(weight, fx.Node) else None

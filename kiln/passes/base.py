@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -56,6 +57,18 @@ class KilnPass:
         """Changes whenever the pass's code or its inputs change (Inductor and kiln cache keys use it)."""
         source = inspect.getsource(sys.modules[type(self).__module__])
         return hashlib.sha256(f"{self.name}|{self.env}|{source}".encode()).hexdigest()
+
+
+def is_call(node: object, *targets: object) -> bool:
+    """`node` is an FX node calling one of `targets`."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def live_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
+    """The graph's nodes as they stand now, skipping any that a rewrite made during the walk has erased."""
+    for node in list(graph.nodes):
+        if not getattr(node, "_erased", False):
+            yield node
 
 
 def single_user(node: fx.Node) -> bool:

@@ -17,7 +17,7 @@ import operator
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, erase_if_dead
+from kiln.passes.base import KilnPass, erase_if_dead, live_nodes
 from kiln.passes.modules import ROTARY, match_rope, module_call
 
 
@@ -30,8 +30,8 @@ class QKNormRopePass(KilnPass):
         graph = gm.graph
         count = 0
         seen: set[str] = set()
-        for node in list(graph.nodes):
-            call = None if getattr(node, "_erased", False) else module_call(node, ROTARY)
+        for node in live_nodes(graph):
+            call = module_call(node, ROTARY)
             if call is None or call.path in seen or len(call.outputs) != 2:
                 continue
             seen.add(call.path)

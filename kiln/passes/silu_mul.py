@@ -16,43 +16,39 @@ import operator
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, erase_if_dead, set_fake_value
+from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _CAST = prims.convert_element_type.default
 
 
-def _is(node: object, *targets: object) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
 def _strip_cast(node: object) -> object:
-    return node.args[0] if _is(node, _CAST) else node  # type: ignore[union-attr]
+    return node.args[0] if is_call(node, _CAST) else node  # type: ignore[union-attr]
 
 
 def _silu_of(node: object) -> tuple[fx.Node, list[fx.Node]] | None:
     """If `node` computes silu(g) (any decomposition, optional casts), -> (g, the nodes it used)."""
     inner = _strip_cast(node)
     used = [n for n in (node, inner) if isinstance(n, fx.Node)]
-    if _is(inner, aten.silu.default):
+    if is_call(inner, aten.silu.default):
         return _strip_cast(inner.args[0]), used + [inner.args[0]]  # type: ignore[union-attr,return-value]
-    if _is(inner, aten.div.Tensor):  # g / (1 + exp(-g))
+    if is_call(inner, aten.div.Tensor):  # g / (1 + exp(-g))
         g, denom = inner.args[:2]  # type: ignore[union-attr]
-        if _is(denom, aten.add.Tensor, aten.add.Scalar) and 1 in denom.args[1:2]:
+        if is_call(denom, aten.add.Tensor, aten.add.Scalar) and 1 in denom.args[1:2]:
             exp = denom.args[0]
-            if _is(exp, aten.exp.default) and _is(exp.args[0], aten.neg.default) and exp.args[0].args[0] is g:
+            if is_call(exp, aten.exp.default) and is_call(exp.args[0], aten.neg.default) and exp.args[0].args[0] is g:
                 return _strip_cast(g), used + [denom, exp, exp.args[0], g]  # type: ignore[return-value]
-    if _is(inner, aten.mul.Tensor):  # g * sigmoid(g)
+    if is_call(inner, aten.mul.Tensor):  # g * sigmoid(g)
         a, b = inner.args[:2]  # type: ignore[union-attr]
         for g, sig in ((a, b), (b, a)):
-            if _is(sig, aten.sigmoid.default) and sig.args[0] is g:
+            if is_call(sig, aten.sigmoid.default) and sig.args[0] is g:
                 return _strip_cast(g), used + [sig, g]  # type: ignore[return-value]
     return None
 
 
 def _halves(gate: object, up: object) -> fx.Node | None:
     """The [T, 2N] tensor whose last-dim split gives gate (first half) and up (second half)."""
-    if not (_is(gate, operator.getitem) and _is(up, operator.getitem)) or gate.args[0] is not up.args[0]:
+    if not (is_call(gate, operator.getitem) and is_call(up, operator.getitem)) or gate.args[0] is not up.args[0]:
         return None
     split = gate.args[0]
     if gate.args[1] != 0 or up.args[1] != 1 or len(split.users) != 2:
@@ -65,9 +61,9 @@ def _halves(gate: object, up: object) -> fx.Node | None:
     if dim not in (-1, 1):
         return None
     half = xv.shape[-1] // 2
-    if _is(split, aten.split.Tensor) and split.args[1] == half:
+    if is_call(split, aten.split.Tensor) and split.args[1] == half:
         return x
-    if _is(split, aten.split_with_sizes.default) and list(split.args[1]) == [half, half]:
+    if is_call(split, aten.split_with_sizes.default) and list(split.args[1]) == [half, half]:
         return x
     return None
 
@@ -79,8 +75,8 @@ class SiluMulPass(KilnPass):
         import kiln.passes.ops  # noqa: F401 - registers kiln::silu_and_mul
 
         count = 0
-        for mul in list(graph.nodes):
-            if not _is(mul, aten.mul.Tensor) or getattr(mul, "_erased", False):
+        for mul in live_nodes(graph):
+            if not is_call(mul, aten.mul.Tensor):
                 continue
             for act, up in (mul.args[:2], mul.args[1::-1]):
                 silu = _silu_of(act)
