@@ -103,7 +103,10 @@ class ModelRunner:
 
     # -- input preparation -------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> PreparedBatch:
+        """Host buffers filled (and sent to tensor-parallel workers), copied to the device, pending tokens in."""
         shape, sampling_rows, num_pending = self.fill_host(sched)
+        if self.on_batch is not None:
+            self.on_batch(shape)
         batch = self.to_device(shape, sampling_rows)
         if num_pending:
             self._copy_pending_tokens(num_pending)
@@ -276,12 +279,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue one step (inputs, forward, sampling, token read-back) on the device without waiting for it."""
-        shape, sampling_rows, num_pending = self.fill_host(sched)
-        if self.on_batch is not None:
-            self.on_batch(shape)
-        batch = self.to_device(shape, sampling_rows)
-        if num_pending:
-            self._copy_pending_tokens(num_pending)
+        batch = self.prepare(sched)
         # Built before the event, not inside the forward: a backend may copy from the pinned host buffers while
         # planning (flashinfer copies query_start_loc_cpu non-blocking), and the next fill must wait for that too.
         batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
