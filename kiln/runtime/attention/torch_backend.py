@@ -19,7 +19,7 @@ from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadat
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    graph_support = GraphSupport.NEVER  # per-request Python loop over CPU-side lengths
+    graph_support = GraphSupport.NEVER  # groups requests by CPU-side lengths read every step
     supports_cache_only = True
 
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
