@@ -21,7 +21,7 @@ import operator
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value
+from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value, strip_cast
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -30,11 +30,6 @@ def _other(node: fx.Node, one: fx.Node) -> object:
     """The other operand of a binary op that has `one` as an operand, or None."""
     a, b = node.args[:2]
     return b if a is one else a if b is one else None
-
-
-def _through_cast(node: fx.Node) -> fx.Node:
-    """The node a convert_element_type reads, else the node itself."""
-    return node.args[0] if is_call(node, prims.convert_element_type.default) else node  # type: ignore[return-value]
 
 
 class AddRMSNormPass(KilnPass):
@@ -110,7 +105,7 @@ class AddRMSNormPass(KilnPass):
         wv = weight.meta.get("val") if isinstance(weight, fx.Node) else None
         if not isinstance(wv, torch.Tensor) or wv.dim() != 1:
             return None
-        x = _through_cast(xf)
+        x = strip_cast(xf)
         # a cast feeds only the norm; x itself may also feed the rest of the graph (the residual stream)
         if (xf is not x and set(xf.users) != {square, scaled}) or not {square, scaled} <= set(xf.users):
             return None

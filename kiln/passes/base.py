@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import fx
 
 from kiln.passes.config import PassConfig
@@ -62,6 +63,19 @@ class KilnPass:
 def is_call(node: object, *targets: object) -> bool:
     """`node` is an FX node calling one of `targets`."""
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def tensor_value(node: object) -> torch.Tensor | None:
+    """The (fake) tensor an FX node computes: `example_value` on a Dynamo graph, `val` on a post-grad one."""
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def strip_cast(node: object) -> object:
+    """What a dtype conversion (`prims.convert_element_type`) reads, else the node itself."""
+    return node.args[0] if is_call(node, torch.ops.prims.convert_element_type.default) else node  # type: ignore[union-attr]
 
 
 def live_nodes(graph: fx.Graph) -> Iterator[fx.Node]:

@@ -20,10 +20,6 @@ class CompileScope:
     hi: int
     exact: bool  # an exact size (static shapes)
 
-    @property
-    def key(self) -> str:
-        return f"size_{self.lo}" if self.exact else f"range_{self.lo}_{self.hi}"
-
 
 _scope: contextvars.ContextVar[CompileScope | None] = contextvars.ContextVar("kiln_compile_scope", default=None)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from kiln.passes.base import tensor_value
+
 ROTARY = "kiln.models.layers.RotaryEmbedding"
 RMSNORM = "kiln.models.layers.RMSNorm"
 
@@ -78,13 +80,6 @@ def module_call(node: fx.Node, cls: str) -> ModuleCall | None:
     return ModuleCall(path, nodes, list(inputs), outputs)
 
 
-def value(node: object) -> torch.Tensor | None:
-    if not isinstance(node, fx.Node):
-        return None
-    v = node.meta.get("example_value", node.meta.get("val"))
-    return v if isinstance(v, torch.Tensor) else None
-
-
 @dataclass
 class RopeCall:
     """One `RotaryEmbedding(positions, q, k)` call, optionally preceded by Qwen3's per-head q/k RMSNorm."""
@@ -119,7 +114,7 @@ def match_rope(q_rot: fx.Node, k_rot: fx.Node, with_norms: bool) -> RopeCall | N
     if len(q_src) != 1 or len(k_src) != 1 or q_src == k_src:
         return None
     q, k = q_src.pop(), k_src.pop()
-    qv, kv, cv = value(q), value(k), value(cache)
+    qv, kv, cv = tensor_value(q), tensor_value(k), tensor_value(cache)
     if qv is None or kv is None or cv is None or qv.dim() != 3 or kv.dim() != 3 or qv.shape[-1] % 2 \
             or cv.shape[-1] != qv.shape[-1] or kv.shape[-1] != qv.shape[-1]:
         return None
@@ -136,7 +131,7 @@ def _absorb_norms(rope: RopeCall) -> None:
         norm = module_call(x, RMSNORM)
         if norm is None or norm.outputs != [x] or len(x.users) != 1 or len(norm.inputs) != 2:
             return
-        weights = [i for i in norm.inputs if (v := value(i)) is not None and v.dim() == 1]
+        weights = [i for i in norm.inputs if (v := tensor_value(i)) is not None and v.dim() == 1]
         eps = norm.float_constant()
         if len(weights) != 1 or eps is None:
             return

@@ -19,7 +19,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.models.attention_op import is_attention_node_target
-from kiln.passes.base import KilnPass
+from kiln.passes.base import KilnPass, tensor_value
 
 aten = torch.ops.aten
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
@@ -45,13 +45,6 @@ def _only_attention_kv_uses(node: fx.Node) -> bool:
     return bool(node.users)
 
 
-def _val(node: object) -> torch.Tensor | None:
-    if not isinstance(node, fx.Node):
-        return None
-    value = node.meta.get("val", node.meta.get("example_value"))
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _same(a: object, b: object) -> bool:
     return statically_known_true(a == b) if not (isinstance(a, int) and isinstance(b, int)) else a == b
 
@@ -73,7 +66,7 @@ class NoOpEliminationPass(KilnPass):
             if not _is_copy_method(node) or not _only_attention_kv_uses(node):
                 continue
             src = node.args[0]
-            value = _val(src)
+            value = tensor_value(src)
             if value is None or value.dim() == 0 or value.stride(-1) != 1:
                 continue
             node.replace_all_uses_with(src)  # type: ignore[arg-type]
@@ -111,7 +104,7 @@ class NoOpEliminationPass(KilnPass):
     @staticmethod
     def _noop_source(node: fx.Node) -> fx.Node | None:
         src = node.args[0] if node.args else None
-        out, inp = _val(node), _val(src)
+        out, inp = tensor_value(node), tensor_value(src)
         if out is None or inp is None or not isinstance(src, fx.Node):
             return None
         target = node.target

@@ -16,33 +16,28 @@ import operator
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value
+from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value, strip_cast
 
-aten, prims = torch.ops.aten, torch.ops.prims
-_CAST = prims.convert_element_type.default
-
-
-def _strip_cast(node: object) -> object:
-    return node.args[0] if is_call(node, _CAST) else node  # type: ignore[union-attr]
+aten = torch.ops.aten
 
 
 def _silu_of(node: object) -> tuple[fx.Node, list[fx.Node]] | None:
     """If `node` computes silu(g) (any decomposition, optional casts), -> (g, the nodes it used)."""
-    inner = _strip_cast(node)
+    inner = strip_cast(node)
     used = [n for n in (node, inner) if isinstance(n, fx.Node)]
     if is_call(inner, aten.silu.default):
-        return _strip_cast(inner.args[0]), used + [inner.args[0]]  # type: ignore[union-attr,return-value]
+        return strip_cast(inner.args[0]), used + [inner.args[0]]  # type: ignore[union-attr,return-value]
     if is_call(inner, aten.div.Tensor):  # g / (1 + exp(-g))
         g, denom = inner.args[:2]  # type: ignore[union-attr]
         if is_call(denom, aten.add.Tensor, aten.add.Scalar) and 1 in denom.args[1:2]:
             exp = denom.args[0]
             if is_call(exp, aten.exp.default) and is_call(exp.args[0], aten.neg.default) and exp.args[0].args[0] is g:
-                return _strip_cast(g), used + [denom, exp, exp.args[0], g]  # type: ignore[return-value]
+                return strip_cast(g), used + [denom, exp, exp.args[0], g]  # type: ignore[return-value]
     if is_call(inner, aten.mul.Tensor):  # g * sigmoid(g)
         a, b = inner.args[:2]  # type: ignore[union-attr]
         for g, sig in ((a, b), (b, a)):
             if is_call(sig, aten.sigmoid.default) and sig.args[0] is g:
-                return _strip_cast(g), used + [sig, g]  # type: ignore[return-value]
+                return strip_cast(g), used + [sig, g]  # type: ignore[return-value]
     return None
 
 
