@@ -25,6 +25,17 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     return None
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter k/v [T, Hkv, D] into one layer's paged cache [num_blocks, 2, block_size, Hkv, D] at
+    slot_mapping[:T] (padded tokens land in the null block). The reference write: the torch backend and
+    the fused ops' fallback use it, the GPU backends and kernels have their own."""
+    block_size = kv_cache.shape[2]
+    slots = slot_mapping[: k.shape[0]]
+    block, offset = slots // block_size, slots % block_size
+    kv_cache[block, 0, offset] = k
+    kv_cache[block, 1, offset] = v
+
+
 # Other ops that, like attention, run between compiled pieces: fused variants that kiln/passes rewrites
 # attention calls to (they need this step's paged cache, so they cannot live inside a compiled piece).
 _SPLIT_OPS: list[torch._ops.OpOverloadPacket] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.models.attention_op import register_split_op
+from kiln.models.attention_op import register_split_op, write_kv
 from kiln.models.forward_context import get_forward_context
 
 
@@ -39,15 +39,6 @@ def rope_ref(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tens
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def write_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k/v [T, Hkv, D] into kv_cache [num_blocks, 2, block_size, Hkv, D] at slot_mapping[:T]."""
-    block_size = kv_cache.shape[2]
-    slots = slot_mapping[: k.shape[0]]
-    block, offset = slots // block_size, slots % block_size
-    kv_cache[block, 0, offset] = k
-    kv_cache[block, 1, offset] = v
 
 
 def norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -96,7 +87,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         return norm_rope_triton(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
                                 slot_mapping=slot_mapping)[0]
     q_rot, k_rot = norm_rope_ref(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
-    write_cache(k_rot, v, kv_cache, slot_mapping)
+    write_kv(k_rot, v, kv_cache, slot_mapping)
     return q_rot
 
 

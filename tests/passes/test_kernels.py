@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def check_kernels(device: str) -> None:
+    from kiln.models.attention_op import write_kv
     from kiln.passes import kernels as K
     from kiln.passes import ops as O
 
@@ -42,7 +43,7 @@ def check_kernels(device: str) -> None:
             cache, ref_cache = (torch.zeros(4, 2, 4, hkv, dim, dtype=dtype, device=device) for _ in range(2))
             got_q = K.norm_rope_triton(q, k, positions, cos_sin, qw, kw, 1e-6, v=v, kv_cache=cache,
                                        slot_mapping=slots)[0]
-            O.write_cache(ref_k, v, ref_cache, slots)
+            write_kv(ref_k, v, ref_cache, slots)
             torch.testing.assert_close(got_q.float(), ref_q.float(), atol=tol, rtol=0)
             torch.testing.assert_close(cache.float(), ref_cache.float(), atol=tol, rtol=0)
         x, r, w = rand(6, 40), rand(6, 40), rand(40)

@@ -78,12 +78,3 @@ class AttentionBackend(ABC):
         """Write k/v at metadata's slots in kv_cache ([num_blocks, 2, block_size, Hkv, D]) and fill out.
 
         k/v may be strided views (last-dim stride 1); None only where `supports_cache_only` says so."""
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's keys/values into the paged cache (padded tokens land in the null block)."""
-    num_blocks, _, block_size, heads, dim = kv_cache.shape
-    slots = slot_mapping[: k.shape[0]]
-    block, offset = slots // block_size, slots % block_size
-    kv_cache[block, 0, offset] = k
-    kv_cache[block, 1, offset] = v

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata, GraphSupport, write_kv
+from kiln.models.attention_op import write_kv
+from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata, GraphSupport
 
 
 class TorchAttentionBackend(AttentionBackend):
