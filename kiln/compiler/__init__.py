@@ -50,20 +50,24 @@ def compile_model(model: nn.Module, config: CompilationConfig, max_num_tokens: i
     from kiln.compiler.capture import CompiledForward
     from kiln.compiler.dump import DebugDump
     from kiln.compiler.inductor import InductorCompiler, inductor_config_patches
-    from kiln.compiler.pass_hook import PostGradPassHook
 
     if config.level < 1:
         raise ValueError("compile_model needs level >= 1; -O0 runs the model eagerly")
     dump = DebugDump(config.debug_dump_path) if config.debug_dump_path else None
     if pass_hook is None:
-        from kiln.passes import build_pass_manager
-
-        pass_hook = PostGradPassHook([build_pass_manager(config, attention_backend)])
-    hook = pass_hook
-    compiler = InductorCompiler(inductor_config_patches(config, hook), dump, store)
+        pass_hook = default_pass_hook(config, attention_backend)
+    compiler = InductorCompiler(inductor_config_patches(config, pass_hook), dump, store)
     backend = KilnBackend(build_dispatcher(config, max_num_tokens), compiler, CompileStats(level=config.level),
-                          dump, progress, graph_passes=hook.run_graph_passes if config.enable_passes else None)
+                          dump, progress, graph_passes=pass_hook.run_graph_passes if config.enable_passes else None)
     return CompiledForward(model, backend, dump)
+
+
+def default_pass_hook(config: CompilationConfig, attention_backend: Any = None) -> PostGradPassHook:
+    """The post-grad hook running kiln's pass manager for this config and attention backend."""
+    from kiln.compiler.pass_hook import PostGradPassHook
+    from kiln.passes import build_pass_manager
+
+    return PostGradPassHook([build_pass_manager(config, attention_backend)])
 
 
 def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool = True,
@@ -85,10 +89,8 @@ def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool =
     pass_hook = store = None
     if store_factory is not None:
         from kiln.compiler.inductor import inductor_config_patches
-        from kiln.compiler.pass_hook import PostGradPassHook
-        from kiln.passes import build_pass_manager
 
-        pass_hook = PostGradPassHook([build_pass_manager(config, attention)])
+        pass_hook = default_pass_hook(config, attention)
         store = store_factory(pass_hook, inductor_config_patches(config, pass_hook))
     compiled = compile_model(runner.model, config, runner.max_num_tokens, progress=progress, store=store,
                              pass_hook=pass_hook, attention_backend=attention)

@@ -22,10 +22,17 @@ from kiln.compiler import saved_capture
 from kiln.compiler.dump import DebugDump
 from kiln.compiler.fakes import token_symbol
 from kiln.compiler.inductor import InductorCompiler
-from kiln.compiler.piecewise import PieceRunner, compile_pieces, generated_forward, install_runners
+from kiln.compiler.piecewise import (
+    PieceRunner,
+    compile_pieces,
+    generated_forward,
+    install_runners,
+    record_split,
+    stats_of_piece,
+)
 from kiln.compiler.ranges import Dispatcher
 from kiln.compiler.split import SplitGraph, split_at_attention
-from kiln.compiler.stats import CompileStats, PieceStats
+from kiln.compiler.stats import CompileStats
 
 logger = logging.getLogger("kiln.compiler")
 
@@ -66,8 +73,7 @@ class KilnBackend:
         if self.graph_passes is not None:
             gm = self.graph_passes(gm)
         split = split_at_attention(gm)
-        self.stats.num_pieces = len(split.pieces)
-        self.stats.num_attention_pieces = sum(p.is_attention for p in split.pieces)
+        record_split(self.stats, split)
         runners = self._compile(split, symbol)
         sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
         saved = _save(split, runners, sources, list(example_inputs)) if self.compiler.store is not None else None
@@ -93,8 +99,7 @@ class KilnBackend:
         runners: dict[str, PieceRunner] = {}
         infos = {p.name: p for p in saved.pieces}
         for piece_hash, group in split.distinct().items():
-            self.stats.pieces.setdefault(piece_hash[:12], PieceStats(
-                piece_hash[:12], [p.name for p in group], sum(1 for _ in group[0].module.graph.nodes)))
+            stats_of_piece(self.stats, piece_hash, group)
             compiled = {}
             for key in self.dispatcher.keys:
                 fn = self.compiler.load(group[0].module, key, piece_hash)
@@ -106,8 +111,7 @@ class KilnBackend:
                 runners[piece.name] = PieceRunner(piece.name, piece_hash, dict(compiled), self.dispatcher,
                                                   info.token_arg, info.token_arg_is_tensor)
         install_runners(split, runners)
-        self.stats.num_pieces = len(split.pieces)
-        self.stats.num_attention_pieces = sum(p.is_attention for p in split.pieces)
+        record_split(self.stats, split)
         self.stats.capture_loaded = True
         self.capture = Capture(split.module, split, runners, [i.source for i in saved.inputs], record=False,
                                inputs=saved.inputs)

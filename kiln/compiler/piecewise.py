@@ -17,7 +17,7 @@ from torch import fx
 
 from kiln.compiler.inductor import CompiledFn, InductorCompiler
 from kiln.compiler.ranges import CompileKey, Dispatcher
-from kiln.compiler.split import SplitGraph
+from kiln.compiler.split import Piece, SplitGraph
 from kiln.compiler.stats import CompileStats, PieceStats
 
 logger = logging.getLogger("kiln.compiler")
@@ -76,6 +76,17 @@ def token_argument(gm: fx.GraphModule, symbol: sympy.Symbol | None) -> tuple[int
     raise ValueError(f"piece {gm} has no input that carries the token count {symbol}")
 
 
+def record_split(stats: CompileStats, split: SplitGraph) -> None:
+    stats.num_pieces = len(split.pieces)
+    stats.num_attention_pieces = sum(p.is_attention for p in split.pieces)
+
+
+def stats_of_piece(stats: CompileStats, piece_hash: str, group: list[Piece]) -> PieceStats:
+    """The stats entry of one distinct piece (`group`: the pieces sharing it), created on first sight."""
+    return stats.pieces.setdefault(piece_hash[:12], PieceStats(
+        piece_hash[:12], [p.name for p in group], sum(1 for _ in group[0].module.graph.nodes)))
+
+
 def compile_pieces(split: SplitGraph, dispatcher: Dispatcher, symbol: sympy.Symbol | None,
                    compiler: InductorCompiler, stats: CompileStats,
                    progress: Callable[[int], Any] | None = None) -> dict[str, PieceRunner]:
@@ -84,8 +95,7 @@ def compile_pieces(split: SplitGraph, dispatcher: Dispatcher, symbol: sympy.Symb
     keys = dispatcher.keys
     for piece_hash, group in split.distinct().items():
         first = group[0]
-        piece_stats = stats.pieces.setdefault(piece_hash[:12], PieceStats(
-            piece_hash[:12], [p.name for p in group], sum(1 for _ in first.module.graph.nodes)))
+        piece_stats = stats_of_piece(stats, piece_hash, group)
         compiled: dict[CompileKey, CompiledFn] = {}
         for key in keys:
             start = time.perf_counter()
