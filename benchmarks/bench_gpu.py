@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.common import stamp, table
+from benchmarks.common import stamp, start_decoding, table
 from kiln import Runtime, SamplingParams
 
 PROMPT_LEN = 128
@@ -91,13 +91,7 @@ def make_runtime(model: str, **kwargs) -> tuple[Runtime, float]:
 def decode_step_seconds(rt: Runtime, batch: int, steps: int = 32) -> float:
     """Mean time of one engine step while `batch` requests decode (prompts of PROMPT_LEN tokens)."""
     engine = rt.engine
-    vocab = engine.loaded.spec.vocab_size
-    rng = random.Random(batch)
-    params = SamplingParams(max_tokens=steps + 12, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(vocab) for _ in range(PROMPT_LEN)], params)
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # prefill
+    start_decoding(engine, batch, PROMPT_LEN, max_tokens=steps + 12)
     # Mean over back-to-back steps, synchronised only around the whole run: a sync before every step would
     # hide what overlapped scheduling overlaps (the host work of one step with the GPU work of the last).
     for _ in range(2):

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import stamp, table
+from benchmarks.common import stamp, start_decoding, table
 from kiln import Runtime, SamplingParams
 from kiln.passes import ALL_PASSES, LEVEL_DEFAULTS, pass_manager_of
 
@@ -65,12 +65,7 @@ def timed_step(rt: Runtime, device: str) -> float:
 def decode_ms(rt: Runtime, batch: int, steps: int, device: str) -> float:
     """Median engine step while `batch` requests of PROMPT_LEN-token prompts decode."""
     engine = rt.engine
-    vocab, rng = engine.loaded.spec.vocab_size, random.Random(batch)
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(vocab) for _ in range(PROMPT_LEN)], params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
-        engine.step()
+    start_decoding(engine, batch, PROMPT_LEN, max_tokens=steps + 4)
     times = [timed_step(rt, device) for _ in range(steps)]
     while engine.has_unfinished():
         engine.step()

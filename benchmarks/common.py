@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import datetime
 import platform
+import random
 import subprocess
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+from kiln import SamplingParams
 
 
 def stamp() -> str:
@@ -22,6 +26,17 @@ def stamp() -> str:
     else:
         device = f"CPU ({platform.processor() or 'x86_64'}, {torch.get_num_threads()} threads)"
     return f"{datetime.date.today().isoformat()} | {device} | torch {torch.__version__} | commit {commit}"
+
+
+def start_decoding(engine: Any, batch: int, prompt_len: int, max_tokens: int) -> None:
+    """Queue `batch` random prompts of `prompt_len` tokens (seeded by the batch size), greedy with EOS
+    ignored, and step until every one has prefilled: the engine's next steps are pure decode."""
+    vocab, rng = engine.loaded.spec.vocab_size, random.Random(batch)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
+        engine.step()
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
