@@ -15,7 +15,7 @@ from kiln.cache.key import cache_key, key_factors
 from kiln.cache.store import CompileCacheStore, cache_disabled, cache_root, compile_root
 
 __all__ = ["CompileCacheStore", "cache_disabled", "cache_key", "cache_root", "compile_root", "key_factors",
-           "split_graph_text", "store_factory"]
+           "store_factory"]
 
 StoreFactory = Callable[[Any, Mapping[str, Any]], CompileCacheStore]
 
@@ -36,11 +36,3 @@ def store_factory(*, spec: Any, dtype: torch.dtype, compilation: Any, max_num_to
 
     return make
 
-
-def split_graph_text(split: Any) -> str:
-    """The split graph as the cache records it: which piece runs what, then the graph's code."""
-    lines = ["# kiln split graph: pieces in call order"]
-    for piece in split.pieces:
-        lines.append(f"#   {piece.name}: " + ("attention (eager)" if piece.is_attention
-                                               else f"compiled {piece.structural_hash[:32]}"))
-    return "\n".join(lines) + "\n\n" + split.module.print_readable(print_output=False)

@@ -41,6 +41,7 @@ SPLIT_GRAPH = "split_graph.txt"
 FACTORS = "cache_key_factors.json"
 CAPTURE = "captured_graph.bin"  # the split graph and its input sources: lets a warm start skip Dynamo
 LOCK = ".lock"
+ARTIFACT_HASH_CHARS = 32  # of a piece's structural hash in its artifact names (and in split_graph.txt)
 DEFAULT_LOCK_TIMEOUT = 1800.0  # a cold -O3 start of a large model can take this long
 
 
@@ -110,7 +111,7 @@ def verify_file(path: Path) -> str | None:
 
 
 def artifact_name(piece_hash: str, key: Any) -> str:
-    return f"{piece_hash[:32]}_{key}{ARTIFACT_SUFFIX}"
+    return f"{piece_hash[:ARTIFACT_HASH_CHARS]}_{key}{ARTIFACT_SUFFIX}"
 
 
 class CompileCacheStore:

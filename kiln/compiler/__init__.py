@@ -108,12 +108,12 @@ def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool =
 
 
 def _finish_store(store: Any, compiled: CompiledForward) -> None:
-    from kiln.cache import split_graph_text
+    from kiln.cache.store import ARTIFACT_HASH_CHARS
 
     stats = compiled.stats
     capture = compiled.backend.capture
-    store.finish(split_graph_text(capture.split) if capture is not None else None, stats.warmup_seconds,
-                 capture.saved if capture is not None else None)
+    text = capture.split.as_text(ARTIFACT_HASH_CHARS) if capture is not None else None
+    store.finish(text, stats.warmup_seconds, capture.saved if capture is not None else None)
     stats.cache_key = store.key
     stats.cache_hits, stats.cache_saves, stats.cache_recovered = store.hits, store.saves, store.recovered
     stats.cold_warmup_seconds = store.cold_seconds

@@ -43,12 +43,8 @@ class DebugDump:
         return depyf.prepare_debug(str(self.root / "dynamo"))
 
     def write_split_graph(self, split: SplitGraph, dispatcher: Dispatcher) -> None:
-        lines = ["# kiln split graph: pieces in call order",
-                 f"# compiled for {dispatcher.describe()}"]
-        for piece in split.pieces:
-            kind = "attention (eager)" if piece.is_attention else f"compiled {piece.structural_hash[:12]}"
-            lines.append(f"#   {piece.name}: {kind}")
-        text = "\n".join(lines) + "\n\n" + split.module.print_readable(print_output=False)
+        # 12 hash characters: the inductor/<piece>_<key>.py names beside it
+        text = split.as_text(12, f"compiled for {dispatcher.describe()}")
         (self.root / "computation_graph.py").write_text(text)
 
     @contextlib.contextmanager

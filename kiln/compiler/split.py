@@ -36,6 +36,15 @@ class SplitGraph:
     def compiled_pieces(self) -> list[Piece]:
         return [p for p in self.pieces if not p.is_attention]
 
+    def as_text(self, hash_chars: int, *notes: str) -> str:
+        """Which piece runs what (compiled pieces by their hash's first `hash_chars`, the length the
+        reader's file names use), any notes, then the split graph's code."""
+        lines = ["# kiln split graph: pieces in call order", *(f"# {note}" for note in notes)]
+        for piece in self.pieces:
+            kind = "attention (eager)" if piece.is_attention else f"compiled {piece.structural_hash[:hash_chars]}"
+            lines.append(f"#   {piece.name}: {kind}")
+        return "\n".join(lines) + "\n\n" + self.module.print_readable(print_output=False)
+
     def distinct(self) -> dict[str, list[Piece]]:
         """structural hash -> the non-attention pieces that share it, in graph order."""
         groups: dict[str, list[Piece]] = {}
