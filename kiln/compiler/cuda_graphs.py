@@ -137,6 +137,14 @@ class GraphPool:
         self.check_inputs = check_inputs
         self.warmed_up = False
         self._captured_any = False
+        self.callables: list[GraphedCallable] = []  # every wrapper holding graphs from this pool
+
+    def release(self) -> None:
+        """Drop every graph captured from this pool and the pool itself (the caller has synchronised)."""
+        for callable_ in self.callables:
+            callable_.entries.clear()
+        self.callables.clear()
+        self.handle = None
 
     @contextlib.contextmanager
     def _capturing(self) -> Iterator[None]:
@@ -172,6 +180,7 @@ class GraphedCallable:
         self.pool = pool
         self.kind = kind
         self.entries: dict[Any, tuple[Any, Any, list[int]]] = {}
+        pool.callables.append(self)
 
     def __call__(self, key: Any, fn: Callable[[], Any], inputs: Sequence[torch.Tensor] = ()) -> Any:
         entry = self.entries.get(key)

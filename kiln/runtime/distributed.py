@@ -1,9 +1,12 @@
-"""Tensor parallelism: process-group set-up, worker processes, and the per-step broadcast of the batch.
+"""Tensor parallelism: process-group set-up, the per-step broadcast of the batch, a worker's loop, and the
+ordered tear-down of the groups.
 
 Rank 0 runs the scheduler and samples; every rank holds a model shard, a KV-cache shard and a model
 runner. Each step rank 0 broadcasts the flat batch it prepared (a fixed header of sizes, then one int64
 payload) over a CPU (gloo) group, so the workers fill their own persistent buffers and run the same
-forward, whose collectives (NCCL on GPU, gloo on CPU) are traced into the compiled graph.
+forward, whose collectives (NCCL on GPU, gloo on CPU) are traced into the compiled graph. Under async
+scheduling rank 0 also broadcasts the sampled token ids over the device group, so a worker fills the
+next step's pending input tokens from its own device copy exactly as rank 0 does (docs/distributed.md).
 
 Rendezvous is always torch's env:// (MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE): processes kiln spawns
 on one host get those variables set, and processes started by `torchrun` across hosts already have them.
@@ -14,10 +17,7 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import logging
-import multiprocessing as mp
 import os
-import socket
-import sys
 import threading
 from datetime import timedelta
 
@@ -31,7 +31,7 @@ from kiln.runtime.model_runner import BatchShape, ModelRunner
 logger = logging.getLogger("kiln")
 
 _CMD_STEP, _CMD_STOP = 1, 0
-_HEADER = 1 + len(dataclasses.fields(BatchShape))
+_HEADER = 3 + len(dataclasses.fields(BatchShape))  # command, pending tokens, samples shared, the shape
 
 
 class EngineDeadError(RuntimeError):
@@ -40,12 +40,6 @@ class EngineDeadError(RuntimeError):
 
 def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_tensor_parallel(rank: int, world: int, device: torch.device) -> dist.ProcessGroup:
@@ -69,48 +63,71 @@ def agree_min(value: int, group: dist.ProcessGroup) -> int:
     return int(t.item())
 
 
-class StepChannel:
-    """Rank 0 -> workers: one step's BatchShape and the host buffers it describes."""
+@dataclasses.dataclass(frozen=True)
+class StepHeader:
+    shape: BatchShape
+    num_pending: int  # input tokens the previous step sampled (async scheduling): filled on the device
+    share_samples: bool  # rank 0 broadcasts this step's sampled ids after its forward
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+
+class StepChannel:
+    """Rank 0 -> workers: one step's header and the host buffers it describes (CPU group), and under async
+    scheduling the step's sampled token ids (device group, queued on the stream: the host does not wait)."""
+
+    def __init__(self, group: dist.ProcessGroup, device_group: dist.ProcessGroup | None = None) -> None:
         self.group = group
+        self.device_group = device_group
 
     @staticmethod
-    def _views(runner: ModelRunner, shape: BatchShape) -> list[torch.Tensor]:
+    def _views(runner: ModelRunner, shape: BatchShape, num_pending: int) -> list[torch.Tensor]:
         n, r = shape.num_padded_tokens, shape.num_reqs
         return [runner.input_ids_cpu[:n], runner.positions_cpu[:n], runner.slot_mapping_cpu[:n],
                 runner.query_start_loc_cpu[: r + 1], runner.seq_lens_cpu[:r],
-                runner.block_tables_cpu[:r, : shape.max_blocks], runner.logits_indices_cpu[: shape.num_sampling]]
+                runner.block_tables_cpu[:r, : shape.max_blocks], runner.logits_indices_cpu[: shape.num_sampling],
+                runner.pending_dst_cpu[:num_pending], runner.pending_src_cpu[:num_pending]]
 
-    def send(self, runner: ModelRunner, shape: BatchShape) -> None:
-        header = torch.tensor([_CMD_STEP, *dataclasses.astuple(shape)], dtype=torch.int64)
-        dist.broadcast(header, 0, group=self.group)
-        payload = torch.cat([v.reshape(-1).to(torch.int64) for v in self._views(runner, shape)])
+    def send(self, runner: ModelRunner, header: StepHeader) -> None:
+        shape = header.shape
+        values = [_CMD_STEP, header.num_pending, int(header.share_samples), *dataclasses.astuple(shape)]
+        dist.broadcast(torch.tensor(values, dtype=torch.int64), 0, group=self.group)
+        views = self._views(runner, shape, header.num_pending)
+        payload = torch.cat([v.reshape(-1).to(torch.int64) for v in views])
         dist.broadcast(payload, 0, group=self.group)
 
     def send_stop(self) -> None:
         dist.broadcast(torch.zeros(_HEADER, dtype=torch.int64), 0, group=self.group)
 
-    def recv(self, runner: ModelRunner) -> BatchShape | None:
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.broadcast(header, 0, group=self.group)
-        if int(header[0]) == _CMD_STOP:
+    def share_samples(self, tokens: torch.Tensor) -> None:
+        dist.broadcast(tokens, 0, group=self.device_group)
+
+    def recv(self, runner: ModelRunner) -> StepHeader | None:
+        raw = torch.empty(_HEADER, dtype=torch.int64)
+        dist.broadcast(raw, 0, group=self.group)
+        if int(raw[0]) == _CMD_STOP:
             return None
-        values = header[1:].tolist()
+        values = raw[3:].tolist()
         shape = BatchShape(*[bool(v) if f.type in (bool, "bool") else int(v)
                              for v, f in zip(values, dataclasses.fields(BatchShape))])
-        views = self._views(runner, shape)
+        header = StepHeader(shape, int(raw[1]), bool(raw[2]))
+        views = self._views(runner, shape, header.num_pending)
         payload = torch.empty(sum(v.numel() for v in views), dtype=torch.int64)
         dist.broadcast(payload, 0, group=self.group)
+        runner.wait_host_buffers_free()  # the previous step's non-blocking uploads read them
         offset = 0
         for view in views:
             view.copy_(payload[offset:offset + view.numel()].view(view.shape))
             offset += view.numel()
-        return shape
+        return header
+
+    def recv_samples(self, num: int, device: torch.device) -> torch.Tensor:
+        tokens = torch.empty(num, dtype=torch.int64, device=device)
+        dist.broadcast(tokens, 0, group=self.device_group)
+        return tokens
 
 
-def worker_main(config: RuntimeConfig, rank: int, world: int) -> None:
-    """A worker rank: build this rank's shard, then run every step rank 0 broadcasts until told to stop."""
+def worker_main(config: RuntimeConfig, rank: int, world: int) -> bool:
+    """A worker rank: build this rank's shard, run every step rank 0 broadcasts until told to stop, then
+    tear down in order. Returns whether the process groups were destroyed in time."""
     from kiln.runtime.worker import Worker
 
     device = resolve_device(config.device)
@@ -119,54 +136,41 @@ def worker_main(config: RuntimeConfig, rank: int, world: int) -> None:
     group = init_tensor_parallel(rank, world, device)
     worker = Worker(config, device, agree_num_blocks=lambda n: agree_min(n, group))
     worker.warm_up()
-    channel = StepChannel(group)
-    while (shape := channel.recv(worker.runner)) is not None:
-        worker.runner.forward(worker.runner.to_device(shape, []))
-    dist.destroy_process_group()
+    channel = StepChannel(group, dist.group.WORLD)
+    runner = worker.runner
+    while (header := channel.recv(runner)) is not None:
+        runner.execute_replica(header.shape, header.num_pending)
+        share = header.share_samples and header.shape.num_sampling > 0
+        runner.last_sampled = channel.recv_samples(header.shape.num_sampling, device) if share else None
+    return close_tensor_parallel(worker, shutdown_timeout())
 
 
-def _spawned_worker(config: RuntimeConfig, rank: int, world: int, env: dict[str, str]) -> None:
-    os.environ.update(env)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    worker_main(config, rank, world)
+def shutdown_timeout() -> float:
+    return float(os.environ.get("KILN_TP_SHUTDOWN_TIMEOUT", "30"))
 
 
-def spawn_workers(config: RuntimeConfig, world: int) -> list[mp.Process]:
-    """Start ranks 1..world-1 on this host (rank 0 is the caller) with an env:// rendezvous."""
-    # a fresh port per group: a port from an earlier group in this process may still be held or half-closed
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
-    env = {"MASTER_ADDR": os.environ["MASTER_ADDR"], "MASTER_PORT": os.environ["MASTER_PORT"],
-           "WORLD_SIZE": str(world)}
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in range(1, world):
-        proc = ctx.Process(target=_spawned_worker, args=(config, rank, world, {**env, "RANK": str(rank),
-                                                                                 "LOCAL_RANK": str(rank)}),
-                           name=f"kiln-tp-rank{rank}", daemon=True)
-        proc.start()
-        procs.append(proc)
-    return procs
+def close_tensor_parallel(worker, timeout: float) -> bool:
+    """This rank's tear-down, after its last step: wait for the device, drop the CUDA graphs and their memory
+    pool (they hold captured NCCL kernels, and destroying communicators under live graphs can hang:
+    pytorch/pytorch#115388), then destroy every process group. Every rank does this at the same time (rank 0
+    before it joins its workers: NCCL's communicator tear-down may wait for the peers). The destroy runs on a
+    thread bounded by `timeout`; returns False (and logs) when it did not finish, so the caller can leave
+    without waiting on it."""
+    if worker is not None:
+        worker.release_graphs()
+    set_tp_group(TPGroup())
+    done = threading.Event()
 
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a peer that is already gone must not make shutdown fail
+            logger.warning("destroying the tensor-parallel process groups failed: %s", exc)
+        finally:
+            done.set()
 
-def watch_start_up(procs: list[mp.Process], ready: threading.Event) -> None:
-    """Until `ready`, report a worker that dies at once: rank 0 would otherwise sit in a collective until
-    the group's timeout (KILN_TP_TIMEOUT) with no hint of why."""
-
-    def watch() -> None:
-        while not ready.wait(1.0):
-            for rank, proc in enumerate(procs, start=1):
-                if not proc.is_alive():
-                    logger.error("tensor-parallel worker rank %d exited during start-up (code %s); rank 0 fails "
-                                 "when its pending collective times out (KILN_TP_TIMEOUT=%s s)", rank, proc.exitcode,
-                                 os.environ.get("KILN_TP_TIMEOUT", "300"))
-                    return
-
-    threading.Thread(target=watch, name="kiln-tp-start-up-watch", daemon=True).start()
-
-
-def check_workers(procs: list[mp.Process]) -> None:
-    for rank, proc in enumerate(procs, start=1):
-        if not proc.is_alive():
-            raise EngineDeadError(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}); "
-                                  "the engine has stopped")
+    threading.Thread(target=destroy, name="kiln-tp-destroy", daemon=True).start()
+    if done.wait(timeout):
+        return True
+    logger.error("torch.distributed.destroy_process_group() did not return within %.0f s; leaving it behind", timeout)
+    return False

@@ -20,6 +20,7 @@ import torch
 
 from kiln.config import RuntimeConfig, resolve_device
 from kiln.models.loader.load import LoadedModel
+from kiln.runtime import tp_processes
 from kiln.runtime.async_step import LaunchedStep
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv.block_pool import BlockPool
@@ -73,14 +74,13 @@ class Engine:
         self.runner.eos_token_ids = self.eos_token_ids
         if self._channel is not None:
             self.runner.on_batch = self._broadcast
+            self.runner.on_sampled = self._share_samples
         self.parents: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
-        # May be switched between steps. Tensor-parallel workers only see rank 0's host buffers, never the
-        # sampled tokens that an overlapped step reads on the device, so TP runs synchronously.
-        self.async_scheduling = config.scheduler.async_scheduling and config.tensor_parallel_size == 1
-        if config.scheduler.async_scheduling and not self.async_scheduling:
-            logger.warning("async scheduling is not supported with tensor parallelism; running synchronously")
+        # May be switched between steps. Under tensor parallelism a step launched with it on also hands its
+        # sampled ids to the workers on the device (the next step's pending input tokens).
+        self.async_scheduling = config.scheduler.async_scheduling
         self._inflight: LaunchedStep | None = None  # launched, not yet processed (async scheduling only)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
@@ -97,42 +97,56 @@ class Engine:
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
             if rank != 0:  # the same entry point on every rank: the others serve rank 0 and then exit
-                tp.worker_main(config, rank, world)
+                if not tp.worker_main(config, rank, world):
+                    os._exit(0)  # its process groups hang in their tear-down: the exit hooks would wait on them
                 raise SystemExit(0)
         else:
-            self._tp_procs = tp.spawn_workers(config, world)
-            tp.watch_start_up(self._tp_procs, self._ready)
+            workers = tp_processes.spawn_workers(config, world)
+            self._tp_procs = workers.procs
+            try:  # before the rendezvous, which would wait for a dead worker until the group's timeout
+                tp_processes.wait_until_started(workers, timeout=float(os.environ.get("KILN_TP_TIMEOUT", "300")))
+            except tp_processes.WorkerStartError:
+                tp_processes.stop_workers(self._tp_procs, timeout=1.0)
+                raise
+            tp_processes.watch_start_up(self._tp_procs, self._ready)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         group = tp.init_tensor_parallel(0, world, self.device)
-        self._channel = tp.StepChannel(group)
-        return lambda n: tp.agree_min(n, group)
-
-    def _broadcast(self, shape) -> None:
-        from kiln.runtime.distributed import check_workers
-
-        check_workers(self._tp_procs)
-        self._channel.send(self.runner, shape)
-
-    def shutdown(self) -> None:
-        """Stop tensor-parallel workers (no-op otherwise); the engine is unusable afterwards."""
-        if self._channel is None:
-            return
         import torch.distributed as dist
 
-        from kiln.models.parallel import TPGroup, set_tp_group
+        self._channel = tp.StepChannel(group, dist.group.WORLD)
+        return lambda n: tp.agree_min(n, group)
+
+    def _broadcast(self, shape, num_pending: int) -> None:
+        from kiln.runtime.distributed import StepHeader
+
+        tp_processes.check_workers(self._tp_procs)
+        self._channel.send(self.runner, StepHeader(shape, num_pending, self.async_scheduling))
+
+    def _share_samples(self, tokens: torch.Tensor) -> None:
+        if self.async_scheduling:  # the workers expect them exactly when the step's header said so
+            self._channel.share_samples(tokens)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (no-op otherwise); the engine is unusable afterwards.
+
+        Every rank tears down in the same order: leave the step loop, wait for the device, drop the CUDA
+        graphs, destroy the process groups; rank 0 does its own while the workers do theirs, then joins them
+        with a bound (a worker still alive after KILN_TP_SHUTDOWN_TIMEOUT seconds is terminated, loudly)."""
+        if self._channel is None:
+            return
+        from kiln.runtime import distributed as tp
 
         try:
             self._channel.send_stop()
         except Exception as exc:  # a dead worker must not make shutdown fail
             logger.warning("could not stop tensor-parallel workers cleanly: %s", exc)
-        for proc in self._tp_procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
         self._channel = None
-        dist.destroy_process_group()
-        set_tp_group(TPGroup())
+        self._inflight = None
+        self.runner.on_batch = self.runner.on_sampled = None
+        timeout = tp.shutdown_timeout()
+        tp.close_tensor_parallel(self.worker, timeout)
+        tp_processes.stop_workers(self._tp_procs, timeout)
 
     def _load_tokenizer(self) -> Any:
         source = self.config.tokenizer or self.loaded.model_dir

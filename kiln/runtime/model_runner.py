@@ -76,7 +76,10 @@ class ModelRunner:
         self.forward_fn: ForwardFn = model.forward  # the compiler replaces this
         self.graphs: GraphDispatcher | None = None  # set when CUDA graphs are installed
         self.full_graph: GraphedCallable | None = None
-        self.on_batch: Callable[[BatchShape], None] | None = None  # tensor parallel: broadcast to workers
+        # tensor parallel (rank 0): send each step's batch (and its pending-token count) to the workers, and
+        # hand them the sampled ids on the device (async scheduling)
+        self.on_batch: Callable[[BatchShape, int], None] | None = None
+        self.on_sampled: Callable[[torch.Tensor], None] | None = None
         self.sampler = Sampler()
         pin = device.type == "cuda"
         n, s = self.max_num_tokens, self.max_num_seqs
@@ -95,7 +98,8 @@ class ModelRunner:
         # input_ids positions whose token is still on the device, and its row in the previous step's samples
         self.pending_dst_cpu, self.pending_dst = buffers((s,), torch.int64)
         self.pending_src_cpu, self.pending_src = buffers((s,), torch.int64)
-        self._last_sampled: torch.Tensor | None = None  # the previous launch's sampled tokens, on the device
+        # the previous launch's sampled tokens, on the device (a tensor-parallel worker receives rank 0's)
+        self.last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}  # request id -> its row there
         # The host buffers are uploaded without blocking: the next fill must wait until the copies ran.
         self._inputs_consumed = DeviceEvent(device)
@@ -106,15 +110,19 @@ class ModelRunner:
         """Host buffers filled (and sent to tensor-parallel workers), copied to the device, pending tokens in."""
         shape, sampling_rows, num_pending = self.fill_host(sched)
         if self.on_batch is not None:
-            self.on_batch(shape)
+            self.on_batch(shape, num_pending)
         batch = self.to_device(shape, sampling_rows)
         if num_pending:
             self._copy_pending_tokens(num_pending)
         return batch
 
+    def wait_host_buffers_free(self) -> None:
+        """The previous step's non-blocking uploads have read the host buffers: they may be overwritten."""
+        self._inputs_consumed.synchronize()
+
     def fill_host(self, sched: SchedulerOutput) -> tuple[BatchShape, list[int], int]:
         """Write the step's flat inputs into the host buffers; also returns how many input tokens are pending."""
-        self._inputs_consumed.synchronize()
+        self.wait_host_buffers_free()
         num_reqs, num_tokens = len(sched.requests), sched.total_tokens
         if num_reqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
             raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds the runner's buffers")
@@ -240,7 +248,7 @@ class ModelRunner:
         nb = self.device.type == "cuda"
         dst = self.pending_dst[:num].copy_(self.pending_dst_cpu[:num], non_blocking=nb)
         src = self.pending_src[:num].copy_(self.pending_src_cpu[:num], non_blocking=nb)
-        self.input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, src))
+        self.input_ids.index_copy_(0, dst, self.last_sampled.index_select(0, src))
 
     # -- forward -------------------------------------------------------------------------------------
     def forward_context(self, metadata: CommonAttentionMetadata, num_tokens: int) -> ForwardContext:
@@ -288,7 +296,7 @@ class ModelRunner:
         reqs = [sched.requests[i] for i in batch.sampling_rows]
         self._last_rows = {r.request_id: j for j, r in enumerate(reqs)}
         if not reqs:
-            self._last_sampled = None
+            self.last_sampled = None
             return LaunchedStep(sched, [], [])
         tokens, logprobs = self.sampler.sample(logits, SamplingBatch(
             params=[r.params for r in reqs],
@@ -298,6 +306,20 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             num_pending_tokens=[r.num_pending_tokens for r in reqs],
         ))
-        self._last_sampled = tokens
+        self.last_sampled = tokens
+        if self.on_sampled is not None:
+            self.on_sampled(tokens)
         host, landed = self._readback.start(tokens)
         return LaunchedStep(sched, batch.sampling_rows, logprobs, host, landed)
+
+    @torch.inference_mode()
+    def execute_replica(self, shape: BatchShape, num_pending: int) -> None:
+        """A tensor-parallel worker's step: the host buffers hold rank 0's batch; run the same forward (its
+        collectives pair with rank 0's) and discard the logits. Pending input tokens come from `last_sampled`,
+        the copy of rank 0's previous samples this rank received."""
+        batch = self.to_device(shape, [])
+        if num_pending:
+            self._copy_pending_tokens(num_pending)
+        batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
+        self._inputs_consumed.record()
+        self.forward(batch)

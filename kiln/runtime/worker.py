@@ -6,13 +6,12 @@ Worker alone, driven by the batches rank 0 broadcasts (kiln/runtime/distributed.
 
 from __future__ import annotations
 
-import dataclasses
+import gc
 import logging
-import os
 
 import torch
 
-from kiln.config import CUDAGraphMode, RuntimeConfig
+from kiln.config import RuntimeConfig
 from kiln.models.base import ModelSpec
 from kiln.models.loader.load import LoadedModel, load_model
 from kiln.models.parallel import tp_size
@@ -49,12 +48,13 @@ class Worker:
         self.backend = backend_cls(layout, device)
         sched = config.scheduler
         num_blocks = kv_cache_num_blocks(config.cache, spec, device, self.model, sched.max_num_batched_tokens,
-                                         layout)
+                                         layout, self.max_model_len)
         if agree_num_blocks is not None:  # every rank must page the same block ids
             num_blocks = agree_num_blocks(num_blocks)
         self.num_blocks = num_blocks
         self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size, self.num_kv_heads,
                                     spec.head_dim, dtype=self.loaded.dtype, device=device)
+        self.graph_pool = None  # set by warm_up when CUDA graphs are captured
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
                                   device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [])
@@ -64,14 +64,8 @@ class Worker:
         # -O1..-O3: trace, compile every range/size and run each once now, so no request waits on a compile
         from kiln.compiler import CompileStats, install_compiler
 
+        # CUDA graphs stay on under tensor parallelism: the all-reduces are captured with the rest of the step
         self.compilation = self.config.compilation.resolve(self.device, self.config.scheduler.max_num_batched_tokens)
-        graphs = self.compilation.cudagraph_mode not in (None, CUDAGraphMode.NONE)
-        experimental = os.environ.get("KILN_TP_CUDA_GRAPHS") == "1"  # to debug the hang: graphs under TP anyway
-        if graphs and tp_size() > 1 and self.device.type == "cuda" and not experimental:
-            # graphs capture under TP on GPUs, but serving from them hung on a 2x H200 (docs/distributed.md):
-            # run the compiled pieces without graphs rather than hang
-            logger.warning("CUDA graphs are not supported with tensor parallelism on GPUs yet; running without")
-            self.compilation = dataclasses.replace(self.compilation, cudagraph_mode=CUDAGraphMode.NONE)
         from kiln.cache import store_factory
         from kiln.models.parallel import tp_rank
 
@@ -83,3 +77,18 @@ class Worker:
         from kiln.compiler.cuda_graphs import install_cuda_graphs
 
         self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled)
+
+    def release_graphs(self) -> None:
+        """Drop every captured CUDA graph and its memory pool, after the device has finished the last step.
+        Done before a tensor-parallel rank destroys its process groups: the graphs hold captured NCCL work.
+        The runner then runs without graphs."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.graph_pool is not None:
+            self.graph_pool.release()
+        self.graph_pool = None
+        self.runner.graphs = self.runner.full_graph = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()

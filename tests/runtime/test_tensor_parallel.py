@@ -1,4 +1,5 @@
-"""Tensor parallelism over gloo on CPU: 2 ranks give the same greedy tokens as 1."""
+"""Tensor parallelism over gloo on CPU: 2 ranks give the same greedy tokens as 1 (sync and async scheduling),
+shut down without hanging, and fail at once, naming the cause, when a worker cannot start."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,56 @@ def test_tp2_matches_tp1(reference) -> None:
         assert runtime.engine.kv_cache.shape[-2] == 1  # this rank holds half the KV heads
     finally:
         runtime.engine.shutdown()
+
+
+def test_tp2_async_scheduling_matches_tp1(reference) -> None:
+    """Overlapped steps: each step's pending input tokens reach the worker as rank 0's sampled ids, broadcast
+    over the device group, and are put into its input_ids in place exactly as on rank 0."""
+    runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32,
+                      async_scheduling=True)
+    try:
+        assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
+        assert runtime.engine.stats.overlapped_steps > 0
+    finally:
+        runtime.engine.shutdown()
+
+
+def test_tp2_shutdown_returns_and_every_rank_exits() -> None:
+    """Shutdown must neither hang (it runs on a thread here, so a hang fails the test instead of the run) nor
+    leave a worker behind; the workers leave by themselves (exit code 0, not terminated), and rank 0's own
+    process group is gone, so a new tensor-parallel runtime can be built in this process."""
+    import torch.distributed as dist
+
+    from kiln.models.parallel import tp_size
+
+    runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
+    runtime.generate(PROMPTS[:2], PARAMS)
+    procs = list(runtime.engine._tp_procs)
+    stopper = threading.Thread(target=runtime.engine.shutdown, daemon=True)
+    stopper.start()
+    stopper.join(timeout=120)
+    assert not stopper.is_alive(), "Engine.shutdown() did not return"
+    assert [p.is_alive() for p in procs] == [False]
+    assert [p.exitcode for p in procs] == [0]
+    assert not dist.is_initialized() and tp_size() == 1
+
+
+def test_unguarded_script_fails_fast_naming_the_main_guard(tmp_path: Path) -> None:
+    """Without `if __name__ == "__main__":` the spawned worker dies importing the script; rank 0 must raise at
+    once instead of waiting in the rendezvous for KILN_TP_TIMEOUT (left at its 300 s default here)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        from kiln import Runtime
+
+        Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
+        print("built")
+    """))
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "KILN_TP_TIMEOUT")}
+    env["PYTHONPATH"] = str(root)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode != 0 and "built" not in proc.stdout
+    assert "WorkerStartError" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -83,7 +136,7 @@ def test_start_up_watch_reports_a_worker_that_died(caplog: pytest.LogCaptureFixt
     import threading
     import time
 
-    from kiln.runtime.distributed import watch_start_up
+    from kiln.runtime.tp_processes import watch_start_up
 
     class DeadWorker:
         exitcode = 7

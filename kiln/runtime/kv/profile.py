@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
 
@@ -11,34 +12,56 @@ from kiln.runtime.attention.base import AttentionLayout, CommonAttentionMetadata
 from kiln.runtime.attention.torch_backend import TorchAttentionBackend
 
 
+def profiling_batch(num_tokens: int, max_model_len: int) -> tuple[list[int], torch.Tensor]:
+    """Sequence lengths and positions of the profiling batch: the token budget split into sequences of at most
+    max_model_len tokens, since a model whose context is shorter than the budget has no rotary (or learned)
+    position beyond it, and a real step never asks for one either."""
+    lens = [max_model_len] * (num_tokens // max_model_len)
+    if num_tokens % max_model_len:
+        lens.append(num_tokens % max_model_len)
+    return lens, torch.cat([torch.arange(n) for n in lens])
+
+
 @torch.inference_mode()
 def profile_activation_peak(model: torch.nn.Module, device: torch.device, num_tokens: int,
-                            layout: AttentionLayout) -> int:
-    """`layout`: this rank's attention heads (a tensor-parallel rank holds a share of them)."""
+                            layout: AttentionLayout, max_model_len: int) -> int:
+    """`layout`: this rank's attention heads (a tensor-parallel rank holds a share of them). Returns the peak
+    of CUDA memory the forward allocated beyond what was in use (0 on other devices, which only run it)."""
+    on_gpu = device.type == "cuda"
     block_size = layout.block_size
-    num_blocks = math.ceil(num_tokens / block_size) + 1
+    lens, positions = profiling_batch(num_tokens, max_model_len)
+    blocks_per_seq = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + 1  # + the null block
     cache = torch.zeros(num_blocks, 2, block_size, layout.num_kv_heads, layout.head_dim, dtype=layout.dtype,
                         device=device)
     backend = TorchAttentionBackend(layout, device)
-    i32 = dict(dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
-    lens = torch.tensor([num_tokens], dtype=torch.int32)
+    qsl = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    tables = torch.zeros(len(lens), max(blocks_per_seq), dtype=torch.int32)
+    slots, first = [], 1  # each sequence owns consecutive blocks after the null block
+    for i, (n, b) in enumerate(zip(lens, blocks_per_seq)):
+        tables[i, :b] = torch.arange(first, first + b)
+        slots.append(torch.arange(n) + first * block_size)
+        first += b
     metadata = CommonAttentionMetadata(
-        num_reqs=1, num_tokens=num_tokens, query_start_loc=qsl.to(device), seq_lens=lens.to(device),
-        block_tables=torch.arange(1, num_blocks, **i32).unsqueeze(0),
-        slot_mapping=torch.arange(block_size, block_size + num_tokens, device=device),
-        query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_query_len=num_tokens, max_seq_len=num_tokens,
+        num_reqs=len(lens), num_tokens=num_tokens, query_start_loc=qsl.to(device), seq_lens=seq_lens.to(device),
+        block_tables=tables.to(device), slot_mapping=torch.cat(slots).to(device),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_query_len=max(lens), max_seq_len=max(lens),
         uniform_decode=False)
     context = ForwardContext(attention=lambda i, q, k, v, out: backend.forward(q, k, v, out, cache, metadata),
                              metadata=metadata, num_tokens=num_tokens)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
+    if on_gpu:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     with set_forward_context(context):
-        hidden = model(ids, torch.arange(num_tokens, device=device))
+        hidden = model(ids, positions.to(device))
         model.compute_logits(hidden[-min(num_tokens, 256):])
+    if not on_gpu:
+        return 0
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
     return int(peak)
+

@@ -22,8 +22,9 @@ def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_kv
 
 
 def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.device, model: torch.nn.Module,
-                        max_num_batched_tokens: int, layout: AttentionLayout) -> int:
-    """`layout`: this rank's share of the attention heads, its KV dtype and block size."""
+                        max_num_batched_tokens: int, layout: AttentionLayout, max_model_len: int) -> int:
+    """`layout`: this rank's share of the attention heads, its KV dtype and block size; `max_model_len` bounds
+    the positions of the profiling forward."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     per_block = bytes_per_block(spec, layout.dtype, cache.block_size, layout.num_kv_heads)
@@ -32,7 +33,7 @@ def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.devic
     elif device.type == "cpu":
         budget = CPU_DEFAULT_KV_BYTES
     else:
-        budget = _gpu_budget(cache, device, model, max_num_batched_tokens, layout)
+        budget = _gpu_budget(cache, device, model, max_num_batched_tokens, layout, max_model_len)
     num_blocks = budget // per_block + 1  # + the null block
     if num_blocks < 2:
         raise ValueError(f"KV cache budget of {budget} bytes holds no block ({per_block} bytes each); "
@@ -41,13 +42,13 @@ def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.devic
 
 
 def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module, num_tokens: int,
-                layout: AttentionLayout) -> int:
+                layout: AttentionLayout, max_model_len: int) -> int:
     """Budget = total * utilisation - (what is in use now + the activation peak of one forward)."""
     from kiln.runtime.kv.profile import profile_activation_peak
 
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    peak = profile_activation_peak(model, device, num_tokens, layout)
+    peak = profile_activation_peak(model, device, num_tokens, layout, max_model_len)
     used = total - free
     budget = int(total * cache.gpu_memory_utilization) - used - peak
     logger.info("GPU memory: total %.1f GiB, in use %.1f GiB, activation peak %.2f GiB -> KV budget %.1f GiB",

@@ -1,0 +1,146 @@
+"""The worker processes rank 0 spawns on one host: start, start-up handshake, liveness, and a bounded stop.
+
+Rank 0 must never wait on a worker that is gone. Three places could: the env:// rendezvous (a TCP
+store that waits for every rank until the group timeout), the per-step broadcast, and the join at
+shutdown. So a spawned worker signals `started` as its first act, before the rendezvous: a worker that
+dies before that (typically at import of the main script, see `_UNGUARDED_HINT`) makes rank 0 fail at
+once instead of after KILN_TP_TIMEOUT; every step checks liveness first; and the shutdown join is
+bounded, escalating to SIGTERM and SIGKILL with an error in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from kiln.config import RuntimeConfig
+
+logger = logging.getLogger("kiln")
+
+# the 'spawn' start method re-imports the main module in each child: unguarded top-level code runs again there
+_UNGUARDED_HINT = ("tensor-parallel workers are started with the 'spawn' start method, which re-imports the "
+                   "main script in each worker: a script that builds Runtime(tensor_parallel_size>1) at top "
+                   "level must do it under `if __name__ == \"__main__\":` (the worker's own traceback is above)")
+
+
+class WorkerStartError(RuntimeError):
+    """A tensor-parallel worker died before joining the group."""
+
+
+@dataclass
+class LocalWorkers:
+    """Ranks 1..world-1 on this host; `started[i]` is set by rank i+1 before it joins the rendezvous."""
+
+    procs: list[mp.Process]
+    started: list
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_worker(config: RuntimeConfig, rank: int, world: int, env: dict[str, str], started) -> None:
+    started.set()  # past the import of the main script: from here on rank 0 waits in the rendezvous
+    os.environ.update(env)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    from kiln.runtime.distributed import worker_main
+
+    if not worker_main(config, rank, world):
+        # the process groups did not go away in time: leave without running the interpreter's exit hooks,
+        # which could wait on the same communicators
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def spawn_workers(config: RuntimeConfig, world: int) -> LocalWorkers:
+    """Start ranks 1..world-1 on this host (rank 0 is the caller) with an env:// rendezvous."""
+    # a fresh port per group: a port from an earlier group in this process may still be held or half-closed
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    env = {"MASTER_ADDR": os.environ["MASTER_ADDR"], "MASTER_PORT": os.environ["MASTER_PORT"],
+           "WORLD_SIZE": str(world)}
+    ctx = mp.get_context("spawn")
+    workers = LocalWorkers([], [])
+    for rank in range(1, world):
+        started = ctx.Event()
+        proc = ctx.Process(target=_spawned_worker,
+                           args=(config, rank, world, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, started),
+                           name=f"kiln-tp-rank{rank}", daemon=True)
+        proc.start()
+        workers.procs.append(proc)
+        workers.started.append(started)
+    return workers
+
+
+def wait_until_started(workers: LocalWorkers, timeout: float, poll: float = 0.05) -> None:
+    """Return once every worker is past its imports; raise WorkerStartError as soon as one dies before that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for rank, (proc, started) in enumerate(zip(workers.procs, workers.started), start=1):
+            if not started.is_set() and not proc.is_alive():
+                raise WorkerStartError(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}) before "
+                                       f"it started; {_UNGUARDED_HINT}")
+        if all(s.is_set() for s in workers.started):
+            return
+        if time.monotonic() > deadline:
+            raise WorkerStartError(f"tensor-parallel workers did not start within {timeout:.0f} s")
+        time.sleep(poll)
+
+
+def watch_start_up(procs: list[mp.Process], ready: threading.Event) -> None:
+    """Until `ready`, report a worker that dies during start-up (after the rendezvous: its model load or
+    warm-up). Rank 0's pending gloo collective then fails when the peer's connection closes; an NCCL one
+    only at the group's timeout (KILN_TP_TIMEOUT), so the log names the cause first."""
+
+    def watch() -> None:
+        while not ready.wait(1.0):
+            for rank, proc in enumerate(procs, start=1):
+                if not proc.is_alive():
+                    logger.error("tensor-parallel worker rank %d exited during start-up (code %s); rank 0 fails "
+                                 "when its pending collective fails or times out (KILN_TP_TIMEOUT=%s s)", rank,
+                                 proc.exitcode, os.environ.get("KILN_TP_TIMEOUT", "300"))
+                    return
+
+    threading.Thread(target=watch, name="kiln-tp-start-up-watch", daemon=True).start()
+
+
+def check_workers(procs: list[mp.Process]) -> None:
+    from kiln.runtime.distributed import EngineDeadError
+
+    for rank, proc in enumerate(procs, start=1):
+        if not proc.is_alive():
+            raise EngineDeadError(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}); "
+                                  "the engine has stopped")
+
+
+def stop_workers(procs: list[mp.Process], timeout: float) -> list[int]:
+    """Join every worker within `timeout` seconds in all; one still running is terminated, then killed.
+    Returns the ranks that had to be ended that way (logged as errors: their shutdown hung)."""
+    deadline = time.monotonic() + timeout
+    forced = []
+    for rank, proc in enumerate(procs, start=1):
+        proc.join(timeout=max(deadline - time.monotonic(), 0.1))
+        if not proc.is_alive():
+            continue
+        forced.append(rank)
+        logger.error("tensor-parallel worker rank %d (pid %s) did not exit within %.0f s of shutdown; terminating "
+                     "it (set KILN_DUMP_STACKS_AFTER=S to see where it waits)", rank, proc.pid, timeout)
+        proc.terminate()
+        proc.join(timeout=5)
+        if proc.is_alive():
+            logger.error("tensor-parallel worker rank %d ignored SIGTERM; killing it", rank)
+            proc.kill()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            logger.error("tensor-parallel worker rank %d (pid %s) survived SIGKILL (stuck in the driver?)", rank,
+                         proc.pid)
+    return forced
