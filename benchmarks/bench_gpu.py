@@ -202,8 +202,10 @@ def cmd_matrix(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
 
 def cmd_tp(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     """Decode at each batch with the model split over --tp GPUs (one config per process: NCCL state stays clean)."""
+    mode = {} if args.cudagraph_mode == "default" else dict(cudagraph_mode=args.cudagraph_mode)
     rt, build = make_runtime(args.model, level=args.level, attention_backend=args.backend,
-                             tensor_parallel_size=args.tp, cudagraph_mode=args.cudagraph_mode)
+                             tensor_parallel_size=args.tp, **mode)
+    graphs = rt.engine.worker.compilation.cudagraph_mode
     print(f"{args.model} TP={args.tp}: built in {build:.1f}s, {weight_bytes(rt) / 1e9:.1f} GB of weights per GPU",
           flush=True)
     rows = []
@@ -215,9 +217,14 @@ def cmd_tp(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
                              floor_ms=floor * 1e3, x_floor=step / floor, build_s=build))
             print(rows[-1], flush=True)
     finally:
+        start = time.perf_counter()
         rt.engine.shutdown()
+        shutdown = time.perf_counter() - start
+        print(f"shutdown took {shutdown:.1f}s", flush=True)
+        for row in rows:
+            row["shutdown_s"] = shutdown
     print(table(["model", "TP", "graphs", "batch", "step ms", "tok/s", "floor ms (per GPU)", "x floor"],
-                [[r["model"], r["tp"], args.cudagraph_mode, r["batch"], r["step_ms"], r["tokens_per_s"], r["floor_ms"],
+                [[r["model"], r["tp"], graphs, r["batch"], r["step_ms"], r["tokens_per_s"], r["floor_ms"],
                   r["x_floor"]] for r in rows]))
     return rows
 
@@ -333,7 +340,7 @@ def main() -> None:
         if name == "tp":
             p.add_argument("--model", default="llama3-8b")
             p.add_argument("--tp", type=int, default=2)
-            p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
+            p.add_argument("--cudagraph-mode", default="default", help="default: the level's own (graphs on)")
             p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
         if name == "profile":
             p.add_argument("--model", default="smollm2-135m")

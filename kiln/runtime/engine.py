@@ -144,9 +144,13 @@ class Engine:
         self._channel = None
         self._inflight = None
         self.runner.on_batch = self.runner.on_sampled = None
-        timeout = tp.shutdown_timeout()
-        tp.close_tensor_parallel(self.worker, timeout)
-        tp_processes.stop_workers(self._tp_procs, timeout)
+        timeout, start = tp.shutdown_timeout(), time.perf_counter()
+        clean = tp.close_tensor_parallel(self.worker, timeout)
+        closed = time.perf_counter()
+        forced = tp_processes.stop_workers(self._tp_procs, timeout)
+        logger.info("tensor-parallel shutdown: rank 0's groups %s in %.1f s, workers joined in %.1f s%s",
+                    "destroyed" if clean else "NOT destroyed", closed - start, time.perf_counter() - closed,
+                    f" (ranks {forced} had to be terminated)" if forced else "")
 
     def _load_tokenizer(self) -> Any:
         source = self.config.tokenizer or self.loaded.model_dir
