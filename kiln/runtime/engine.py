@@ -98,7 +98,7 @@ class Engine:
                 raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
             if rank != 0:  # the same entry point on every rank: the others serve rank 0 and then exit
                 if not tp.worker_main(config, rank, world):
-                    os._exit(0)  # its process groups hang in their tear-down: the exit hooks would wait on them
+                    os._exit(tp_processes.UNCLEAN_EXIT)  # its groups hang in their tear-down: exit hooks would too
                 raise SystemExit(0)
         else:
             workers = tp_processes.spawn_workers(config, world)

@@ -29,6 +29,9 @@ _UNGUARDED_HINT = ("tensor-parallel workers are started with the 'spawn' start m
                    "level must do it under `if __name__ == \"__main__\":` (the worker's own traceback is above)")
 
 
+UNCLEAN_EXIT = 3  # a worker whose process groups were not destroyed within KILN_TP_SHUTDOWN_TIMEOUT
+
+
 class WorkerStartError(RuntimeError):
     """A tensor-parallel worker died before joining the group."""
 
@@ -55,10 +58,10 @@ def _spawned_worker(config: RuntimeConfig, rank: int, world: int, env: dict[str,
 
     if not worker_main(config, rank, world):
         # the process groups did not go away in time: leave without running the interpreter's exit hooks,
-        # which could wait on the same communicators
+        # which could wait on the same communicators; the exit code tells rank 0 (and tests) it happened
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(UNCLEAN_EXIT)
 
 
 def spawn_workers(config: RuntimeConfig, world: int) -> LocalWorkers:
@@ -130,6 +133,9 @@ def stop_workers(procs: list[mp.Process], timeout: float) -> list[int]:
     for rank, proc in enumerate(procs, start=1):
         proc.join(timeout=max(deadline - time.monotonic(), 0.1))
         if not proc.is_alive():
+            if proc.exitcode == UNCLEAN_EXIT:
+                logger.error("tensor-parallel worker rank %d could not destroy its process groups in time and "
+                             "left without them", rank)
             continue
         forced.append(rank)
         logger.error("tensor-parallel worker rank %d (pid %s) did not exit within %.0f s of shutdown; terminating "
