@@ -153,24 +153,27 @@ def close_tensor_parallel(worker, timeout: float) -> bool:
     """This rank's tear-down, after its last step: wait for the device, drop the CUDA graphs and their memory
     pool (they hold captured NCCL kernels, and destroying communicators under live graphs can hang:
     pytorch/pytorch#115388), then destroy every process group. Every rank does this at the same time (rank 0
-    before it joins its workers: NCCL's communicator tear-down may wait for the peers). The destroy runs on a
-    thread bounded by `timeout`; returns False (and logs) when it did not finish, so the caller can leave
-    without waiting on it."""
-    if worker is not None:
-        worker.release_graphs()
+    before it joins its workers: NCCL's communicator tear-down may wait for the peers). All of it runs on a
+    thread bounded by `timeout` (the device sync too: a collective whose peer died never completes); returns
+    False (and logs) when it did not finish, so the caller can leave without waiting on it."""
     set_tp_group(TPGroup())
     done = threading.Event()
 
-    def destroy() -> None:
+    def tear_down() -> None:
         try:
+            if worker is not None:
+                if worker.device.type == "cuda":  # a new thread starts on device 0
+                    torch.cuda.set_device(worker.device)
+                worker.release_graphs()
             dist.destroy_process_group()
         except Exception as exc:  # a peer that is already gone must not make shutdown fail
-            logger.warning("destroying the tensor-parallel process groups failed: %s", exc)
+            logger.warning("tearing down the tensor-parallel process groups failed: %s", exc)
         finally:
             done.set()
 
-    threading.Thread(target=destroy, name="kiln-tp-destroy", daemon=True).start()
+    threading.Thread(target=tear_down, name="kiln-tp-tear-down", daemon=True).start()
     if done.wait(timeout):
         return True
-    logger.error("torch.distributed.destroy_process_group() did not return within %.0f s; leaving it behind", timeout)
+    logger.error("releasing CUDA graphs and destroying the tensor-parallel process groups did not finish within "
+                 "%.0f s; leaving them behind", timeout)
     return False
