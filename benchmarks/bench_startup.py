@@ -207,7 +207,8 @@ def drive(args: argparse.Namespace) -> None:
     checkpoint = workdir / f"{args.preset}-{args.dtype}"
     base = {"preset": args.preset, "device": args.device, "dtype": args.dtype, "checkpoint": str(checkpoint),
             "attention_backend": args.attention_backend}
-    report: dict[str, Any] = {"stamp": stamp(), "args": vars(args), "reference_to_ready_s": REFERENCE_TO_READY_S,
+    # stamped at the end: stamp() initialises CUDA, which must not hold GPU memory while the children run
+    report: dict[str, Any] = {"stamp": None, "args": vars(args), "reference_to_ready_s": REFERENCE_TO_READY_S,
                               "reference_decode_ms": REFERENCE_DECODE_MS, "variants": {}}
 
     def save() -> None:  # after every part: a run cut short still leaves what it measured
@@ -239,6 +240,8 @@ def drive(args: argparse.Namespace) -> None:
             runs[start] = run_child("start", spec, child_env(caches), timeout, logs / f"{slug}-{start}.log")
             print(f"{variant}: {start}: " + (runs[start].get("summary") or runs[start]["error"]), flush=True)
             save()
+    report["stamp"] = stamp()
+    save()
     print_report(report)
 
 
