@@ -113,9 +113,11 @@ def child_start(spec: dict[str, Any]) -> dict[str, Any]:
         "load_config_s": rt.engine.loaded.config_seconds,  # of the load phase: the config (a transformers import)
         "dynamo_traces": stats.dynamo_traces, "inductor_compiles": stats.inductor_compiles,
         "cache_hits": stats.cache_hits, "compile_summary": stats.summary(),
-        "compile_sizes": list(rt.engine.worker.compilation.compile_sizes or ()),
-        "graph_captures": dict(rt.engine.worker.graph_pool.stats.captures) if rt.engine.worker.graph_pool else {},
     }
+    worker = rt.engine.worker
+    result["compile_sizes"] = list(getattr(getattr(worker, "compilation", None), "compile_sizes", None) or ())
+    pool = getattr(worker, "graph_pool", None)
+    result["graph_captures"] = dict(pool.stats.captures) if pool is not None else {}
     if rt.engine.device.type == "cuda":
         result["gpu_peak_gib"] = torch.cuda.max_memory_allocated(rt.engine.device) / 2**30
     decode: dict[str, Any] = {}
