@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.common import stamp, start_decoding, table
+from benchmarks.common import decode_step_seconds as common_decode_step_seconds
+from benchmarks.common import stamp, table
 from kiln import Runtime, SamplingParams
 
 PROMPT_LEN = 128
@@ -90,21 +91,7 @@ def make_runtime(model: str, **kwargs) -> tuple[Runtime, float]:
 
 def decode_step_seconds(rt: Runtime, batch: int, steps: int = 32) -> float:
     """Mean time of one engine step while `batch` requests decode (prompts of PROMPT_LEN tokens)."""
-    engine = rt.engine
-    start_decoding(engine, batch, PROMPT_LEN, max_tokens=steps + 12)
-    # Mean over back-to-back steps, synchronised only around the whole run: a sync before every step would
-    # hide what overlapped scheduling overlaps (the host work of one step with the GPU work of the last).
-    for _ in range(2):
-        engine.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    while engine.has_unfinished():
-        engine.step()
-    return elapsed / steps
+    return common_decode_step_seconds(rt.engine, batch, PROMPT_LEN, steps)
 
 
 def decode_floor_seconds(rt: Runtime, batch: int, ceil: Ceilings) -> tuple[float, float]:

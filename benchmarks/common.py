@@ -6,6 +6,7 @@ import datetime
 import platform
 import random
 import subprocess
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,29 @@ def start_decoding(engine: Any, batch: int, prompt_len: int, max_tokens: int) ->
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
         engine.step()
+
+
+def decode_step_seconds(engine: Any, batch: int, prompt_len: int = 128, steps: int = 32) -> float:
+    """Mean time of one engine step while `batch` requests decode (random prompts of `prompt_len` tokens)."""
+    start_decoding(engine, batch, prompt_len, max_tokens=steps + 12)
+    # Mean over back-to-back steps, synchronised only around the whole run: a sync before every step would
+    # hide what overlapped scheduling overlaps (the host work of one step with the GPU work of the last).
+    for _ in range(2):
+        engine.step()
+    _synchronize(engine.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _synchronize(engine.device)
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed / steps
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -32,6 +32,7 @@ from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampler import needs_output_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
+from kiln.runtime.startup import StartupClock, StartupTimes
 from kiln.runtime.worker import Worker
 
 logger = logging.getLogger("kiln")
@@ -53,18 +54,20 @@ class Engine:
         self.device = resolve_device(config.device)
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        clock = StartupClock(self.device)
         self._tp_procs: list = []
         self._ready = threading.Event()  # set once built: ends the tensor-parallel start-up watch
         self._channel = None
         agree = None
         if config.tensor_parallel_size > 1:
             agree = self._start_tensor_parallel(config)
-        self.worker = Worker(config, self.device, loaded, agree_num_blocks=agree)
+        self.worker = Worker(config, self.device, loaded, agree_num_blocks=agree, clock=clock)
         self.worker.warm_up()
         self.loaded, self.model = self.worker.loaded, self.worker.model
         self.backend, self.kv_cache, self.runner = self.worker.backend, self.worker.kv_cache, self.worker.runner
         self.max_model_len = self.worker.max_model_len
-        self.tokenizer = self._load_tokenizer()
+        with clock.phase("tokenizer"):
+            self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = frozenset(self.loaded.spec.eos_token_ids) | self._tokenizer_eos()
         self.pool = BlockPool(self.worker.num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.cache.block_size,
@@ -84,6 +87,8 @@ class Engine:
         self._inflight: LaunchedStep | None = None  # launched, not yet processed (async scheduling only)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
+        self.startup_times: StartupTimes = clock.finish()
+        logger.info("%s", self.startup_times.summary())
         self._ready.set()
 
     # -- set-up helpers --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from kiln.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kiln.compiler.stats import CompileStats
+    from kiln.runtime.startup import StartupTimes
 
 logger = logging.getLogger("kiln")
 
@@ -61,6 +62,11 @@ class Runtime:
     def compile_stats(self) -> CompileStats:
         """Dynamo traces, Inductor compiles, seconds and per-piece detail (all zero at -O0)."""
         return self.engine.worker.compile_stats
+
+    @property
+    def startup_times(self) -> StartupTimes:
+        """Seconds per start-up phase (load, tokenizer, trace, compile, kv, capture) and the total to ready."""
+        return self.engine.startup_times
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: tokens, preemptions, KV usage, prefix-cache queries/hits/hit rate."""

@@ -18,6 +18,7 @@ from kiln.models.parallel import tp_size
 from kiln.runtime.attention import AttentionLayout, select_backend
 from kiln.runtime.kv.sizing import kv_cache_num_blocks
 from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.startup import StartupClock
 
 logger = logging.getLogger("kiln")
 
@@ -32,11 +33,13 @@ def resolve_max_model_len(config: RuntimeConfig, spec: ModelSpec) -> int:
 
 class Worker:
     def __init__(self, config: RuntimeConfig, device: torch.device, loaded: LoadedModel | None = None,
-                 agree_num_blocks=None) -> None:
+                 agree_num_blocks=None, clock: StartupClock | None = None) -> None:
         self.config = config
         self.device = device
-        self.loaded = loaded or load_model(config.model, device=device, dtype=config.dtype,
-                                           load_format=config.load_format, seed=config.seed)
+        self.clock = clock or StartupClock(device)
+        with self.clock.phase("load"):
+            self.loaded = loaded or load_model(config.model, device=device, dtype=config.dtype,
+                                               load_format=config.load_format, seed=config.seed)
         spec = self.loaded.spec
         self.model = self.loaded.model
         self.max_model_len = resolve_max_model_len(config, spec)
@@ -47,14 +50,15 @@ class Worker:
         backend_cls = select_backend(config.attention_backend, layout, device)
         self.backend = backend_cls(layout, device)
         sched = config.scheduler
-        num_blocks = kv_cache_num_blocks(config.cache, spec, device, self.model, sched.max_num_batched_tokens,
-                                         layout, self.max_model_len)
-        if agree_num_blocks is not None:  # every rank must page the same block ids
-            num_blocks = agree_num_blocks(num_blocks)
-        self.num_blocks = num_blocks
-        self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size, self.num_kv_heads,
-                                    spec.head_dim, dtype=self.loaded.dtype, device=device)
         self.graph_pool = None  # set by warm_up when CUDA graphs are captured
+        with self.clock.phase("kv"):
+            num_blocks = kv_cache_num_blocks(config.cache, spec, device, self.model, sched.max_num_batched_tokens,
+                                             layout, self.max_model_len)
+            if agree_num_blocks is not None:  # every rank must page the same block ids
+                num_blocks = agree_num_blocks(num_blocks)
+            self.num_blocks = num_blocks
+            self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size,
+                                        self.num_kv_heads, spec.head_dim, dtype=self.loaded.dtype, device=device)
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
                                   device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [])
@@ -72,11 +76,14 @@ class Worker:
         factory = store_factory(spec=self.loaded.spec, dtype=self.loaded.dtype, compilation=self.compilation,
                                 max_num_tokens=self.runner.max_num_tokens, device=self.device,
                                 attention_backend=self.backend.name, rank=tp_rank(), tp_size=tp_size())
-        self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory)
+        with self.clock.phase("compile"):
+            self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory)
         self.compile_stats = self.compiled.stats if self.compiled is not None else CompileStats(level=0)
+        self.clock.move(self.compile_stats.trace_seconds, "compile", "trace")  # Dynamo runs in the first forward
         from kiln.compiler.cuda_graphs import install_cuda_graphs
 
-        self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled)
+        with self.clock.phase("capture"):
+            self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled)
 
     def release_graphs(self) -> None:
         """Drop every captured CUDA graph and its memory pool, after the device has finished the last step.

@@ -14,7 +14,7 @@ import torch
 from kiln.models.base import ModelSpec
 
 
-def _checkpoint_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+def checkpoint_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_heads * d, spec.num_kv_heads * d
     yield "model.embed_tokens.weight", (spec.vocab_size, h)
@@ -41,7 +41,7 @@ def _checkpoint_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]
 def dummy_weights(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                   seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Norm weights are ones; everything else N(0, 0.02), which keeps activations in a sane range."""
-    for name, shape in _checkpoint_shapes(spec):
+    for name, shape in checkpoint_shapes(spec):
         if name.endswith("norm.weight"):
             yield name, torch.ones(shape, dtype=dtype, device=device)
             continue

@@ -34,6 +34,7 @@ class LoadedModel:
     model_dir: Path | None  # None for preset (dummy) models: no tokenizer on disk
     dtype: torch.dtype
     load_seconds: float
+    config_seconds: float = 0.0  # of load_seconds: reading the config (the first `transformers` import)
 
 
 def resolve_model_source(model: str | None) -> tuple[Path | None, Any]:
@@ -75,6 +76,7 @@ def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dt
                load_format: str = "auto", seed: int = 0) -> LoadedModel:
     start = time.perf_counter()
     model_dir, hf_config = resolve_model_source(model)
+    config_seconds = time.perf_counter() - start
     if load_format == "dummy" or model_dir is None:
         load_format = "dummy"
     cls = model_class(hf_config)
@@ -105,5 +107,6 @@ def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dt
         raise ValueError(f"checkpoint {model_dir or model} is missing weights: {', '.join(missing[:8])}")
     net.eval()
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %s) on %s in %.2fs", spec.architecture, load_format, torch_dtype, device, seconds)
-    return LoadedModel(net, spec, hf_config, model_dir, torch_dtype, seconds)
+    logger.info("loaded %s (%s, %s) on %s in %.2fs (config %.2fs)", spec.architecture, load_format, torch_dtype,
+                device, seconds, config_seconds)
+    return LoadedModel(net, spec, hf_config, model_dir, torch_dtype, seconds, config_seconds)
