@@ -53,6 +53,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: a prefill may take the whole remaining budget
     # overlap a step's host work (schedule, input fill, token processing) with the previous step's forward
     async_scheduling: bool = False
+    # the most sequences (n) one request may ask for: each is a full request in the batch and the KV cache.
+    # 128 is OpenAI's own bound on n.
+    max_n: int = 128
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -61,6 +64,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
 
 
 @dataclass(frozen=True)

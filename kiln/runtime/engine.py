@@ -25,6 +25,7 @@ from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv.block_pool import BlockPool
 from kiln.runtime.kv.hashing import block_hash_fn
 from kiln.runtime.kv.manager import KVCacheManager
+from kiln.runtime.limits import check_request_fits
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.parent import ParentRequest
 from kiln.runtime.request import Request, RequestStatus
@@ -205,9 +206,7 @@ class Engine:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         if not token_ids:
             raise ValueError("prompt must not be empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                             "(the prompt plus at least one generated token must fit)")
+        check_request_fits(len(token_ids), params, self.max_model_len, self.config.scheduler.max_n)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         request_id = request_id if request_id is not None else str(next(self._ids))

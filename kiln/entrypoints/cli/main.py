@@ -37,6 +37,8 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-n", type=int, default=None, help="the most sequences (n) one request may ask for "
+                        "(default 128)")
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size in bytes (CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--attention-backend", default="auto")
@@ -62,7 +64,7 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Only what the user set: explicit flags override the level's defaults, unset ones don't."""
     kwargs: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "load_format": args.load_format,
                               "attention_backend": args.attention_backend, "seed": args.seed}
-    for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes",
+    for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n", "kv_cache_bytes",
                  "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)

@@ -13,7 +13,7 @@ from tests.entrypoints.server.conftest import MODEL, Served
 pytestmark = pytest.mark.slow
 
 KEY = "sk-kiln-test"
-SERVER_OPTIONS = {"api_key": KEY, "max_model_len": 128}
+SERVER_OPTIONS = {"api_key": KEY, "max_model_len": 128, "max_n": 4}
 POISON = "zebra quartz poison pill"  # a prompt the fault injector recognises
 
 
@@ -90,6 +90,39 @@ def test_prompt_longer_than_max_model_len(served: Served) -> None:
     expect_error(post(served, "/v1/chat/completions", long_chat), 400, contains="max_model_len")
     with pytest.raises(openai.BadRequestError):
         served.openai().completions.create(model=MODEL, prompt="word " * 300, max_tokens=2)
+    still_serves(served)
+
+
+def test_max_tokens_beyond_the_context_is_a_400_stating_both_numbers(served: Served) -> None:
+    """vLLM's rule: prompt + max_tokens > max_model_len is refused (not clamped to hours of generation)."""
+    client = served.openai()
+    prompt = [7] * 10
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=100000)
+    error = info.value.body
+    assert info.value.status_code == 400 and error["param"] == "max_tokens"
+    assert "100000" in error["message"] and "10 tokens" in error["message"] and "128" in error["message"]
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=100000, stream=True)
+    assert info.value.body["param"] == "max_tokens" and "100000" in info.value.body["message"]
+    still_serves(served)
+    # exactly the rest of the context is fine, and so is leaving max_tokens unset (= the rest of the context)
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=118, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 118 and full.choices[0].finish_reason == "length"
+    rest = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert rest.usage.prompt_tokens + rest.usage.completion_tokens == 128
+    assert served.wait_idle()["kv_allocated_requests"] == 0
+
+
+def test_n_beyond_max_n_is_a_400(served: Served) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        served.openai().completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=5)
+    assert info.value.body["param"] == "n" and "max_n" in info.value.body["message"]
+    out = served.openai().completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=4, temperature=0)
+    assert len(out.choices) == 4
     still_serves(served)
 
 
