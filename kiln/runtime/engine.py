@@ -8,6 +8,7 @@ prompt (and its prefix-cache blocks).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -49,8 +50,11 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: RuntimeConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
         self.device = resolve_device(config.device)
+        # per-device defaults (batch limits, async scheduling) are fixed here, before any worker sees the config
+        config = dataclasses.replace(config, scheduler=config.scheduler.resolve(self.device,
+                                                                                 config.tensor_parallel_size))
+        self.config = config
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._tp_procs: list = []
@@ -77,11 +81,9 @@ class Engine:
         self.parents: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
-        # May be switched between steps. Tensor-parallel workers only see rank 0's host buffers, never the
-        # sampled tokens that an overlapped step reads on the device, so TP runs synchronously.
-        self.async_scheduling = config.scheduler.async_scheduling and config.tensor_parallel_size == 1
-        if config.scheduler.async_scheduling and not self.async_scheduling:
-            logger.warning("async scheduling is not supported with tensor parallelism; running synchronously")
+        # May be switched between steps. Where it is unsupported (kiln.config.async_scheduling_unsupported)
+        # the resolved config already says False.
+        self.async_scheduling = bool(config.scheduler.async_scheduling)
         self._inflight: LaunchedStep | None = None  # launched, not yet processed (async scheduling only)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)

@@ -288,6 +288,7 @@ def test_flag_plumbing() -> None:
     parser = argparse.ArgumentParser()
     add_runtime_args(parser)
     assert runtime_kwargs(parser.parse_args(["--async-scheduling"]))["async_scheduling"] is True
+    assert runtime_kwargs(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
     assert "async_scheduling" not in runtime_kwargs(parser.parse_args([]))
     assert build_config(async_scheduling=True).scheduler.async_scheduling is True
-    assert build_config().scheduler.async_scheduling is False
+    assert build_config().scheduler.async_scheduling is None  # per device, resolved at engine start

@@ -34,8 +34,11 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="HF tokenizer directory (default: the model's own; a dummy preset has none)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: 256 on GPU, 64 on CPU")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of a step (default: 8192 on GPU, 2048 on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-n", type=int, default=None, help="the most sequences (n) one request may ask for "
                         "(default 128)")
@@ -43,8 +46,9 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="overlap each step's scheduling and token processing with the previous forward")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="overlap each step's scheduling and token processing with the previous forward "
+                             "(default: on with one GPU, off on the CPU and under tensor parallelism)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                         help="shard the model over N GPUs (or N CPU processes) of this host")
     parser.add_argument("--cudagraph-mode", default=None, choices=CUDAGraphMode.ALL,
@@ -64,6 +68,8 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Only what the user set: explicit flags override the level's defaults, unset ones don't."""
     kwargs: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "load_format": args.load_format,
                               "attention_backend": args.attention_backend, "seed": args.seed}
+    if getattr(args, "tokenizer", None):
+        kwargs["tokenizer"] = args.tokenizer
     for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n", "kv_cache_bytes",
                  "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode"):
         if getattr(args, name, None) is not None:
@@ -75,8 +81,8 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs.update(passes=tuple(args.passes), enable_passes=bool(args.passes))
     if getattr(args, "no_prefix_caching", False):
         kwargs["enable_prefix_caching"] = False
-    if getattr(args, "async_scheduling", False):
-        kwargs["async_scheduling"] = True
+    if getattr(args, "async_scheduling", None) is not None:
+        kwargs["async_scheduling"] = args.async_scheduling
     if getattr(args, "compile_dump", None):
         kwargs["debug_dump_path"] = args.compile_dump
     return kwargs

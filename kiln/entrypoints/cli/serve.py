@@ -68,7 +68,9 @@ def summary(engine: Engine, names: list[str], startup_seconds: float) -> str:
         ("dtype / device", f"{str(loaded.dtype).removeprefix('torch.')} / {engine.device}"),
         ("optimisation level", f"-O{engine.config.compilation.level}"),
         ("max model len", str(engine.max_model_len)),
-        ("max num seqs", str(engine.config.scheduler.max_num_seqs)),
+        ("scheduling", f"{engine.config.scheduler.max_num_seqs} seqs, "
+                       f"{engine.config.scheduler.max_num_batched_tokens} tokens a step, "
+                       f"async {'on' if engine.async_scheduling else 'off'}"),
         ("KV cache", f"{engine.pool.num_usable} blocks x {engine.config.cache.block_size} tokens "
                      f"= {engine.kv_capacity_tokens} tokens"),
         ("load / compile seconds", f"{loaded.load_seconds:.1f} / {compile_s:.1f}"),
