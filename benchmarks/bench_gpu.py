@@ -234,8 +234,10 @@ def throughput_workload(requests: int, low: int = 100, high: int = 1024) -> tupl
 
 def default_runtime(args: argparse.Namespace) -> tuple[Runtime, float]:
     """The runtime a user gets without flags: only the model, dummy weights, device and attention backend
-    (and --compile-sizes when given explicitly) are set; every other setting is Runtime's default."""
+    (and --compile-sizes / --max-num-batched-tokens when given) are set; the rest is Runtime's default."""
     kwargs = {} if args.compile_sizes is None else {"compile_sizes": tuple(args.compile_sizes)}
+    if args.max_num_batched_tokens is not None:  # the one default an A/B may move (8192 vs 2048 on GPU)
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     start = time.perf_counter()
     rt = Runtime(args.model, device=args.device, load_format="dummy", attention_backend=args.backend, **kwargs)
     return rt, time.perf_counter() - start
@@ -418,6 +420,8 @@ def main() -> None:
                            help="kiln at its default settings (only model, device, backend and an explicit "
                                 "--compile-sizes are set), not the tuned benchmark settings")
             p.add_argument("--device", default="cuda")
+            p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                           help="with --defaults: override this one default (an A/B of the token budget)")
             p.add_argument("--hf-batch", type=int, default=64)
             p.add_argument("--hf-requests", type=int, default=None,
                            help="run the baseline (and kiln again) on the first N requests only (default: all)")
