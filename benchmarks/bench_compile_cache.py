@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def start(model: str | None, level: int, device: str, cache_dir: str, extra: list[str],
           inductor_dir: str) -> dict[str, str]:
-    cmd = [sys.executable, "-m", "kiln.cli", "warmup", *([model] if model else []), f"-O{level}",
+    cmd = [sys.executable, "-m", "kiln", "warmup", *([model] if model else []), f"-O{level}",
            "--device", device, "--cache-dir", cache_dir, *extra]
     env = {k: v for k, v in os.environ.items() if k != "KILN_DISABLE_COMPILE_CACHE"}
     # a private Inductor/Triton cache: otherwise "cold" would hit Inductor's global cache from earlier runs

@@ -6,6 +6,7 @@ transformers' eager `generate` on the same shapes.
 
     python benchmarks/bench_gpu.py decode --models smollm2-135m llama3-8b --batches 1 8 64
     python benchmarks/bench_gpu.py throughput --model llama3-8b --requests 256
+    python -m benchmarks.bench_gpu throughput --defaults --backend triton --hf --hf-requests 64   # issue 16
     python benchmarks/bench_gpu.py matrix --model smollm2-135m      # every backend x graph mode
     python benchmarks/bench_gpu.py tp --model llama3-70b --tp 2     # tensor parallel decode (one config a run)
 
@@ -15,9 +16,11 @@ Writes a JSON of all rows to --json when given.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
+import traceback
 from dataclasses import asdict, dataclass
 
 import torch
@@ -106,14 +109,15 @@ def decode_floor_seconds(rt: Runtime, batch: int, ceil: Ceilings) -> tuple[float
     return (wbytes + kv) / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
 
 
-def hf_model(model: str) -> torch.nn.Module:
+def hf_model(model: str, device: str = "cuda") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from kiln.models.loader.presets import preset_config
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(preset_config(model), dtype=torch.bfloat16).eval()
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32  # the dtype kiln's defaults pick there
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(preset_config(model), dtype=dtype).eval()
 
 
 def hf_decode_tokens_per_s(hf: torch.nn.Module, batch: int, new_tokens: int = 32) -> float:
@@ -216,70 +220,136 @@ def cmd_tp(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     return rows
 
 
-def throughput_workload(requests: int) -> tuple[random.Random, list[tuple[int, int]]]:
-    """(rng for the prompt tokens, (input, output) lengths uniform in [100, 1024]), seeded."""
+def throughput_workload(requests: int, low: int = 100, high: int = 1024) -> tuple[random.Random, list[tuple[int, int]]]:
+    """(rng for the prompt tokens, (input, output) lengths uniform in [low, high]), seeded."""
     rng = random.Random(0)
-    return rng, [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(requests)]
+    return rng, [(rng.randint(low, high), rng.randint(low, high)) for _ in range(requests)]
+
+
+def default_runtime(args: argparse.Namespace) -> tuple[Runtime, float]:
+    """The runtime a user gets without flags: only the model, dummy weights, device and attention backend
+    (and --compile-sizes / --max-num-batched-tokens when given) are set; the rest is Runtime's default."""
+    kwargs = {} if args.compile_sizes is None else {"compile_sizes": tuple(args.compile_sizes)}
+    if args.max_num_batched_tokens is not None:  # the one default an A/B may move (8192 vs 2048 on GPU)
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    start = time.perf_counter()
+    rt = Runtime(args.model, device=args.device, load_format="dummy", attention_backend=args.backend, **kwargs)
+    return rt, time.perf_counter() - start
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_generate(rt: Runtime, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+    """(seconds, output tokens) of one Runtime.generate over every request at once."""
+    sync()
+    start = time.perf_counter()
+    outs = rt.generate(prompts, params)
+    sync()
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
 def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
+    """kiln on every request, then (--hf) kiln and transformers on the same first --hf-requests of them.
+
+    Each part records its failure instead of ending the run; the kiln row prints before the slow baseline."""
+    rng, lens = throughput_workload(args.requests, args.min_len, args.max_len)
     if args.hf_only:  # the baseline alone (e.g. on a second GPU while kiln runs on the first)
-        _, lens = throughput_workload(args.requests)
         row = dict(model=args.model, requests=args.requests, hf_batch=args.hf_batch,
-                   hf_output_tokens_per_s=hf_throughput(args.model, lens, args.hf_batch))
+                   hf_output_tokens_per_s=hf_throughput(args.model, lens, args.hf_batch, args.device)[0])
         print(table(list(row), [list(row.values())]))
         return [row]
-    rng, lens = throughput_workload(args.requests)
-    rt, build = make_runtime(args.model, level=args.level, attention_backend=args.backend)
-    vocab = rt.engine.loaded.spec.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in lens]
-    rt.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * 4)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = rt.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    in_tokens = sum(i for i, _ in lens)
-    wbytes = weight_bytes(rt)
-    spec = rt.engine.loaded.spec
-    steps = rt.stats()["steps"]
-    # roofline: every token passes every weight once (2 FLOPs each) + attention; bytes: weights per step + KV
-    kv_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
-    attn_flops = sum(4 * spec.num_layers * spec.num_heads * spec.head_dim * ((i + o) ** 2) / 2 for i, o in lens)
-    flops = 2 * (wbytes / 2) * (in_tokens + out_tokens) + attn_flops
-    kv_read = sum(kv_token * sum(range(i, i + o)) for i, o in lens)
-    bytes_moved = wbytes * steps + kv_read
-    roof = max(flops / ceil.matmul_flops_per_s, bytes_moved / ceil.copy_bytes_per_s)
-    row = dict(model=args.model, requests=args.requests, seconds=seconds, output_tokens=out_tokens,
-               output_tokens_per_s=out_tokens / seconds, steps=steps, roofline_s=roof,
-               fraction_of_roofline=roof / seconds, build_s=build)
-    del rt
-    torch.cuda.empty_cache()
-    print(row, flush=True)  # before the (slow) baseline, so a time-out still leaves kiln's number
+    subset = min(args.hf_requests or args.requests, args.requests)
+    row: dict = dict(model=args.model, requests=args.requests, settings="defaults" if args.defaults else "tuned")
+    rt = None
+    try:
+        rt, build = default_runtime(args) if args.defaults else make_runtime(
+            args.model, level=args.level, attention_backend=args.backend)
+        sched = rt.engine.config.scheduler
+        row.update(build_s=build, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+                   async_scheduling=rt.engine.async_scheduling, level=rt.engine.config.compilation.level,
+                   backend=rt.engine.backend.name)
+        print(f"built in {build:.1f}s: {row}", flush=True)
+        vocab = rt.engine.loaded.spec.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
+        params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in lens]
+        rt.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * 4)  # first-step costs
+        steps_before = rt.stats()["steps"]
+        seconds, out_tokens = timed_generate(rt, prompts, params)
+        steps = rt.stats()["steps"] - steps_before
+        row.update(seconds=seconds, output_tokens=out_tokens, output_tokens_per_s=out_tokens / seconds, steps=steps,
+                   preemptions=rt.engine.scheduler.num_preemptions)
+        if ceil.copy_bytes_per_s == ceil.copy_bytes_per_s:  # a roofline needs the GPU's measured ceilings
+            row.update(roofline(rt, lens, steps, ceil, seconds))
+        print(row, flush=True)  # before the (slow) baseline, so a time-out still leaves kiln's number
+        if args.hf and subset < args.requests:  # the baseline's workload, on the same warm runtime
+            sub_seconds, sub_tokens = timed_generate(rt, prompts[:subset], params[:subset])
+            row.update(subset_requests=subset, subset_output_tokens_per_s=sub_tokens / sub_seconds)
+    except Exception as exc:  # recorded, not fatal: the baseline still runs
+        traceback.print_exc()
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    finally:  # free the KV cache and weights for the baseline: compiled code and CUDA graphs hold them too
+        del rt
+        torch._dynamo.reset()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if args.hf:
-        row["hf_output_tokens_per_s"] = hf_throughput(args.model, lens, args.hf_batch)
-        row["x_hf"] = row["output_tokens_per_s"] / row["hf_output_tokens_per_s"]
+        try:
+            hf, truncated = hf_throughput(args.model, lens[:subset], args.hf_batch, args.device, args.hf_max_seconds)
+            row.update(hf_requests=subset, hf_batch=args.hf_batch, hf_output_tokens_per_s=hf, hf_truncated=truncated)
+            kiln_same = row.get("subset_output_tokens_per_s", row.get("output_tokens_per_s"))
+            if kiln_same is not None and not truncated:  # a cut-short baseline gives no ratio (no extrapolation)
+                row["x_hf"] = kiln_same / hf
+        except Exception as exc:
+            traceback.print_exc()
+            row["hf_error"] = f"{type(exc).__name__}: {exc}"
     print(table(list(row), [list(row.values())]))
     return [row]
 
 
-def hf_throughput(model: str, lens: list[tuple[int, int]], batch: int) -> float:
-    """transformers batched generate over the same workload, in length-sorted batches (its best case)."""
-    hf = hf_model(model)
+def roofline(rt: Runtime, lens: list[tuple[int, int]], steps: int, ceil: Ceilings, seconds: float) -> dict:
+    """Every token passes every weight once (2 FLOPs each) + attention; bytes: the weights per step + KV reads."""
+    wbytes = weight_bytes(rt)
+    spec = rt.engine.loaded.spec
+    in_tokens, out_tokens = sum(i for i, _ in lens), sum(o for _, o in lens)
+    kv_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    attn_flops = sum(4 * spec.num_layers * spec.num_heads * spec.head_dim * ((i + o) ** 2) / 2 for i, o in lens)
+    flops = 2 * (wbytes / 2) * (in_tokens + out_tokens) + attn_flops
+    kv_read = sum(kv_token * sum(range(i, i + o)) for i, o in lens)
+    roof = max(flops / ceil.matmul_flops_per_s, (wbytes * steps + kv_read) / ceil.copy_bytes_per_s)
+    return dict(roofline_s=roof, fraction_of_roofline=roof / seconds)
+
+
+def hf_throughput(model: str, lens: list[tuple[int, int]], batch: int, device: str = "cuda",
+                  max_seconds: float | None = None) -> tuple[float, bool]:
+    """transformers batched generate over the same workload, in length-sorted batches (its best case).
+
+    -> (output tok/s counting each request's own length, whether max_seconds cut a batch short)."""
+    hf = hf_model(model, device)
     rng = random.Random(1)
     order = sorted(lens, key=lambda x: x[0])
-    total, start = 0, time.perf_counter()
+    total, truncated, start = 0, False, time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(order), batch):
             chunk = order[i:i + batch]
             width, new = max(c[0] for c in chunk), max(c[1] for c in chunk)
-            ids = torch.tensor([[rng.randrange(1000) for _ in range(width)] for _ in chunk], device="cuda")
-            hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            vocab = min(1000, hf.config.vocab_size)
+            ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(width)] for _ in chunk], device=device)
+            left = None if max_seconds is None else max(1.0, max_seconds - (time.perf_counter() - start))
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0, max_time=left)
+            if out.shape[1] - width < new:
+                truncated = True
+                print(f"HF stopped by --hf-max-seconds after {out.shape[1] - width} of {new} tokens", flush=True)
+                break
             total += sum(c[1] for c in chunk)  # tokens beyond a request's own length are padding work
             print(f"HF batch {i // batch + 1}: {total} output tokens in {time.perf_counter() - start:.0f}s", flush=True)
-    torch.cuda.synchronize()
-    return total / (time.perf_counter() - start)
+    sync()
+    del hf
+    return total / (time.perf_counter() - start), truncated
 
 
 def cmd_profile(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
@@ -312,8 +382,9 @@ def main() -> None:
         p.add_argument("--json", default=None)
         p.add_argument("--capture-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
         p.add_argument("--passes", action="store_true", help="enable kiln's fusion passes (off: Inductor's own)")
-        p.add_argument("--compile-sizes", type=int, nargs="*", default=[],
-                       help="exact sizes to compile (default none: the dynamic range serves every size)")
+        p.add_argument("--compile-sizes", type=int, nargs="*", default=None,
+                       help="exact sizes to compile (default none: the dynamic range serves every size; "
+                            "throughput --defaults: the level's own unless given)")
         if name == "decode":
             p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama3-8b"])
             p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
@@ -337,14 +408,27 @@ def main() -> None:
         if name == "throughput":
             p.add_argument("--model", default="llama3-8b")
             p.add_argument("--requests", type=int, default=256)
+            p.add_argument("--min-len", type=int, default=100, help="input and output lengths: uniform in [min, max]")
+            p.add_argument("--max-len", type=int, default=1024)
+            p.add_argument("--defaults", action="store_true",
+                           help="kiln at its default settings (only model, device, backend and an explicit "
+                                "--compile-sizes are set), not the tuned benchmark settings")
+            p.add_argument("--device", default="cuda")
+            p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                           help="with --defaults: override this one default (an A/B of the token budget)")
             p.add_argument("--hf-batch", type=int, default=64)
+            p.add_argument("--hf-requests", type=int, default=None,
+                           help="run the baseline (and kiln again) on the first N requests only (default: all)")
+            p.add_argument("--hf-max-seconds", type=float, default=None,
+                           help="stop the baseline after this long; a cut-short baseline gives no ratio")
             p.add_argument("--hf-only", action="store_true", help="run only the transformers baseline")
     args = parser.parse_args()
-    COMPILE_OPTIONS.update(cudagraph_capture_sizes=tuple(args.capture_sizes), compile_sizes=tuple(args.compile_sizes),
-                           enable_passes=args.passes)
+    COMPILE_OPTIONS.update(cudagraph_capture_sizes=tuple(args.capture_sizes),
+                           compile_sizes=tuple(args.compile_sizes or ()), enable_passes=args.passes)
     if args.cmd != "decode":  # decode measures both modes on one runtime (--async-scheduling off|on|both)
         COMPILE_OPTIONS["async_scheduling"] = args.async_scheduling
-    ceil = measure_ceilings()
+    # no GPU (a CPU dry run of `throughput --device cpu`): no ceilings, so no floors or roofline
+    ceil = measure_ceilings() if torch.cuda.is_available() else Ceilings(float("nan"), float("nan"))
     print(f"{stamp()}\ncopy bandwidth {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
     commands = {"decode": cmd_decode, "matrix": cmd_matrix, "throughput": cmd_throughput, "profile": cmd_profile,

@@ -68,7 +68,7 @@ def _scalar(value: str) -> Any:
 def child_write(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from benchmarks.synthetic_tokenizer import write_synthetic_tokenizer
+    from benchmarks.synthetic_tokenizer import write_bpe_tokenizer
     from kiln.config import resolve_dtype
     from kiln.models.loader.presets import PRESETS
     from kiln.models.loader.random_checkpoint import write_random_checkpoint
@@ -78,7 +78,7 @@ def child_write(spec: dict[str, Any]) -> dict[str, Any]:
     path = write_random_checkpoint(spec["preset"], spec["checkpoint"], dtype=dtype, device=spec["device"])
     weights = time.perf_counter() - start
     preset = PRESETS[spec["preset"]]
-    write_synthetic_tokenizer(path, preset["vocab_size"], bos_token_id=preset["bos_token_id"],
+    write_bpe_tokenizer(path, preset["vocab_size"], bos_token_id=preset["bos_token_id"],
                               eos_token_id=preset["eos_token_id"])
     (path / MARKER).write_text(json.dumps(_checkpoint_identity(spec)))
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))

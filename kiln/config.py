@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger("kiln")
 
 DTYPES = {
     "fp32": torch.float32,
@@ -45,22 +48,52 @@ def resolve_dtype(dtype: str | torch.dtype, model_dtype: torch.dtype | None, dev
     return DTYPES[dtype]
 
 
+# Per-device defaults, chosen by measurement (docs/BENCHMARKS.md, "Defaults"). A GPU step costs about the
+# same for 64 or 256 decoding sequences (decode reads the weights once either way), so more sequences is
+# nearly free throughput; 8192 tokens keeps a prefill chunk large enough to saturate the matmuls. The CPU
+# computes every token, so a bigger batch only lengthens each step.
+DEVICE_DEFAULTS = {"cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+                   "cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048}}
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None  # None: per device (DEVICE_DEFAULTS), resolved at engine start
+    max_num_batched_tokens: int | None = None  # None: per device
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     long_prefill_token_threshold: int = 0  # 0: a prefill may take the whole remaining budget
-    # overlap a step's host work (schedule, input fill, token processing) with the previous step's forward
-    async_scheduling: bool = False
+    # overlap a step's host work (schedule, input fill, token processing) with the previous step's forward.
+    # None: on wherever it helps and is supported (a GPU, one rank); True where unsupported runs sync.
+    async_scheduling: bool | None = None
+    # the most sequences (n) one request may ask for: each is a full request in the batch and the KV cache.
+    # 128 is OpenAI's own bound on n.
+    max_n: int = 128
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+
+
+    def resolve(self, device: torch.device) -> SchedulerConfig:
+        """Fill every None with this device's default; explicit values are kept."""
+        defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+        overlap = self.async_scheduling
+        if overlap is None:
+            # the CPU runs the forward on the host's own cores: there is no device queue to overlap with
+            overlap = device.type == "cuda"
+            if not overlap:
+                logger.info("async scheduling off: on the CPU there is nothing to overlap (the forward runs on "
+                            "the host's cores; docs/BENCHMARKS.md)")
+        return dataclasses.replace(
+            self, async_scheduling=overlap,
+            max_num_seqs=self.max_num_seqs or defaults["max_num_seqs"],
+            max_num_batched_tokens=self.max_num_batched_tokens or defaults["max_num_batched_tokens"])
 
 
 @dataclass(frozen=True)

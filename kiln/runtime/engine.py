@@ -8,6 +8,7 @@ prompt (and its prefix-cache blocks).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -26,6 +27,7 @@ from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv.block_pool import BlockPool
 from kiln.runtime.kv.hashing import block_hash_fn
 from kiln.runtime.kv.manager import KVCacheManager
+from kiln.runtime.limits import check_request_fits
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.parent import ParentRequest
 from kiln.runtime.request import Request, RequestStatus
@@ -50,8 +52,10 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: RuntimeConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
         self.device = resolve_device(config.device)
+        # per-device defaults (batch limits, async scheduling) are fixed here, before any worker sees the config
+        config = dataclasses.replace(config, scheduler=config.scheduler.resolve(self.device))
+        self.config = config
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         clock = StartupClock(self.device)
@@ -83,7 +87,7 @@ class Engine:
         self.stats = EngineStats()
         # May be switched between steps. Under tensor parallelism a step launched with it on also hands its
         # sampled ids to the workers on the device (the next step's pending input tokens).
-        self.async_scheduling = config.scheduler.async_scheduling
+        self.async_scheduling = bool(config.scheduler.async_scheduling)
         self._inflight: LaunchedStep | None = None  # launched, not yet processed (async scheduling only)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
@@ -228,9 +232,7 @@ class Engine:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         if not token_ids:
             raise ValueError("prompt must not be empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                             "(the prompt plus at least one generated token must fit)")
+        check_request_fits(len(token_ids), params, self.max_model_len, self.config.scheduler.max_n)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         request_id = request_id if request_id is not None else str(next(self._ids))

@@ -48,7 +48,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
-        self.max_total_tokens = min(len(prompt_token_ids) + params.max_tokens, max_model_len)
+        # max_tokens=None: the rest of the context. Engine.add_request refuses prompt + max_tokens > max_model_len,
+        # so the min only matters for requests built directly (tests, tools)
+        wanted = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
+        self.max_total_tokens = min(wanted, max_model_len)
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
         self.user_data: Any = None  # the engine's per-request companions (detokenizer, ...)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context (max_model_len - prompt tokens)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -38,8 +38,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-               f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", f"must be None (the rest of the context) or an integer >= 1, got {self.max_tokens!r}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
@@ -52,7 +52,8 @@ class SamplingParams:
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens
+               and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "min_tokens",
                f"must be in [0, max_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):

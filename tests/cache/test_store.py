@@ -147,7 +147,7 @@ def test_disabled_cache_compiles(cold: Runtime, checkpoint: Path, monkeypatch: p
 def test_concurrent_warmups(tmp_path: Path) -> None:
     env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path / "unused")}
     env.pop("KILN_DISABLE_COMPILE_CACHE", None)
-    cmd = [sys.executable, "-m", "kiln.cli", "warmup", "tiny-llama", "-O1", "--device", "cpu",
+    cmd = [sys.executable, "-m", "kiln", "warmup", "tiny-llama", "-O1", "--device", "cpu",
            "--max-num-batched-tokens", "32", "--cache-dir", str(tmp_path / "cache")]
     procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
@@ -157,7 +157,7 @@ def test_concurrent_warmups(tmp_path: Path) -> None:
         assert "inductor_compiles=" in out
     compiles = sorted(int(out.split("inductor_compiles=")[1].split()[0]) for out, _ in outs)
     assert compiles[0] == 0  # one filled the key, the other waited for it and loaded
-    verify = subprocess.run([sys.executable, "-m", "kiln.cli", "cache", "--cache-dir", str(tmp_path / "cache"),
+    verify = subprocess.run([sys.executable, "-m", "kiln", "cache", "--cache-dir", str(tmp_path / "cache"),
                              "verify"], cwd=REPO, env=env, capture_output=True, text=True)
     assert verify.returncode == 0 and "3 ok, 0 bad" in verify.stdout
     assert len(list((tmp_path / "cache").rglob(READY))) == 1

@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from kiln.cli import add_runtime_args, runtime_kwargs
 from kiln.config import CompilationConfig, CUDAGraphMode, default_capture_sizes
+from kiln.entrypoints.cli.main import add_runtime_args, runtime_kwargs
 from kiln.runtime.runtime import build_config
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")  # resolve() only looks at the device type

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from kiln import Runtime, SamplingParams
-from kiln.cli import add_runtime_args, runtime_kwargs
+from kiln.entrypoints.cli.main import add_runtime_args, runtime_kwargs
 from kiln.runtime.runtime import build_config
 from tests.conftest import add_mixed_requests, assert_pool_clean, hf_greedy, random_prompts
 
@@ -230,7 +230,7 @@ def test_abort_in_flight_and_no_block_leak(checkpoint) -> None:
 
 
 def test_server_engine_loop(runtime) -> None:
-    from kiln.runtime.server.async_engine import AsyncEngine
+    from kiln.entrypoints.server.async_engine import AsyncEngine
 
     prompts = random_prompts([7, 20, 33], 256, seed=33)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -288,6 +288,7 @@ def test_flag_plumbing() -> None:
     parser = argparse.ArgumentParser()
     add_runtime_args(parser)
     assert runtime_kwargs(parser.parse_args(["--async-scheduling"]))["async_scheduling"] is True
+    assert runtime_kwargs(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
     assert "async_scheduling" not in runtime_kwargs(parser.parse_args([]))
     assert build_config(async_scheduling=True).scheduler.async_scheduling is True
-    assert build_config().scheduler.async_scheduling is False
+    assert build_config().scheduler.async_scheduling is None  # per device, resolved at engine start

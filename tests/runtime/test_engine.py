@@ -52,6 +52,27 @@ def test_output_invariant_to_batching_chunking_and_preemption(checkpoint, runtim
     assert_pool_clean(tight)
 
 
+def test_requests_beyond_the_context_are_refused_naming_the_field(checkpoint) -> None:
+    """prompt + max_tokens > max_model_len and n > max_n are ValueErrors stating the numbers; max_tokens=None
+    is the rest of the context (the same tokens as asking for exactly that many, and transformers')."""
+    rt = make(checkpoint, max_model_len=48, max_n=3)
+    prompt = random_prompts([20], 256, seed=5)[0]
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"^max_tokens 29 plus the prompt's 20 tokens is 49 tokens.*48"):
+        rt.generate([prompt], SamplingParams(max_tokens=29, **greedy))
+    with pytest.raises(ValueError, match=r"^n 4 .*3 .*max_n"):
+        rt.generate([prompt], SamplingParams(max_tokens=2, n=4, **greedy))
+    with pytest.raises(ValueError, match="max_n"):
+        make(checkpoint, max_n=0)
+    assert_pool_clean(rt)
+    exact = rt.generate([prompt], SamplingParams(max_tokens=28, **greedy))[0].outputs[0]
+    rest = rt.generate([prompt], SamplingParams(max_tokens=None, **greedy))[0].outputs[0]
+    assert exact.token_ids == hf_greedy(checkpoint[1], prompt, 28)
+    assert rest.token_ids == exact.token_ids and rest.finish_reason == "length"
+    assert len(rt.generate([prompt], SamplingParams(max_tokens=2, n=3, **greedy))[0].outputs) == 3
+    assert_pool_clean(rt)
+
+
 def test_seeded_sampling_is_batch_independent(runtime) -> None:
     prompt = random_prompts([20], 256, seed=3)[0]
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)

@@ -1,0 +1,7 @@
+"""`python -m kiln ...` = the `kiln` console script."""
+
+import sys
+
+from kiln.entrypoints.cli.main import main
+
+sys.exit(main())

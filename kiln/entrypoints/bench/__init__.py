@@ -1,0 +1,1 @@
+"""Benchmark clients behind `kiln bench`: workloads, the HTTP load generator, the offline throughput run."""

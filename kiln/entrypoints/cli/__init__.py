@@ -1,0 +1,1 @@
+"""`kiln <command>`: serve, generate, chat, warmup, cache, bench (`main.py` dispatches)."""

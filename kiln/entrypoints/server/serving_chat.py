@@ -1,0 +1,161 @@
+"""POST /v1/chat/completions: messages -> the tokenizer's chat template -> one engine request (n choices)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kiln.entrypoints.server.async_engine import RequestStream
+from kiln.entrypoints.server.context import ServerContext
+from kiln.entrypoints.server.errors import APIError
+from kiln.entrypoints.server.logprobs import chat_logprobs
+from kiln.entrypoints.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+)
+from kiln.entrypoints.server.serving_common import (
+    SSE_DONE,
+    abort_all,
+    check_common,
+    collect,
+    make_params,
+    new_id,
+    sampling_fields,
+    sse,
+    sse_error,
+    submit,
+    to_api_error,
+    unless_disconnected,
+)
+from kiln.runtime.outputs import RequestOutput
+
+_RESERVED_TEMPLATE_ARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict", "tools"}
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Wire messages -> the plain dicts chat templates expect (text parts joined like vLLM does)."""
+    out = []
+    for i, msg in enumerate(messages):
+        content = msg.content
+        if isinstance(content, list):
+            bad = [p.type for p in content if p.type != "text" or p.text is None]
+            if bad:
+                raise APIError.bad_request(f"only text content parts are supported, got {bad[0]!r}",
+                                           f"messages.{i}.content")
+            content = "\n".join(p.text or "" for p in content)
+        entry: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
+        if msg.name is not None:
+            entry["name"] = msg.name
+        out.append(entry)
+    return out
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                **template_kwargs: Any) -> list[int]:
+    """Runtime.apply_chat_template's logic, plus the request's template options; engine thread only."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use /v1/completions")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **template_kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    check_common(req)
+    if req.tools:
+        raise APIError.bad_request("tools are not supported", "tools")
+    if req.tool_choice not in (None, "none"):
+        raise APIError.bad_request("tool_choice is not supported", "tool_choice")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError.bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+
+def _usage(final: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(final.num_prompt_tokens, final.num_completion_tokens)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Any) -> Any:
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    model = ctx.resolve_model(req.model)
+    _check_chat(req)
+    messages = message_dicts(req.messages)
+    template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+                       if k not in _RESERVED_TEMPLATE_ARGS}
+    tokenizer = ctx.tokenizer
+    prompt = lambda: render_chat(tokenizer, messages, req.add_generation_prompt, **template_kwargs)
+    fields = sampling_fields(req)
+    if req.logprobs:
+        fields["logprobs"] = req.top_logprobs or 0
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is not None:
+        params: Any = make_params({**fields, "max_tokens": max_tokens})
+    else:  # the rest of the context, as OpenAI and vLLM do; validated now so errors come back early
+        make_params({**fields, "max_tokens": 1})
+        params = lambda ids: make_params({**fields, "max_tokens": max(1, ctx.max_model_len - len(ids))})
+    request_id = new_id("chatcmpl")
+    created = int(time.time())
+    streams = await submit(ctx, request_id, [prompt], params)
+    top_k = req.top_logprobs or 0
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = _stream(ctx, streams[0], request_id, created, model, req, top_k, include_usage)
+        return StreamingResponse(body, media_type="text/event-stream")
+    try:
+        final = (await unless_disconnected(raw, collect(streams), lambda: abort_all(ctx, streams)))[0]
+    except Exception as exc:
+        abort_all(ctx, streams)
+        raise to_api_error(exc) from exc
+    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                          logprobs=chat_logprobs(c.logprobs or [], top_k) if req.logprobs else None,
+                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+               for c in final.outputs]
+    response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                      usage=_usage(final))
+    return JSONResponse(response.model_dump())
+
+
+async def _stream(ctx: ServerContext, stream: RequestStream, request_id: str, created: int, model: str,
+                  req: ChatCompletionRequest, top_k: int, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
+
+    done: set[int] = set()
+    try:
+        for i in range(req.n):  # the role first, as OpenAI does, before any content
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        final: RequestOutput | None = None
+        async for out in stream:
+            for comp in out.outputs:
+                finish = comp.finish_reason if comp.finished and comp.index not in done else None
+                new_logprobs = req.logprobs and bool(comp.delta_logprobs)
+                if not (comp.delta_text or finish or new_logprobs):
+                    continue
+                if finish:
+                    done.add(comp.index)
+                logprobs = chat_logprobs(comp.delta_logprobs or [], top_k) if req.logprobs else None
+                delta = DeltaMessage(content=comp.delta_text) if comp.delta_text or not finish else DeltaMessage()
+                yield chunk([ChatStreamChoice(index=comp.index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                              stop_reason=comp.stop_reason if finish else None)])
+            if out.finished:
+                final = out
+        if include_usage and final is not None:
+            yield chunk([], _usage(final))
+        yield SSE_DONE
+    except Exception as exc:  # engine failure mid-stream: the header is out, so report in-band
+        yield sse_error(exc)
+        yield SSE_DONE
+    finally:
+        abort_all(ctx, [stream])

@@ -1,0 +1,183 @@
+"""The commands: `kiln serve` as a real process (start-up summary, SIGTERM drain), `kiln bench serve` against
+it, `kiln bench throughput` offline, and `kiln chat` (history, commands, local and remote)."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kiln.entrypoints.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+
+class ServeProcess:
+    def __init__(self, model_dir: Path, log: Path) -> None:
+        cmd = [sys.executable, "-m", "kiln", "serve", str(model_dir), "-O0", "--device", "cpu", "--port", "0",
+               "--kv-cache-bytes", str(128 << 20), "--no-progress", "--no-access-log", "--log-level", "warning",
+               "--drain-timeout", "30", "--served-model-name", "smol"]
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()  # never let a full pipe block the server
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("kiln: serving") and " at " in line:
+                self.url = line.split(" at ", 1)[1].split()[0].removesuffix("/v1")
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float = 120.0) -> str:
+        self._ready.wait(timeout)
+        if self.url is None:
+            raise AssertionError(f"kiln serve did not start: {''.join(self.lines)}")
+        return self.url
+
+
+@pytest.fixture(scope="module")
+def server(embedded_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    proc = ServeProcess(embedded_dir, tmp_path_factory.mktemp("serve") / "stderr.log")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait()
+
+
+def test_serve_prints_a_start_up_summary(server: ServeProcess) -> None:
+    text = "".join(server.lines)
+    for expected in ("kiln serve", "smol", "-O0", "float32 / cpu", "KV cache", "blocks x 16 tokens",
+                     "load / compile seconds"):
+        assert expected in text, text
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_bench_serve_random_prints_the_table(server: ServeProcess, capsys: pytest.CaptureFixture[str],
+                                            tmp_path: Path) -> None:
+    result = tmp_path / "result.json"
+    rc = main(["bench", "serve", "--base-url", str(server.url), "--num-prompts", "12", "--random-input-len", "16",
+               "--random-output-len", "6", "--ignore-eos", "--max-concurrency", "6", "--save-result", str(result)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for row in ("Serving Benchmark Result", "Successful requests:", "Request throughput (req/s):",
+                "Output token throughput (tok/s):", "Mean TTFT (ms):", "P99 TTFT (ms):", "Median TPOT (ms):",
+                "P90 ITL (ms):", "P99 E2EL (ms):"):
+        assert row in out, out
+    saved = json.loads(result.read_text())
+    assert saved["completed"] == 12 and saved["failed"] == 0
+    assert saved["total_output_tokens"] == 12 * 6  # from the server's usage, ignore_eos makes it exact
+    assert saved["ttft_ms"]["p99"] >= saved["ttft_ms"]["median"] > 0
+
+
+def test_bench_serve_sharegpt_chat_poisson(server: ServeProcess, capsys: pytest.CaptureFixture[str],
+                                           tmp_path: Path) -> None:
+    data = [{"conversations": [{"from": "human", "value": f"Tell me about topic number {i}, briefly please."},
+                               {"from": "gpt", "value": "Here is a short answer about it, in a few words."}]}
+            for i in range(10)]
+    data.append({"conversations": [{"from": "human", "value": "too short"}]})  # skipped: no reply
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    rc = main(["bench", "serve", "--base-url", str(server.url), "--endpoint", "/v1/chat/completions",
+               "--dataset-path", str(path), "--num-prompts", "6", "--request-rate", "20", "--sharegpt-output-len",
+               "4", "--disable-tqdm"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "request rate: 20" in out
+    line = next(x for x in out.splitlines() if x.startswith("Successful requests:"))
+    assert line.split()[-1] == "6"
+
+
+def test_chat_against_the_server(server: ServeProcess) -> None:
+    lines = "What is the capital of France?\n/clear\n/exit\nnever read\n"
+    done = subprocess.run([sys.executable, "-m", "kiln", "chat", "--url", f"{server.url}/v1", "--temperature",
+                           "0", "--max-tokens", "12"], input=lines, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout and "(conversation cleared)" in done.stdout
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_cleanly(server: ServeProcess) -> None:
+    """Last in this module: it stops the server."""
+    body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 30, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    first_token = threading.Event()
+    events: list[dict[str, Any]] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    first_token.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first_token.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    with pytest.raises(httpx.ConnectError):  # no longer listening, while the stream still runs
+        httpx.get(f"{server.url}/health", timeout=5)
+    client.join(120)
+    assert server.proc.wait(60) == 0
+    # finished, not cut off: all 30 tokens generated (counted by the server; a token's text delta can be empty)
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 30
+    assert "kiln: server stopped" in "".join(server.lines)
+
+
+def test_bench_throughput_offline(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "throughput", "tiny-llama", "-O0", "--device", "cpu", "--num-prompts", "8", "--input-len",
+               "16", "--output-len", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Offline Throughput Result" in out and "Output token throughput (tok/s):" in out
+    assert next(x for x in out.splitlines() if x.startswith("Output tokens:")).split()[-1] == "64"
+
+
+def test_chat_keeps_history_and_handles_commands(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from kiln.entrypoints.cli import chat as cli_chat
+
+    seen: list[list[dict[str, str]]] = []
+
+    def fake_backend(args: Any) -> Any:
+        def reply(messages: list[dict[str, str]]) -> Iterator[str]:
+            seen.append([dict(m) for m in messages])
+            yield "reply "
+            yield str(len(seen))
+        return "fake", reply
+
+    monkeypatch.setattr(cli_chat, "local_backend", fake_backend)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhow are you?\n/system be brief\nagain\n/clear\nnew\n"))
+    assert main(["chat", "--system", "sys"]) == 0
+    out = capsys.readouterr().out
+    assert "reply 1" in out and "reply 4" in out and "(conversation cleared)" in out
+    assert seen[1] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": "reply 1"}, {"role": "user", "content": "how are you?"}]
+    assert seen[2][0] == {"role": "system", "content": "be brief"} and len(seen[2]) == 6
+    assert seen[3] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "new"}]
+
+
+def test_chat_local_model(embedded_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\n"))
+    assert main(["chat", str(embedded_dir), "-O0", "--device", "cpu", "--temperature", "0", "--max-tokens",
+                 "12", "--kv-cache-bytes", str(64 << 20)]) == 0
+    assert "Paris" in capsys.readouterr().out

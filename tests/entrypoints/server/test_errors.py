@@ -1,0 +1,198 @@
+"""Every error returns its status and an OpenAI-style body, and the very next normal request succeeds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server.conftest import MODEL, Served
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-kiln-test"
+SERVER_OPTIONS = {"api_key": KEY, "max_model_len": 128, "max_n": 4}
+POISON = "zebra quartz poison pill"  # a prompt the fault injector recognises
+
+
+def post(served: Served, path: str, body: Any = None, *, content: bytes | None = None,
+         key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+        return httpx.post(f"{served.url}{path}", content=content, headers=headers, timeout=60)
+    return httpx.post(f"{served.url}{path}", json=body, headers=headers, timeout=60)
+
+
+def expect_error(resp: httpx.Response, status: int, *, param: str | None = None, code: str | None = None,
+                 contains: str = "") -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    assert contains.lower() in error["message"].lower(), error
+    return error
+
+
+def still_serves(served: Served) -> None:
+    out = served.openai().completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert out.choices[0].text and out.usage.completion_tokens == 2
+
+
+def test_bad_json(served: Served) -> None:
+    expect_error(post(served, "/v1/completions", content=b'{"model": "smol", "prompt": '), 400, contains="json")
+    expect_error(post(served, "/v1/chat/completions", content=b"[1, 2]"), 400)
+    still_serves(served)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"model": MODEL}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content"),
+])
+def test_validation_errors(served: Served, path: str, body: dict[str, Any], param: str) -> None:
+    expect_error(post(served, path, body), 400, param=param)
+    still_serves(served)
+
+
+def test_validation_error_through_the_official_client(served: Served) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        served.openai().completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert info.value.status_code == 400 and info.value.body["param"] == "temperature"
+    still_serves(served)
+
+
+def test_prompt_longer_than_max_model_len(served: Served) -> None:
+    expect_error(post(served, "/v1/completions", {"prompt": [7] * 200}), 400, param="prompt",
+                 contains="max_model_len")
+    long_chat = {"messages": [{"role": "user", "content": "word " * 300}], "max_tokens": 4}
+    expect_error(post(served, "/v1/chat/completions", long_chat), 400, contains="max_model_len")
+    with pytest.raises(openai.BadRequestError):
+        served.openai().completions.create(model=MODEL, prompt="word " * 300, max_tokens=2)
+    still_serves(served)
+
+
+def test_max_tokens_beyond_the_context_is_a_400_stating_both_numbers(served: Served) -> None:
+    """vLLM's rule: prompt + max_tokens > max_model_len is refused (not clamped to hours of generation)."""
+    client = served.openai()
+    prompt = [7] * 10
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=100000)
+    error = info.value.body
+    assert info.value.status_code == 400 and error["param"] == "max_tokens"
+    assert "100000" in error["message"] and "10 tokens" in error["message"] and "128" in error["message"]
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=100000, stream=True)
+    assert info.value.body["param"] == "max_tokens" and "100000" in info.value.body["message"]
+    still_serves(served)
+    # exactly the rest of the context is fine, and so is leaving max_tokens unset (= the rest of the context)
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=118, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 118 and full.choices[0].finish_reason == "length"
+    rest = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert rest.usage.prompt_tokens + rest.usage.completion_tokens == 128
+    assert served.wait_idle()["kv_allocated_requests"] == 0
+
+
+def test_n_beyond_max_n_is_a_400(served: Served) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        served.openai().completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=5)
+    assert info.value.body["param"] == "n" and "max_n" in info.value.body["message"]
+    out = served.openai().completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=4, temperature=0)
+    assert len(out.choices) == 4
+    still_serves(served)
+
+
+def test_unknown_model(served: Served) -> None:
+    expect_error(post(served, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, param="model",
+                 code="model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        served.openai().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    still_serves(served)
+
+
+def test_api_key(served: Served) -> None:
+    expect_error(post(served, "/v1/completions", {"prompt": "x"}, key=None), 401, code="invalid_api_key")
+    expect_error(post(served, "/v1/completions", {"prompt": "x"}, key="wrong"), 401, code="invalid_api_key")
+    assert httpx.get(f"{served.url}/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        served.openai(api_key="wrong").models.list()
+    # probes and scrapers carry no key
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    assert httpx.get(f"{served.url}/metrics").status_code == 200
+    still_serves(served)
+
+
+def test_unknown_route(served: Served) -> None:
+    expect_error(post(served, "/v1/nothing-here", {}), 404)
+    still_serves(served)
+
+
+def test_queue_full(served: Served) -> None:
+    served.ctx.engine.max_queue = 0  # any request would have to wait: refuse it
+    try:
+        expect_error(post(served, "/v1/completions", {"prompt": "x"}), 503, code="queue_full")
+        with pytest.raises(openai.InternalServerError):
+            served.openai().completions.create(model=MODEL, prompt="x", max_tokens=2)
+    finally:
+        served.ctx.engine.max_queue = None
+    still_serves(served)
+
+
+@pytest.fixture
+def faulty_engine(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model runner raises whenever the poison prompt is in the batch (like a device error would)."""
+    runner = served.engine.runner
+    real = runner.execute
+    poison = served.engine.tokenizer(POISON)["input_ids"]
+
+    def execute(sched: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(req.prompt_token_ids[:len(poison)] == poison for req in sched.requests):
+            raise RuntimeError("injected device failure")
+        return real(sched, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", execute)
+
+
+def test_engine_failure_fails_only_that_request(served: Served, faulty_engine: None) -> None:
+    failures = served.ctx.engine.num_step_failures
+    expect_error(post(served, "/v1/completions", {"prompt": POISON, "max_tokens": 4}), 500, code="engine_error",
+                 contains="injected device failure")
+    with pytest.raises(openai.APIError, match="injected device failure"):
+        for _ in served.openai().completions.create(model=MODEL, prompt=POISON, max_tokens=4, stream=True):
+            pass
+    assert served.ctx.engine.num_step_failures == failures + 2
+    still_serves(served)
+    health = served.wait_idle()
+    assert health["kv_allocated_requests"] == 0 and health["kv_free_blocks"] == health["kv_usable_blocks"]
+
+
+def test_draining_refuses_new_requests(served: Served) -> None:
+    """Last in this module: once draining starts it does not end."""
+    still_serves(served)
+    served.ctx.engine.stop_accepting()
+    expect_error(post(served, "/v1/completions", {"prompt": "x"}), 503, code="shutting_down")
+    assert httpx.get(f"{served.url}/health").status_code == 503

@@ -1,0 +1,189 @@
+"""The official `openai` client against a kiln server: every response must parse into the client's types."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.entrypoints.server.conftest import MODEL, Served
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The three primary colors are"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_list(served: Served) -> None:
+    models = served.openai().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+
+
+def test_completion_stream_matches_non_stream_and_reports_usage(served: Served) -> None:
+    client = served.openai()
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    prompt_len = len(served.engine.tokenizer(PROMPT)["input_ids"])
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_len, 8)
+    assert full.usage.total_tokens == prompt_len + 8
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+    plain = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
+    assert all(c.usage is None for c in plain)
+
+
+def test_chat_stream_matches_non_stream_and_reports_usage(served: Served) -> None:
+    client = served.openai()
+    full = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, temperature=0)
+    message = full.choices[0].message
+    assert message.role == "assistant" and "Paris" in message.content
+    assert full.usage.completion_tokens == 10 or full.choices[0].finish_reason == "stop"
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_chat_uses_the_chat_template(served: Served) -> None:
+    """The prompt the model saw is exactly the tokenizer's chat template (as Runtime.chat renders it)."""
+    response = httpx.post(f"{served.url}/tokenize", json={"messages": QUESTION}, headers=served.headers()).json()
+    expected = served.engine.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert response["tokens"] == expected
+    usage = served.openai().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1).usage
+    assert usage.prompt_tokens == len(expected)
+
+
+def test_n2_non_stream_and_stream(served: Served) -> None:
+    client = served.openai()
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=2, temperature=1.0, seed=3)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.usage.completion_tokens == 12
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=2, temperature=1.0, seed=3)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded: reproducible
+
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, n=2, stream=True,
+                                                temperature=1.0, seed=5):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1} and all(texts.values())
+
+
+def test_stop_strings(served: Served) -> None:
+    client = served.openai()
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    words = base.split()
+    stop = words[len(words) // 2]
+    cut = base[:base.index(stop)]
+    for stops in (stop, [stop, "unlikely-never-generated"]):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=stops)
+        choice = out.choices[0]
+        assert choice.text == cut
+        assert choice.finish_reason == "stop"
+        assert choice.model_extra["stop_reason"] == stop
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+def test_completion_logprobs(served: Served) -> None:
+    out = served.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and len(top) == 2
+        assert top[token] == pytest.approx(logprob) and logprob == pytest.approx(max(top.values()))  # greedy
+
+    streamed = served.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                                  logprobs=1, stream=True)
+    tokens = [t for c in streamed for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_chat_logprobs(served: Served) -> None:
+    client = served.openai()
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 and c.bytes == list(c.token.encode()) for c in content)
+    assert content[0].top_logprobs[0].token == content[0].token  # greedy picks the most likely
+
+    chunks = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0,
+                                            logprobs=True, stream=True)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [c.token for c in content]
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_multiple_and_token_id_prompts(served: Served) -> None:
+    client = served.openai()
+    ids = served.engine.tokenizer(PROMPT)["input_ids"]
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    both = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=4, n=2, temperature=0)
+    assert [c.index for c in sorted(both.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    assert sorted(both.choices, key=lambda c: c.index)[0].text == by_text.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=4, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts[0] == by_text.choices[0].text and set(texts) == {0, 1}
+    assert usage.completion_tokens == 8
+
+
+def test_tokenize_detokenize_health_version(served: Served) -> None:
+    tokens = httpx.post(f"{served.url}/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == served.engine.max_model_len
+    text = httpx.post(f"{served.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == PROMPT
+    assert served.health()["status"] == "ok"
+    assert httpx.get(f"{served.url}/version").json()["version"]
+
+
+def test_cache_salt_on_both_endpoints(served: Served) -> None:
+    """A salted request only reuses blocks cached under the same salt (prefix caching, issue 8)."""
+    client = served.openai()
+    kv = served.engine.kv
+    long_text = "The history of bread begins in the Neolithic era. " * 8  # > 3 full blocks
+
+    def hits_after(call) -> int:
+        before = kv.hits
+        call()
+        served.wait_idle()
+        return kv.hits - before
+
+    def completion(salt: str) -> None:
+        client.completions.create(model=MODEL, prompt=long_text, max_tokens=2, temperature=0.0,
+                                  extra_body={"cache_salt": salt})
+
+    def chat(salt: str) -> None:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_text}],
+                                       max_tokens=2, temperature=0.0, extra_body={"cache_salt": salt})
+
+    for call in (completion, chat):
+        assert hits_after(lambda call=call: call("salt-one")) == 0
+        assert hits_after(lambda call=call: call("salt-two")) == 0
+        assert hits_after(lambda call=call: call("salt-one")) >= 48
