@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+
 def write_bpe_tokenizer(directory: str | Path, vocab_size: int, num_special: int = 256,
                               bos_token_id: int | None = None, eos_token_id: int | None = None,
                               seed: int = 0) -> None:
