@@ -1,7 +1,9 @@
 """Tensor-parallel state seen by the model layers (world size 1 unless the runtime sets a group).
 
 Collectives are torch's functional collectives, which Dynamo traces into the graph and CUDA graphs
-can capture; with one rank they are skipped entirely.
+can capture; with one rank they are skipped entirely. On an NCCL group whose GPUs can reach each other's
+memory, the row-parallel all-reduce is `kiln::all_reduce` instead (kiln/models/allreduce.py): one-shot /
+two-shot over symmetric buffers for small messages, NCCL for large ones.
 """
 
 from __future__ import annotations
@@ -22,8 +24,22 @@ _group = TPGroup()
 
 
 def set_tp_group(group: TPGroup) -> None:
+    """Publish the group to the layers. Collective on CUDA: every rank of an NCCL group builds the
+    peer-to-peer all-reduce buffers here (once, before any forward or graph capture)."""
     global _group
+    from kiln.models.allreduce import setup_p2p_all_reduce, teardown_p2p_all_reduce
+
+    teardown_p2p_all_reduce()
     _group = group
+    if group.size > 1 and group.group is not None and torch.cuda.is_available():
+        import torch.distributed as dist
+
+        if dist.get_backend(group.group) == "nccl":
+            setup_p2p_all_reduce(group.group, torch.device("cuda", torch.cuda.current_device()))
+
+
+def group_name() -> str:
+    return _group.group.group_name  # type: ignore[union-attr]
 
 
 def tp_rank() -> int:
@@ -37,6 +53,10 @@ def tp_size() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _group.size == 1:
         return x
+    from kiln.models.allreduce import p2p_enabled
+
+    if p2p_enabled(group_name()):
+        return torch.ops.kiln.all_reduce(x, group_name())
     import torch.distributed._functional_collectives as funcol
 
     return funcol.all_reduce(x, "sum", _group.group)

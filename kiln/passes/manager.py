@@ -28,12 +28,14 @@ GRAPH_SCOPE = "graph"  # stats/dump name for the pre-split graph
 
 def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.add_rmsnorm import AddRMSNormPass
+    from kiln.passes.allreduce_rmsnorm import AllReduceRMSNormPass
     from kiln.passes.noop import NoOpEliminationPass
     from kiln.passes.qk_norm_rope import QKNormRopePass
     from kiln.passes.rope_kv import RopeKVCachePass
     from kiln.passes.silu_mul import SiluMulPass
 
-    classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, AddRMSNormPass, SiluMulPass]
+    classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, AllReduceRMSNormPass, AddRMSNormPass,
+               SiluMulPass]
     return {cls.name: cls for cls in classes}
 
 
