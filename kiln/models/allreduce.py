@@ -105,7 +105,10 @@ class P2PAllReduce:
         return self.policy.choose(nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kind = self.kind_for(x)
+        return self.run(x, self.kind_for(x))
+
+    def run(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """The all-reduce of one kind (benchmarks call each directly)."""
         if kind == "one_shot":  # copy in + barrier + sum of every rank's buffer, one kernel
             return torch.ops.symm_mem.one_shot_all_reduce_copy(self.view(x), x.contiguous(), "sum", self.group_name)
         if kind == "two_shot":
