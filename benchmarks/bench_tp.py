@@ -110,7 +110,8 @@ def main() -> None:
     start = time.perf_counter()
     report: dict[str, Any] = {"env": NO_MULTICAST, "allreduce": None, "decode": {}}
     if not args.skip_allreduce:
-        report["allreduce"] = run_part(["allreduce", "--device", args.device], timeout_s=120)
+        report["allreduce"] = run_part(["allreduce", "--device", args.device],
+                                       timeout_s=120 if args.device == "cuda" else 300)
         print_allreduce(report["allreduce"])
     for label in args.configs:
         left = args.budget_s - (time.perf_counter() - start)
@@ -119,7 +120,7 @@ def main() -> None:
             continue
         extra = ["--model", args.models[0]] if args.models else []
         report["decode"][label] = run_part(["decode", "--config", label, "--device", args.device, *extra],
-                                           timeout_s=min(left, 240))
+                                           timeout_s=min(left, 240 if args.device == "cuda" else 400))
         print(f"{label}: {report['decode'][label]}", flush=True)
     print_decode(report["decode"])
     report["total_s"] = round(time.perf_counter() - start, 1)
