@@ -153,10 +153,6 @@ def teardown_p2p_all_reduce() -> None:
     _communicators.clear()
 
 
-def p2p_enabled(group_name: str) -> bool:
-    return group_name in _communicators
-
-
 def all_reduce_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
     comm = _communicators.get(group_name)
     if comm is not None and x.is_cuda:

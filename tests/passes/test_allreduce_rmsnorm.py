@@ -55,11 +55,11 @@ def _block():
     return Block()
 
 
-def _pattern_rank(rank: int, port: int, results: dict) -> None:
+def _pattern_rank(rank: int, port: int, results: dict, through_op: bool) -> None:
     import torch.distributed as dist
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    from kiln.models.parallel import TPGroup, set_tp_group
+    from kiln.models.parallel import TPGroup, set_tp_group, use_all_reduce_op
     from kiln.passes import PassConfig
     from kiln.passes.base import PassEnv
     from kiln.passes.manager import PassManager
@@ -69,6 +69,7 @@ def _pattern_rank(rank: int, port: int, results: dict) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=2)
         set_tp_group(TPGroup(rank, 2, dist.group.WORLD))
+        use_all_reduce_op(through_op)  # kiln::all_reduce (as on GPUs) or the functional collective
         torch.manual_seed(0)  # the same full weights on both ranks; each keeps its shard
         block = _block()
         full = {"o_proj": torch.randn(HIDDEN, HIDDEN) / 8, "gate": torch.randn(INTERMEDIATE, HIDDEN) / 8,
@@ -115,10 +116,11 @@ def _pattern_rank(rank: int, port: int, results: dict) -> None:
         raise
 
 
-def test_pattern_matches_twice_per_layer_and_keeps_numbers() -> None:
+@pytest.mark.parametrize("through_op", [False, True], ids=["functional", "kiln_op"])
+def test_pattern_matches_twice_per_layer_and_keeps_numbers(through_op: bool) -> None:
     with tmp.Manager() as mgr:
         results = mgr.dict()
-        tmp.spawn(_pattern_rank, args=(_free_port(), results), nprocs=2)
+        tmp.spawn(_pattern_rank, args=(_free_port(), results, through_op), nprocs=2)
         assert dict(results) == {0: 2, 1: 2}
 
 
