@@ -45,6 +45,11 @@ class PassManager:
         self.env = env or PassEnv()
         classes = pass_classes()
         self.passes: list[KilnPass] = [classes[name](config, self.env) for name in ALL_PASSES if getattr(config, name)]
+        if self.passes:
+            # Register the ops rewritten graphs call now, not when a pass first matches: an artifact restored
+            # from the compile cache runs no pass, yet calls them (seen on the H200: an 8B TP=2 restore failed
+            # with "no attribute all_reduce_add_rms_norm").
+            import kiln.passes.ops  # noqa: F401
         self.dump_dir = Path(dump_dir).expanduser().resolve() / "passes" if dump_dir else None
         # scope name ("graph" or "<piece>_<key>") -> pass name -> rewrites; tests and stats read it
         self.matches: dict[str, dict[str, int]] = defaultdict(dict)

@@ -124,6 +124,18 @@ def test_pattern_matches_twice_per_layer_and_keeps_numbers(through_op: bool) -> 
         assert dict(results) == {0: 2, 1: 2}
 
 
+def test_a_pass_manager_registers_the_fused_ops_before_any_pass_runs() -> None:
+    """An artifact restored from the compile cache calls the fused op although no pass ran in this process."""
+    import subprocess
+    import sys
+
+    code = ("from kiln.passes import PassConfig; from kiln.passes.manager import PassManager; import torch; "
+            "PassManager(PassConfig.from_names(['allreduce_rmsnorm'])); torch.ops.kiln.all_reduce_add_rms_norm.default")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = random_prompts([5, 17, 40, 3, 26], 256, seed=21)
 
