@@ -17,7 +17,7 @@ from typing import Any
 ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "allreduce_rmsnorm", "add_rmsnorm", "silu_mul")
 
 # -O2/-O3 defaults. Only passes with a measured gain belong here, and none has one yet (docs/passes.md;
-# allreduce_rmsnorm waits for its TP=2 A/B, benchmarks/bench_tp.py):
+# allreduce_rmsnorm: no gain at 8B/70B TP=2 on 2x H200, benchmarks/bench_tp.py):
 # on the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
 # as it was, noop changes nothing; on CPU rope_kv and noop are slower. rope_kv's GPU measurement needs
 # the flashinfer backend (`bench_passes --backend flashinfer`, and `--kernels` for the kernel alone).
