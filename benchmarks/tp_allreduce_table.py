@@ -158,14 +158,18 @@ def allreduce_child(device: str, out_path: str) -> None:
     tmp.spawn(_rank, args=(port, device, out_path), nprocs=2)
 
 
-def _suggest(rows: list[dict], variant: str) -> int:
-    """Largest size up to which `variant` beats NCCL from a graph at every size (0: never)."""
-    best = 0
+def _suggest(rows: list[dict]) -> dict[str, int]:
+    """Per kind, the largest size at which it is the fastest from a graph (and exact): the thresholds for
+    AllReducePolicy (one_shot_max_bytes, two_shot_max_bytes), read off this run."""
+    best: dict[str, int] = {"one_shot": 0, "two_shot": 0}
     for row in rows:
-        mine, nccl = row.get(f"{variant}_graph_us"), row.get("nccl_graph_us")
-        if mine is None or nccl is None or mine >= nccl or row.get(f"{variant}_max_diff", 1) != 0:
-            break
-        best = row["bytes"]
+        times = {v: row[f"{v}_graph_us"] for v in VARIANTS
+                 if f"{v}_graph_us" in row and row.get(f"{v}_max_diff", 1) == 0}
+        if times:
+            winner = min(times, key=times.__getitem__)
+            if winner in best:
+                best[winner] = row["bytes"]
+    best["two_shot"] = max(best["two_shot"], best["one_shot"])  # nothing between one-shot and two-shot
     return best
 
 
@@ -187,8 +191,9 @@ def print_allreduce(result: dict) -> None:
     print(f"\nall-reduce, 2 ranks, {result.get('device')} ({mode}); x = NCCL time / variant time (> 1: faster)\n")
     print(table(headers, body))
     if mode == "graph":
-        print(f"suggested: one_shot up to {_suggest(rows, 'one_shot')} B, two_shot up to "
-              f"{_suggest(rows, 'two_shot')} B (then NCCL); default policy here: {result.get('policy')}")
+        suggested = _suggest(rows)
+        print(f"suggested: one_shot up to {suggested['one_shot']} B, two_shot up to {suggested['two_shot']} B "
+              f"(then NCCL); default policy: {result.get('policy')}")
     fused = result.get("fused", [])
     if fused:
         key = "graph" if any("fused_graph_us" in r for r in fused) else "eager"
