@@ -1,7 +1,9 @@
 """Tensor-parallel state seen by the model layers (world size 1 unless the runtime sets a group).
 
 Collectives are torch's functional collectives, which Dynamo traces into the graph and CUDA graphs
-can capture; with one rank they are skipped entirely.
+can capture; with one rank they are skipped entirely. On an NCCL group whose GPUs can reach each other's
+memory, the row-parallel all-reduce is `kiln::all_reduce` instead (kiln/models/allreduce.py): one-shot /
+two-shot over symmetric buffers for small messages, NCCL for large ones.
 """
 
 from __future__ import annotations
@@ -21,9 +23,30 @@ class TPGroup:
 _group = TPGroup()
 
 
+_op_group_name: str | None = None  # set: the row-parallel all-reduce is kiln::all_reduce on this group
+
+
 def set_tp_group(group: TPGroup) -> None:
-    global _group
-    _group = group
+    """Publish the group to the layers. Collective on CUDA: every rank of an NCCL group builds the
+    peer-to-peer all-reduce buffers here (once, before any forward or graph capture)."""
+    global _group, _op_group_name
+    from kiln.models.allreduce import setup_p2p_all_reduce, teardown_p2p_all_reduce
+
+    teardown_p2p_all_reduce()
+    _group, _op_group_name = group, None
+    if group.size > 1 and group.group is not None and torch.cuda.is_available():
+        import torch.distributed as dist
+
+        if dist.get_backend(group.group) == "nccl" and \
+                setup_p2p_all_reduce(group.group, torch.device("cuda", torch.cuda.current_device())) is not None:
+            _op_group_name = group.group.group_name
+
+
+def use_all_reduce_op(enabled: bool) -> None:
+    """Route the all-reduce through kiln::all_reduce (True) or torch's functional collective (False) on
+    the current group; set_tp_group decides on GPUs, tests use this to run the op's path over gloo."""
+    global _op_group_name
+    _op_group_name = _group.group.group_name if enabled and _group.group is not None else None  # type: ignore[union-attr]
 
 
 def tp_rank() -> int:
@@ -37,6 +60,10 @@ def tp_size() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _group.size == 1:
         return x
+    if _op_group_name is not None:  # a plain string: Dynamo bakes it into the graph
+        import kiln.models.allreduce  # noqa: F401 - registers the op
+
+        return torch.ops.kiln.all_reduce(x, _op_group_name)
     import torch.distributed._functional_collectives as funcol
 
     return funcol.all_reduce(x, "sum", _group.group)

@@ -13,9 +13,11 @@ from typing import Any
 
 # In the order the manager runs them: graph-level passes first (they change what is split out), then the
 # post-grad ones; `noop` runs last in post-grad so it also tidies what the fusions leave behind.
-ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "add_rmsnorm", "silu_mul")
+# allreduce_rmsnorm precedes add_rmsnorm, which would otherwise take its norms alone.
+ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "allreduce_rmsnorm", "add_rmsnorm", "silu_mul")
 
-# -O2/-O3 defaults. Only passes with a measured gain belong here, and none has one yet (docs/passes.md):
+# -O2/-O3 defaults. Only passes with a measured gain belong here, and none has one yet (docs/passes.md;
+# allreduce_rmsnorm: no gain at 8B/70B TP=2 on 2x H200, benchmarks/bench_tp.py):
 # on the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
 # as it was, noop changes nothing; on CPU rope_kv and noop are slower. rope_kv's GPU measurement needs
 # the flashinfer backend (`bench_passes --backend flashinfer`, and `--kernels` for the kernel alone).
@@ -32,6 +34,7 @@ class PassConfig:
     noop: bool = False
     rope_kv: bool = False
     qk_norm_rope: bool = False
+    allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
     add_rmsnorm: bool = False
     silu_mul: bool = False
     # pass name -> largest token count it is compiled for; a compile range is covered only when its upper

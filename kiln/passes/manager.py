@@ -28,12 +28,14 @@ GRAPH_SCOPE = "graph"  # stats/dump name for the pre-split graph
 
 def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.add_rmsnorm import AddRMSNormPass
+    from kiln.passes.allreduce_rmsnorm import AllReduceRMSNormPass
     from kiln.passes.noop import NoOpEliminationPass
     from kiln.passes.qk_norm_rope import QKNormRopePass
     from kiln.passes.rope_kv import RopeKVCachePass
     from kiln.passes.silu_mul import SiluMulPass
 
-    classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, AddRMSNormPass, SiluMulPass]
+    classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, AllReduceRMSNormPass, AddRMSNormPass,
+               SiluMulPass]
     return {cls.name: cls for cls in classes}
 
 
@@ -43,6 +45,11 @@ class PassManager:
         self.env = env or PassEnv()
         classes = pass_classes()
         self.passes: list[KilnPass] = [classes[name](config, self.env) for name in ALL_PASSES if getattr(config, name)]
+        if self.passes:
+            # Register the ops rewritten graphs call now, not when a pass first matches: an artifact restored
+            # from the compile cache runs no pass, yet calls them (seen on the H200: an 8B TP=2 restore failed
+            # with "no attribute all_reduce_add_rms_norm").
+            import kiln.passes.ops  # noqa: F401
         self.dump_dir = Path(dump_dir).expanduser().resolve() / "passes" if dump_dir else None
         # scope name ("graph" or "<piece>_<key>") -> pass name -> rewrites; tests and stats read it
         self.matches: dict[str, dict[str, int]] = defaultdict(dict)

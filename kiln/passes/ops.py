@@ -160,3 +160,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @silu_and_mul.register_fake
 def _silu_and_mul_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+# -- tensor-parallel all-reduce + residual add + RMSNorm ----------------------------------------------------
+@torch.library.custom_op("kiln::all_reduce_add_rms_norm", mutates_args=())
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(all_reduce(x) + residual), all_reduce(x) + residual). The sum is rounded to x's dtype
+    before the add, as the unfused graph's all-reduce output is."""
+    from kiln.models.allreduce import all_reduce_impl
+
+    reduced = all_reduce_impl(x, group_name)
+    if _use_triton(reduced):
+        from kiln.passes.kernels import add_rms_norm_triton
+
+        normed, summed = add_rms_norm_triton(reduced, residual, weight, eps)
+        assert summed is not None
+        return normed, summed
+    summed = reduced + residual
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+@all_reduce_add_rms_norm.register_fake
+def _all_reduce_add_rms_norm_fake(x, residual, weight, eps, group_name):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))

@@ -155,16 +155,19 @@ def close_tensor_parallel(worker, timeout: float) -> bool:
     pytorch/pytorch#115388), then destroy every process group. Every rank does this at the same time (rank 0
     before it joins its workers: NCCL's communicator tear-down may wait for the peers). All of it runs on a
     thread bounded by `timeout` (the device sync too: a collective whose peer died never completes); returns
-    False (and logs) when it did not finish, so the caller can leave without waiting on it."""
-    set_tp_group(TPGroup())
+    False (and logs) when it did not finish, so the caller can leave without waiting on it. The peer-to-peer
+    all-reduce buffers go after the graphs that captured them and before the groups they were built on."""
     done = threading.Event()
 
     def tear_down() -> None:
         try:
-            if worker is not None:
-                if worker.device.type == "cuda":  # a new thread starts on device 0
-                    torch.cuda.set_device(worker.device)
-                worker.release_graphs()
+            try:
+                if worker is not None:
+                    if worker.device.type == "cuda":  # a new thread starts on device 0
+                        torch.cuda.set_device(worker.device)
+                    worker.release_graphs()
+            finally:
+                set_tp_group(TPGroup())
             dist.destroy_process_group()
         except Exception as exc:  # a peer that is already gone must not make shutdown fail
             logger.warning("tearing down the tensor-parallel process groups failed: %s", exc)

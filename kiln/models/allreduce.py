@@ -1,0 +1,171 @@
+"""The tensor-parallel all-reduce on GPUs: NCCL, or one-shot / two-shot over peer-to-peer buffers.
+
+Decode all-reduces are small (8-64 KB per layer at batch 1-8 on Llama shapes), so their latency, not
+bandwidth, is what TP decode pays ~2 x layers times per step. NCCL's ring/tree protocols have a fixed
+cost per call even when replayed from a CUDA graph; a one-shot all-reduce over buffers every rank can
+read through NVLink (torch symmetric memory: each rank copies its input into its own buffer, one
+barrier, each rank sums all buffers) is one kernel. Two-shot (reduce-scatter + all-gather over the same
+buffers) moves less data per rank and suits middle sizes. The choice is made per call from the message
+size (`AllReducePolicy`); under CUDA graphs it is made once, at capture, for that size.
+
+Multicast (NVLS / multimem) is never used: it can take a shared host's GPUs down. Only the P2P ops
+(`symm_mem.one_shot_all_reduce_copy`, `symm_mem.two_shot_all_reduce_`) are called, and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set before any symmetric allocation.
+
+`kiln::all_reduce` is a custom op (with a fake implementation) so Dynamo traces it into the compiled
+pieces as one opaque node, Inductor calls it as an extern kernel and CUDA graphs capture it. On CPU, or
+without symmetric memory, the op runs torch's functional all-reduce (gloo or NCCL), exactly the
+collective the model traced before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("kiln")
+
+MODES = ("auto", "nccl", "one_shot", "two_shot")
+
+
+@dataclass(frozen=True)
+class AllReducePolicy:
+    """Which all-reduce serves a message of n bytes. `auto`: one-shot up to `one_shot_max_bytes`, then
+    two-shot up to `two_shot_max_bytes`, NCCL above.
+
+    Thresholds from benchmarks/bench_tp.py on 2 H200s (NVLink, torch 2.11, bf16, per call replayed from a
+    CUDA graph): NCCL 11.3 / 11.9 / 12.3 / 14.9 / 19.0 us at 8 / 32 / 128 / 512 / 1024 KB, one-shot
+    6.8 / 6.9 / 8.0 / 11.1 / 14.8, two-shot 8.8 / 9.7 / 9.9 / 10.5 / 13.2; every sum equal to NCCL's."""
+
+    mode: str = "auto"
+    one_shot_max_bytes: int = 256 << 10
+    two_shot_max_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"KILN_TP_ALLREDUCE must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.one_shot_max_bytes < 0 or self.two_shot_max_bytes < 0:
+            raise ValueError("all-reduce byte thresholds must be >= 0")
+
+    @classmethod
+    def from_env(cls) -> AllReducePolicy:
+        """KILN_TP_ALLREDUCE (auto|nccl|one_shot|two_shot), KILN_TP_ONE_SHOT_MAX_BYTES,
+        KILN_TP_TWO_SHOT_MAX_BYTES."""
+        default = cls()
+        return cls(os.environ.get("KILN_TP_ALLREDUCE", default.mode),
+                   int(os.environ.get("KILN_TP_ONE_SHOT_MAX_BYTES", default.one_shot_max_bytes)),
+                   int(os.environ.get("KILN_TP_TWO_SHOT_MAX_BYTES", default.two_shot_max_bytes)))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The symmetric buffer each rank needs (0: NCCL only)."""
+        if self.mode == "nccl":
+            return 0
+        if self.mode in ("one_shot", "two_shot"):
+            return max(self.one_shot_max_bytes, self.two_shot_max_bytes, 1 << 20)
+        return max(self.one_shot_max_bytes, self.two_shot_max_bytes)
+
+    def choose(self, nbytes: int) -> str:
+        if self.mode != "auto":
+            return self.mode if nbytes <= self.buffer_bytes else "nccl"
+        if nbytes <= self.one_shot_max_bytes:
+            return "one_shot"
+        if nbytes <= self.two_shot_max_bytes:
+            return "two_shot"
+        return "nccl"
+
+
+class P2PAllReduce:
+    """One process group's symmetric buffer (every rank can load/store every other rank's) and the
+    all-reduce over it. Built collectively on every rank of the group, outside any graph capture."""
+
+    def __init__(self, group: torch.distributed.ProcessGroup, policy: AllReducePolicy, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # never build multicast objects
+        self.policy = policy
+        self.group_name = group.group_name
+        with warnings.catch_warnings():  # deprecated (no longer needed) on newer torch; needed on 2.11
+            warnings.simplefilter("ignore")
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.buffer = symm_mem.empty(policy.buffer_bytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def view(self, like: torch.Tensor) -> torch.Tensor:
+        """The start of this rank's buffer as a tensor shaped like `like`."""
+        nbytes = like.numel() * like.element_size()
+        return self.buffer[:nbytes].view(like.dtype).view(like.shape)
+
+    def kind_for(self, x: torch.Tensor) -> str:
+        nbytes = x.numel() * x.element_size()
+        # the P2P kernels need 4-byte aligned sizes (vectorised loads) and bf16/fp32
+        if x.dtype not in (torch.bfloat16, torch.float32) or nbytes % 16 or nbytes > self.buffer.numel():
+            return "nccl"
+        return self.policy.choose(nbytes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x, self.kind_for(x))
+
+    def run(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """The all-reduce of one kind (benchmarks call each directly)."""
+        if kind == "one_shot":  # copy in + barrier + sum of every rank's buffer, one kernel
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(self.view(x), x.contiguous(), "sum", self.group_name)
+        if kind == "two_shot":
+            buf = self.view(x)
+            buf.copy_(x)
+            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
+            return buf.clone()
+        return nccl_all_reduce(x, self.group_name)
+
+
+def nccl_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """torch's functional all-reduce, run eagerly (NCCL on GPU, gloo on CPU)."""
+    out = torch.ops._c10d_functional.all_reduce.default(x.contiguous(), "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor.default(out)
+
+
+_communicators: dict[str, P2PAllReduce] = {}
+
+
+def setup_p2p_all_reduce(group: torch.distributed.ProcessGroup, device: torch.device,
+                         policy: AllReducePolicy | None = None) -> P2PAllReduce | None:
+    """Collective: build the group's P2P all-reduce when it can serve (CUDA, NCCL group, symmetric memory
+    with P2P), else None and the model keeps NCCL. Every rank must call it at the same point."""
+    policy = policy or AllReducePolicy.from_env()
+    if device.type != "cuda" or policy.buffer_bytes == 0 or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+        return None
+    try:
+        comm = P2PAllReduce(group, policy, device)
+    except Exception as exc:  # noqa: BLE001 - no P2P, old driver, ...: NCCL still works
+        logger.warning("symmetric-memory all-reduce unavailable (%s); using NCCL", exc)
+        return None
+    _communicators[comm.group_name] = comm
+    logger.info("tensor-parallel all-reduce: %s", policy)
+    return comm
+
+
+def teardown_p2p_all_reduce() -> None:
+    _communicators.clear()
+
+
+def all_reduce_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    comm = _communicators.get(group_name)
+    if comm is not None and x.is_cuda:
+        return comm(x)
+    return nccl_all_reduce(x, group_name)
+
+
+@torch.library.custom_op("kiln::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum of x over the group's ranks (a new tensor)."""
+    return all_reduce_impl(x, group_name)
+
+
+@all_reduce.register_fake
+def _all_reduce_fake(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

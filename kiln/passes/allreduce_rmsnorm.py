@@ -1,0 +1,86 @@
+"""Tensor-parallel all-reduce + residual add + RMSNorm as one op (kiln::all_reduce_add_rms_norm).
+
+Under tensor parallelism every row-parallel projection (o_proj, down_proj) ends in an all-reduce whose
+sum is added to the residual stream and normalised by the next RMSNorm:
+
+    h = all_reduce(partial); s = h + residual; y = rms_norm(s)     # y feeds the next matmul, s the residual
+
+In the post-grad graph the all-reduce is either torch's functional collective
+(`_c10d_functional.all_reduce` + `wait_tensor`, NCCL or gloo) or `kiln::all_reduce` (the P2P all-reduce,
+kiln/models/allreduce.py); the norm is matched exactly as add_rmsnorm matches it. The three become one
+op that returns (y, s). On CUDA it runs the all-reduce chosen for the message size and the add + norm in
+one Triton program per row; elsewhere the functional all-reduce then the reference add + norm, the same
+arithmetic as the unfused graph. This also takes the add + norm away from Inductor, which cannot fuse
+across an all-reduce anyway. Two matches per layer: after o_proj and after down_proj (the last layer's
+goes into the final norm).
+
+Runs before add_rmsnorm (ALL_PASSES order), which would otherwise take the norm on its own.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from kiln.passes.add_rmsnorm import AddRMSNormPass
+from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value
+
+aten = torch.ops.aten
+
+
+def _all_reduce_source(node: object) -> tuple[fx.Node, str, list[fx.Node]] | None:
+    """(the all-reduced input, group name, the all-reduce's nodes) when `node` is an all-reduce's result
+    used only once, else None."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return None
+    kiln_all_reduce = getattr(torch.ops.kiln, "all_reduce", None)
+    if kiln_all_reduce is not None and is_call(node, kiln_all_reduce.default):
+        return node.args[0], str(node.args[1]), [node]  # type: ignore[return-value]
+    functional = torch.ops._c10d_functional
+    if is_call(node, functional.wait_tensor.default):
+        reduce = node.args[0]
+        if is_call(reduce, functional.all_reduce.default) and len(reduce.users) == 1 and reduce.args[1] == "sum":
+            return reduce.args[0], str(reduce.args[2]), [node, reduce]  # type: ignore[union-attr,return-value]
+    return None
+
+
+class AllReduceRMSNormPass(KilnPass):
+    name = "allreduce_rmsnorm"
+
+    def apply_post_grad(self, graph: fx.Graph) -> int:
+        import kiln.passes.ops  # noqa: F401 - registers the ops
+
+        op = torch.ops.kiln.all_reduce_add_rms_norm.default
+        count = 0
+        for rsqrt in live_nodes(graph):
+            if not is_call(rsqrt, aten.rsqrt.default):
+                continue
+            match = AddRMSNormPass._match(rsqrt)
+            if match is None:
+                continue
+            summed, weight, eps, out, dead = match
+            if not is_call(summed, aten.add.Tensor) or not AddRMSNormPass._fusable_add(summed):
+                continue
+            a, b = summed.args[:2]
+            source, residual = _all_reduce_source(a), b
+            if source is None:
+                source, residual = _all_reduce_source(b), a
+            if source is None:
+                continue
+            partial, group_name, reduce_nodes = source
+            with graph.inserting_before(summed):
+                fused = graph.call_function(op, (partial, residual, weight, eps, group_name))
+                set_fake_value(fused, op, partial, residual, weight, eps, group_name)
+                normed = graph.call_function(operator.getitem, (fused, 0))
+                new_sum = graph.call_function(operator.getitem, (fused, 1))
+            for i, n in enumerate((normed, new_sum)):
+                n.meta["val"] = fused.meta["val"][i] if "val" in fused.meta else None
+            out.replace_all_uses_with(normed)
+            erase_if_dead(graph, dead)
+            summed.replace_all_uses_with(new_sum)
+            graph.erase_node(summed)
+            erase_if_dead(graph, reduce_nodes)
+            count += 1
+        return count

@@ -1,0 +1,102 @@
+"""The P2P all-reduce (kiln/models/allreduce.py) and allreduce_rmsnorm on 2 GPUs.
+
+Op level: every kind (one-shot, two-shot, NCCL) gives NCCL's sum, eagerly and replayed from a CUDA graph
+(twice, with new inputs copied in between: the buffers are reused safely); the fused op equals the
+all-reduce followed by the reference add + norm. Model level: TP=2 with the pass, graphs on, gives TP=1's
+greedy tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+
+from kiln import Runtime, SamplingParams
+from tests.conftest import random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs")]
+
+os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, results: dict) -> None:
+    import torch.distributed as dist
+
+    from kiln.models.allreduce import AllReducePolicy, P2PAllReduce, nccl_all_reduce
+    from kiln.passes.ops import all_reduce_add_rms_norm, rms_norm_ref
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+        name = dist.group.WORLD.group_name
+        comm = P2PAllReduce(dist.group.WORLD, AllReducePolicy("one_shot", 1 << 20, 1 << 20), device)
+        for dtype in (torch.bfloat16, torch.float32):
+            for numel in (8, 4096, 64 * 4096, 256 * 1024):
+                if numel * dtype.itemsize > 1 << 20:
+                    continue
+                x = torch.randn(numel, device=device, dtype=dtype) * (rank + 1)
+                for kind in ("one_shot", "two_shot", "nccl"):
+                    torch.testing.assert_close(comm.run(x, kind), nccl_all_reduce(x, name), atol=0, rtol=0)
+                    static = x.clone()
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        comm.run(static, kind)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=stream):
+                        out = comm.run(static, kind)
+                    for _ in range(2):
+                        static.copy_(torch.randn_like(static))
+                        graph.replay()
+                        torch.testing.assert_close(out, nccl_all_reduce(static, name), atol=0, rtol=0)
+        partial = torch.randn(8, 4096, device=device, dtype=torch.bfloat16)
+        residual = torch.randn(8, 4096, device=device, dtype=torch.bfloat16)
+        weight = torch.rand(4096, device=device, dtype=torch.bfloat16) + 0.5
+        from kiln.models import allreduce
+
+        allreduce.setup_p2p_all_reduce(dist.group.WORLD, device)
+        normed, summed = all_reduce_add_rms_norm(partial, residual, weight, 1e-5, name)
+        expected_sum = nccl_all_reduce(partial, name) + residual
+        torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0)
+        torch.testing.assert_close(normed, rms_norm_ref(expected_sum, weight, 1e-5), atol=2e-2, rtol=2e-2)
+        results[rank] = "ok"
+    except Exception:  # noqa: BLE001 - reported to the parent
+        results[rank] = traceback.format_exc()
+    os._exit(0)
+
+
+def test_p2p_all_reduce_equals_nccl_eager_and_in_graphs() -> None:
+    with tmp.Manager() as mgr:
+        results = mgr.dict()
+        tmp.spawn(_rank, args=(_free_port(), results), nprocs=2)
+        assert dict(results) == {0: "ok", 1: "ok"}
+
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = random_prompts([5, 17, 40, 3, 26, 64, 1, 9], 256, seed=21)
+COMMON = dict(device="cuda", dtype="fp32", kv_cache_bytes=64 << 20, max_num_batched_tokens=64)
+
+
+@pytest.mark.slow
+def test_tp2_with_p2p_all_reduce_and_the_pass_matches_tp1(monkeypatch: pytest.MonkeyPatch) -> None:
+    reference = [o.outputs[0].token_ids for o in Runtime("tiny-qwen3", level=0, **COMMON).generate(PROMPTS, PARAMS)]
+    runtime = Runtime("tiny-qwen3", level=2, compile_sizes=(), cudagraph_capture_sizes=(1, 2, 4, 8),
+                      tensor_parallel_size=2, passes=("allreduce_rmsnorm",), **COMMON)
+    try:
+        assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
+    finally:
+        runtime.engine.shutdown()
