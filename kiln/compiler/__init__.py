@@ -58,7 +58,8 @@ def compile_model(model: nn.Module, config: CompilationConfig, max_num_tokens: i
         pass_hook = default_pass_hook(config, attention_backend)
     compiler = InductorCompiler(inductor_config_patches(config, pass_hook), dump, store)
     backend = KilnBackend(build_dispatcher(config, max_num_tokens), compiler, CompileStats(level=config.level),
-                          dump, progress, graph_passes=pass_hook.run_graph_passes if config.enable_passes else None)
+                          dump, progress, graph_passes=pass_hook.run_graph_passes if config.enable_passes else None,
+                          compile_workers=config.compile_workers)
     return CompiledForward(model, backend, dump)
 
 

@@ -55,7 +55,9 @@ class Capture:
 class KilnBackend:
     def __init__(self, dispatcher: Dispatcher, compiler: InductorCompiler, stats: CompileStats,
                  dump: DebugDump | None = None, progress: bool = True,
-                 graph_passes: Callable[[fx.GraphModule], fx.GraphModule] | None = None) -> None:
+                 graph_passes: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
+                 compile_workers: int | None = 1) -> None:
+        self.compile_workers = compile_workers  # processes for the compiles (None: from the host's cores)
         self.graph_passes = graph_passes  # kiln/passes: rewrites that must see across the attention split
         self.dispatcher = dispatcher
         self.compiler = compiler
@@ -125,7 +127,8 @@ class KilnBackend:
         start = time.perf_counter()
         with tqdm(total=total, desc="kiln: compiling pieces", unit="graph", disable=not self.progress,
                   leave=False) as bar:
-            runners = compile_pieces(split, self.dispatcher, symbol, self.compiler, self.stats, bar.update)
+            runners = compile_pieces(split, self.dispatcher, symbol, self.compiler, self.stats, bar.update,
+                                     self.compile_workers)
         logger.info("compiled %d distinct pieces (of %d, %d attention) x %d ranges/sizes = %d graphs in "
                     "%.1f s; %s", len(distinct), len(split.pieces), self.stats.num_attention_pieces,
                     len(self.dispatcher.keys), total, time.perf_counter() - start, self.dispatcher.describe())

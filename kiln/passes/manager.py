@@ -43,9 +43,14 @@ class PassManager:
         self.env = env or PassEnv()
         classes = pass_classes()
         self.passes: list[KilnPass] = [classes[name](config, self.env) for name in ALL_PASSES if getattr(config, name)]
+        self._dump_arg = dump_dir
         self.dump_dir = Path(dump_dir).expanduser().resolve() / "passes" if dump_dir else None
         # scope name ("graph" or "<piece>_<key>") -> pass name -> rewrites; tests and stats read it
         self.matches: dict[str, dict[str, int]] = defaultdict(dict)
+
+    def __reduce__(self) -> tuple:
+        """Pickles as its configuration: a compile worker process rebuilds the same passes (same uuid)."""
+        return PassManager, (self.config, self.env, self._dump_arg)
 
     def __bool__(self) -> bool:
         return bool(self.passes)
