@@ -117,6 +117,7 @@ def compile_pieces(split: SplitGraph, dispatcher: Dispatcher, symbol: sympy.Symb
         job = result.job
         tables[job.piece_hash][job.key] = result.fn
         stats.record_compile(stats.pieces[job.piece_hash[:12]], str(job.key), result.seconds)
+        stats.worker_compiles += result.in_worker
         if progress is not None:
             progress(1)
 

@@ -33,6 +33,7 @@ class CompileStats:
     trace_seconds: float = 0.0  # Dynamo bytecode analysis + FX capture
     compile_seconds: float = 0.0  # all Inductor compiles, summed (in parallel, more than the wall time)
     compile_workers: int = 1  # processes the start-up compiles ran in (1: this one)
+    worker_compiles: int = 0  # compiles done by a worker process (the rest, here)
     warmup_seconds: float = 0.0  # the whole start-up compile phase, trace and test forwards included
     num_pieces: int = 0  # pieces of the split graph (2L+1)
     num_attention_pieces: int = 0
