@@ -180,6 +180,14 @@ class CompileCacheStore:
         self.hits += 1
         return artifact
 
+    def load_payload(self, piece_hash: str, key: Any) -> bytes | None:
+        """An artifact's checked bytes, not loaded into Inductor (None if absent or damaged): for a thread
+        that must not touch Inductor (background compiles)."""
+        try:
+            return unpack((self.dir / artifact_name(piece_hash, key)).read_bytes())
+        except (OSError, CorruptArtifact):
+            return None
+
     def save(self, piece_hash: str, key: Any, artifact: Any) -> None:
         if getattr(artifact, "save", None) is None:  # compile_fx fallback (old torch): nothing portable to store
             return

@@ -77,13 +77,14 @@ class InductorCompiler:
             self.store.save(piece_hash, key, artifact)
         return artifact, True
 
-    def adopt(self, gm: fx.GraphModule, key: CompileKey, piece_hash: str, payload: bytes) -> CompiledFn:
+    def adopt(self, gm: fx.GraphModule, key: CompileKey, piece_hash: str, payload: bytes,
+              save: bool = True) -> CompiledFn:
         """An artifact compiled elsewhere (a worker process), as bytes: saved to the store, then loaded the
         way a cached one is."""
         from kiln.cache.store import artifact_from_bytes
 
         save_payload = getattr(self.store, "save_payload", None)
-        if save_payload is not None:
+        if save and save_payload is not None:
             save_payload(piece_hash, key, payload)
         return with_output_structure(gm, artifact_from_bytes(payload))
 

@@ -124,14 +124,35 @@ class CompilePool:
                 finish(self._compile_here(job))
         return results
 
+    def compile_payloads(self, jobs: Iterable[CompileJob]) -> Iterable[tuple[CompileJob, bytes | None]]:
+        """Worker processes only (never this process): each job's artifact bytes, None where it failed."""
+        submitted = []
+        for job in jobs:
+            future = self._submit(job, force=True)
+            submitted.append((job, future))
+        for job, future in submitted:
+            if future is None:
+                yield job, None
+                continue
+            try:
+                payload, _, matches, uuid = future.result()
+                if uuid != self._hook_uuid():
+                    raise RuntimeError("the post-grad hook has a different uuid in the worker")
+            except Exception as exc:  # noqa: BLE001 - the caller keeps serving without it
+                logger.warning("compile of piece %s at %s failed in its worker (%s: %s)", job.piece_hash[:12],
+                               job.key, type(exc).__name__, exc)
+                yield job, None
+                continue
+            yield job, payload
+
     def _compile_here(self, job: CompileJob) -> CompileResult:
         start = time.perf_counter()
         fn, _ = self.compiler.compile(job.gm, job.key, self.symbol, job.piece_hash, use_store=False)
         return CompileResult(job, fn, time.perf_counter() - start, False)
 
-    def _submit(self, job: CompileJob) -> Future | None:
+    def _submit(self, job: CompileJob, force: bool = False) -> Future | None:
         task = self._task(job.gm)
-        if task is None:
+        if task is None or (self.workers < 1 and not force):
             return None
         try:
             if self._executor is None:
@@ -142,7 +163,7 @@ class CompilePool:
                                          self._patches_blob())
         except Exception as exc:  # noqa: BLE001 - no pool (e.g. a pickling error): compile here
             logger.warning("cannot compile in worker processes (%s); compiling serially", exc)
-            self.workers = 1
+            self.workers = 0
             return None
 
     def _task(self, gm: fx.GraphModule) -> bytes | None:
