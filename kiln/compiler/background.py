@@ -34,17 +34,20 @@ class BackgroundCompiles:
         capture = compiled.capture
         self.runners = capture.runners
         keys = [CompileKey.size(s) for s in sizes if s not in self.dispatcher.sizes]
-        self.jobs = [CompileJob(piece_hash, group[0].module, key)
+        self.jobs = [CompileJob(piece_hash, group[0].module, key, capture.piece_specs.get(piece_hash))
                      for piece_hash, group in capture.split.distinct().items() for key in keys]
         self.sizes = tuple(k.lo for k in keys)
         self.stats.background_pending = len(self.jobs)
         self._results: list[tuple[CompileJob, bytes, bool]] = []  # (job, artifact, to save in the cache)
         self._done = threading.Event()
-        self._symbol = _token_symbol(capture)
+        self._symbol = capture.symbol
         self._store = backend.compiler.store
         # always worker processes (at least one): an Inductor compile on a second thread of the serving
         # process would share Dynamo's and Inductor's global state with the forwards
         self._pool = CompilePool(backend.compiler, self._symbol, workers or default_workers(len(self.jobs)) or 1)
+        if self._symbol is not False:  # pickle the pieces here, not on the background thread
+            for job in self.jobs:
+                self._pool.prepare(job)
         self._thread = threading.Thread(target=self._run, name="kiln-background-compile", daemon=True)
         self._thread.start()
 
@@ -108,13 +111,3 @@ class BackgroundCompiles:
         logger.info("background compiles swapped in: exact sizes %s (%d artifacts, %d failed) after %.1f s",
                     sizes, self.stats.background_swapped, self.stats.background_failed, self.seconds)
         return True
-
-
-def _token_symbol(capture: Any) -> Any:
-    """The traced graph's token-count symbol; False for a capture restored from the cache (no metadata)."""
-    from kiln.compiler.fakes import token_symbol
-
-    try:
-        return token_symbol(capture.graph)
-    except ValueError:
-        return False

@@ -58,6 +58,7 @@ class CompileJob:
     piece_hash: str
     gm: fx.GraphModule
     key: CompileKey
+    specs: list[Any] | None = None  # the gm's input layouts, if taken earlier (default: read from gm now)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ class CompilePool:
         return CompileResult(job, fn, time.perf_counter() - start, False)
 
     def _submit(self, job: CompileJob, force: bool = False) -> Future | None:
-        task = self._task(job.gm)
+        task = self._task(job.gm, job.specs)
         if task is None or (self.workers < 1 and not force):
             return None
         try:
@@ -166,12 +167,16 @@ class CompilePool:
             self.workers = 0
             return None
 
-    def _task(self, gm: fx.GraphModule) -> bytes | None:
+    def prepare(self, job: CompileJob) -> None:
+        """Pickle a piece for the workers now (on the caller's thread)."""
+        self._task(job.gm, job.specs)
+
+    def _task(self, gm: fx.GraphModule, specs: list[Any] | None = None) -> bytes | None:
         if id(gm) not in self._tasks:
             from kiln.compiler.fakes import input_specs
 
             try:
-                self._tasks[id(gm)] = pickle.dumps((gm, input_specs(gm)))
+                self._tasks[id(gm)] = pickle.dumps((gm, specs if specs is not None else input_specs(gm)))
             except Exception as exc:  # noqa: BLE001 - compile it here
                 logger.info("piece cannot be sent to a compile worker (%s); compiling it here", exc)
                 self._tasks[id(gm)] = None
