@@ -84,9 +84,10 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
                          cudagraph_capture_sizes=batches if args.device == "cuda" else None,
                          gpu_memory_utilization=args.gpu_memory_utilization, compile_workers=args.compile_workers)
             stats = rt.compile_stats
-            row.update(startup_s=round(time.perf_counter() - start, 1), compile_phase_s=round(stats.warmup_seconds, 1),
-                       inductor_compiles=stats.inductor_compiles, compile_workers=stats.compile_workers,
-                       worker_compiles=stats.worker_compiles, compile_sizes=list(rt.engine.worker.compilation.compile_sizes))
+            row.update(startup_s=round(time.perf_counter() - start, 1),
+                       compile_phase_s=round(stats.warmup_seconds, 1), inductor_compiles=stats.inductor_compiles,
+                       compile_workers=stats.compile_workers, worker_compiles=stats.worker_compiles,
+                       compile_sizes=list(rt.engine.worker.compilation.compile_sizes))
             runner = next(iter(rt.engine.worker.compiled.capture.runners.values()))
             for batch in batches:
                 key = runner.dispatcher.select(rt.engine.runner.graphs.padded_size(batch)

@@ -155,5 +155,9 @@ def test_cli_compile_and_parallel_flags_reach_the_config() -> None:
     assert plain.tensor_parallel_size == 1 and plain.compilation.passes is None
     off = runtime_kwargs(parser.parse_args(["--passes"]))
     assert off["enable_passes"] is False
+    tuned = runtime_kwargs(parser.parse_args(["--compile-workers", "4", "--background-compile-sizes", "1024"]))
+    c = build_config("tiny-llama", **tuned).compilation
+    assert (c.compile_workers, c.background_compile_sizes) == (4, (1024,))
+    assert plain.compilation.compile_workers is None  # default: from the host's cores
     with pytest.raises(SystemExit):  # argparse rejects an unknown graph mode
         parser.parse_args(["--cudagraph-mode", "SOMETIMES"])
