@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--configs", nargs="+", default=["range", "exact", "default"],
                         choices=["range", "exact", "default"])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile-workers", type=int, default=None, help="default: from the host's cores")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--json", required=True)
