@@ -151,6 +151,10 @@ class CompilationConfig:
     enable_passes: bool | None = None
     passes: tuple[str, ...] | None = None  # explicit pass list; None: the level's default set
     max_autotune: bool | None = None
+    # exact sizes compiled after the runtime is ready and swapped in at a step boundary (docs/compiler.md)
+    background_compile_sizes: tuple[int, ...] | None = None
+    # worker processes for Inductor compiles; None: from the host's cores (kiln/compiler/parallel.py)
+    compile_workers: int | None = None
     debug_dump_path: str | None = None
     debug_check_graph_inputs: bool = False
 
@@ -165,7 +169,9 @@ class CompilationConfig:
             unknown = [p for p in self.passes if p.partition("<=")[0] not in ALL_PASSES]
             if unknown:
                 raise ValueError(f"unknown passes {unknown}; passes: {', '.join(ALL_PASSES)}")
-        for name in ("compile_sizes", "compile_ranges", "cudagraph_capture_sizes"):
+        if self.compile_workers is not None and self.compile_workers < 1:
+            raise ValueError(f"compile_workers must be >= 1, got {self.compile_workers}")
+        for name in ("compile_sizes", "compile_ranges", "cudagraph_capture_sizes", "background_compile_sizes"):
             sizes = getattr(self, name)
             if sizes is not None and any(int(s) < 1 for s in sizes):
                 raise ValueError(f"{name} must be positive integers, got {sizes}")
@@ -194,17 +200,25 @@ class CompilationConfig:
         if sizes is None:
             if level < 2:
                 sizes = ()
-            elif on_gpu:
-                sizes = capture if level == 2 else tuple(sorted(set(capture) | {s for s in (1024, 2048)
-                                                                              if s <= max_num_batched_tokens}))
+            elif on_gpu:  # every capture size runs (and is captured) from the range artifact otherwise
+                sizes = tuple(s for s in GPU_EXACT_SIZES if s in capture) if level == 2 else capture
             else:
-                sizes = (1,) if level == 2 else (1, 2, 4)
+                sizes = (1,)
         sizes = tuple(sorted({int(s) for s in sizes if int(s) <= max_num_batched_tokens}))
+        background = self.background_compile_sizes
+        if background is None:  # -O3's extras: not needed to serve, so compiled after the runtime is ready
+            background = () if level < 3 else ((1024, 2048) if on_gpu else (2, 4))
+        # a size captured in a CUDA graph must be final when the graph is captured: compile it up front
+        graphed = set(capture) if mode != CUDAGraphMode.NONE else set()
+        sizes = tuple(sorted(set(sizes) | {int(s) for s in background if int(s) in graphed}))
+        background = tuple(sorted({int(s) for s in background if int(s) <= max_num_batched_tokens}
+                                  - set(sizes) - graphed))
         # an end point at or above the budget would make an empty range
         ranges = tuple(sorted({int(p) for p in self.compile_ranges if int(p) < max_num_batched_tokens}))
         return dataclasses.replace(
             self,
             compile_sizes=sizes if level >= 1 else (),
+            background_compile_sizes=background if level >= 1 else (),
             compile_ranges=ranges if level >= 1 else (),
             cudagraph_mode=mode,
             cudagraph_capture_sizes=capture if mode != CUDAGraphMode.NONE else (),
@@ -212,6 +226,13 @@ class CompilationConfig:
             enable_passes=level >= 1 and (self.enable_passes if self.enable_passes is not None else level >= 2),
             max_autotune=level >= 1 and (self.max_autotune if self.max_autotune is not None else level >= 3),
         )
+
+
+# -O2's exact sizes on a GPU: small decode batches only. An exact artifact is one more Inductor compile per
+# distinct piece (x3 for a Llama), and the range artifact, captured in a CUDA graph at each capture size,
+# serves the rest; benchmarks/bench_compile_plan.py measures exact against range at the capture sizes, and
+# docs/compiler.md keeps the table that justifies this choice. At most 8, which tests/compiler assert.
+GPU_EXACT_SIZES = (1, 2, 4, 8)
 
 
 def default_capture_sizes(max_size: int) -> tuple[int, ...]:

@@ -24,8 +24,8 @@ KEY_VERSION = 1  # bump when the layout or the artifact format changes meaning
 KILN_ROOT = Path(__file__).resolve().parent.parent
 # The code Dynamo traces or that shapes what is compiled: the model definitions, the compiler, the passes.
 TRACED_PACKAGES = ("models", "compiler", "passes")
-# Resolved CompilationConfig fields that do not change compiled code (diagnostics, paths).
-EXCLUDED_COMPILATION_FIELDS = frozenset({"debug_dump_path", "debug_check_graph_inputs"})
+# Resolved CompilationConfig fields that do not change compiled code (diagnostics, paths, compile workers).
+EXCLUDED_COMPILATION_FIELDS = frozenset({"debug_dump_path", "debug_check_graph_inputs", "compile_workers"})
 
 
 def environment_factors(device: torch.device | str) -> dict[str, Any]:

@@ -169,7 +169,7 @@ class CompileCacheStore:
         except FileNotFoundError:
             return None
         try:
-            artifact = _load_payload(unpack(data), self.dir)
+            artifact = artifact_from_bytes(unpack(data), self.dir)
         except Exception as exc:  # noqa: BLE001 - any failure to load means "recompile", never "crash"
             logger.warning("compile cache %s: discarding artifact %s (%s); recompiling", self.key[:12],
                            path.name, exc)
@@ -180,15 +180,30 @@ class CompileCacheStore:
         self.hits += 1
         return artifact
 
+    def load_payload(self, piece_hash: str, key: Any) -> bytes | None:
+        """An artifact's checked bytes, not loaded into Inductor (None if absent or damaged): for a thread
+        that must not touch Inductor (background compiles)."""
+        try:
+            return unpack((self.dir / artifact_name(piece_hash, key)).read_bytes())
+        except (OSError, CorruptArtifact):
+            return None
+
     def save(self, piece_hash: str, key: Any, artifact: Any) -> None:
-        save = getattr(artifact, "save", None)
-        if save is None:  # compile_fx fallback (old torch): nothing portable to store
+        if getattr(artifact, "save", None) is None:  # compile_fx fallback (old torch): nothing portable to store
             return
         try:
-            with tempfile.TemporaryDirectory(dir=self.dir, prefix=".save.") as tmp:
-                out = Path(tmp) / "artifact.bin"
-                save(path=str(out), format="binary")
-                atomic_write(self.dir / artifact_name(piece_hash, key), pack(out.read_bytes()))
+            payload = artifact_to_bytes(artifact, self.dir)
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot write must not stop start-up
+            logger.warning("compile cache %s: could not save %s for %s (%s)", self.key[:12], piece_hash[:12],
+                           key, exc)
+            return
+        self.save_payload(piece_hash, key, payload)
+
+    def save_payload(self, piece_hash: str, key: Any, payload: bytes) -> None:
+        """An artifact already serialized (`artifact_to_bytes`, e.g. by a compile worker process)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.dir / artifact_name(piece_hash, key), pack(payload))
         except Exception as exc:  # noqa: BLE001 - a cache that cannot write must not stop start-up
             logger.warning("compile cache %s: could not save %s for %s (%s)", self.key[:12], piece_hash[:12],
                            key, exc)
@@ -258,7 +273,15 @@ class CompileCacheStore:
         return marker.get("format") == FORMAT_VERSION
 
 
-def _load_payload(payload: bytes, where: Path) -> Any:
+def artifact_to_bytes(artifact: Any, where: Path | None = None) -> bytes:
+    """Inductor's binary `CompiledArtifact` format (the kernels it built are bundled in it)."""
+    with tempfile.TemporaryDirectory(dir=where, prefix=".save.") as tmp:
+        out = Path(tmp) / "artifact.bin"
+        artifact.save(path=str(out), format="binary")
+        return out.read_bytes()
+
+
+def artifact_from_bytes(payload: bytes, where: Path | None = None) -> Any:
     from torch._inductor import CompiledArtifact
 
     with tempfile.TemporaryDirectory(dir=where, prefix=".load.") as tmp:

@@ -58,7 +58,8 @@ def compile_model(model: nn.Module, config: CompilationConfig, max_num_tokens: i
         pass_hook = default_pass_hook(config, attention_backend)
     compiler = InductorCompiler(inductor_config_patches(config, pass_hook), dump, store)
     backend = KilnBackend(build_dispatcher(config, max_num_tokens), compiler, CompileStats(level=config.level),
-                          dump, progress, graph_passes=pass_hook.run_graph_passes if config.enable_passes else None)
+                          dump, progress, graph_passes=pass_hook.run_graph_passes if config.enable_passes else None,
+                          compile_workers=config.compile_workers)
     return CompiledForward(model, backend, dump)
 
 
@@ -72,13 +73,14 @@ def default_pass_hook(config: CompilationConfig, attention_backend: Any = None) 
 
 def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool = True,
                      store_factory: Callable[[PostGradPassHook, dict[str, Any]], Any] | None = None,
-                     ) -> CompiledForward | None:
+                     background: bool = True) -> CompiledForward | None:
     """Compile the runner's model and warm it up; the runner then runs the compiled forward.
 
     `config` must be resolved. The runner keeps exact token counts (no padding): without CUDA graphs an
     exact-size artifact is only worth using on an exact match, and any other count has its range.
     `store_factory(pass_hook, inductor_patches)` gives the artifact cache's store (kiln.cache): it needs
-    the hook because the passes' uuid is part of the cache key.
+    the hook because the passes' uuid is part of the cache key. `background=False` drops the config's
+    background sizes (tensor parallelism: every rank would have to swap at the same step).
     """
     logger.info("compilation config (resolved): %s", config)
     if config.level < 1:
@@ -103,6 +105,14 @@ def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool =
     if store is not None:
         _finish_store(store, compiled)
     runner.forward_fn = compiled
+    if config.background_compile_sizes and compiled.capture is not None:
+        if background:
+            from kiln.compiler.background import BackgroundCompiles
+
+            compiled.background = BackgroundCompiles(compiled, config.background_compile_sizes,
+                                                     config.compile_workers)
+        else:
+            logger.info("background compile sizes %s dropped (not supported here)", config.background_compile_sizes)
     logger.info("compiler ready: %s", compiled.stats.summary())
     return compiled
 

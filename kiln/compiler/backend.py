@@ -20,7 +20,7 @@ from torch import fx
 
 from kiln.compiler import saved_capture
 from kiln.compiler.dump import DebugDump
-from kiln.compiler.fakes import token_symbol
+from kiln.compiler.fakes import input_specs, token_symbol
 from kiln.compiler.inductor import InductorCompiler
 from kiln.compiler.piecewise import (
     PieceRunner,
@@ -50,12 +50,20 @@ class Capture:
     record: bool = True
     saved: bytes | None = None  # this capture for the artifact cache (saved_capture.py); None if not picklable
     inputs: list[saved_capture.InputInfo] = field(default_factory=list)  # set when loaded from the cache
+    # the token count's symbol in the pieces' example values (None: static); False when loaded from the
+    # cache, whose pieces carry no example values (nothing more can be compiled for them)
+    symbol: sympy.Symbol | None | bool = None
+    # each distinct piece's input layouts (fakes.input_specs) as traced: later compiles (background.py)
+    # need them, and the shape environment may specialise the token count once the trace is done
+    piece_specs: dict[str, list[Any]] = field(default_factory=dict)
 
 
 class KilnBackend:
     def __init__(self, dispatcher: Dispatcher, compiler: InductorCompiler, stats: CompileStats,
                  dump: DebugDump | None = None, progress: bool = True,
-                 graph_passes: Callable[[fx.GraphModule], fx.GraphModule] | None = None) -> None:
+                 graph_passes: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
+                 compile_workers: int | None = 1) -> None:
+        self.compile_workers = compile_workers  # processes for the compiles (None: from the host's cores)
         self.graph_passes = graph_passes  # kiln/passes: rewrites that must see across the attention split
         self.dispatcher = dispatcher
         self.compiler = compiler
@@ -74,13 +82,15 @@ class KilnBackend:
             gm = self.graph_passes(gm)
         split = split_at_attention(gm)
         record_split(self.stats, split)
+        specs = {h: input_specs(group[0].module) for h, group in split.distinct().items()}
         runners = self._compile(split, symbol)
         sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
         saved = _save(split, runners, sources, list(example_inputs)) if self.compiler.store is not None else None
         install_runners(split, runners)
         if self.dump is not None:
             self.dump.write_split_graph(split, self.dispatcher)
-        capture = Capture(gm, split, runners, sources, list(example_inputs), saved=saved)
+        capture = Capture(gm, split, runners, sources, list(example_inputs), saved=saved, symbol=symbol,
+                          piece_specs=specs)
         self.capture = capture
         forward = generated_forward(split.module)
 
@@ -114,7 +124,7 @@ class KilnBackend:
         record_split(self.stats, split)
         self.stats.capture_loaded = True
         self.capture = Capture(split.module, split, runners, [i.source for i in saved.inputs], record=False,
-                               inputs=saved.inputs)
+                               inputs=saved.inputs, symbol=False)
         return self.capture
 
     def _compile(self, split: SplitGraph, symbol: sympy.Symbol | None) -> dict[str, PieceRunner]:
@@ -125,7 +135,8 @@ class KilnBackend:
         start = time.perf_counter()
         with tqdm(total=total, desc="kiln: compiling pieces", unit="graph", disable=not self.progress,
                   leave=False) as bar:
-            runners = compile_pieces(split, self.dispatcher, symbol, self.compiler, self.stats, bar.update)
+            runners = compile_pieces(split, self.dispatcher, symbol, self.compiler, self.stats, bar.update,
+                                     self.compile_workers)
         logger.info("compiled %d distinct pieces (of %d, %d attention) x %d ranges/sizes = %d graphs in "
                     "%.1f s; %s", len(distinct), len(split.pieces), self.stats.num_attention_pieces,
                     len(self.dispatcher.keys), total, time.perf_counter() - start, self.dispatcher.describe())

@@ -42,6 +42,7 @@ class CompiledForward:
         self._argnames = [p for p in inspect.signature(self._fn).parameters]
         self._dynamo_forward = torch.compile(self._fn, backend=backend, fullgraph=True, dynamic=False)
         self._direct: DirectFn | None = None
+        self.background: Any = None  # BackgroundCompiles, when compiles run after start-up (background.py)
 
     @property
     def stats(self) -> CompileStats:

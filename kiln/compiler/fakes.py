@@ -9,6 +9,7 @@ graph, which is what lets the compile cache load them without one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -55,9 +56,49 @@ def token_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
     return next(iter(symbols), None)
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input tensor's layout, sizes as ints or sympy expressions in the token count (picklable:
+    a compile in a worker process rebuilds its fake inputs from these)."""
+
+    shape: tuple[Any, ...]
+    stride: tuple[Any, ...]
+    offset: Any
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class SymSpec:
+    expr: Any  # a SymInt input as its sympy expression
+
+
+def _expr(value: Any) -> Any:
+    return value.node.expr if isinstance(value, torch.SymInt) else int(value)
+
+
+def input_specs(gm: fx.GraphModule) -> list[Any]:
+    """Each graph input as a TensorSpec, a SymSpec, or its plain value."""
+    specs: list[Any] = []
+    for value in placeholder_values(gm):
+        if isinstance(value, torch.Tensor):
+            specs.append(TensorSpec(tuple(map(_expr, value.shape)), tuple(map(_expr, value.stride())),
+                                    _expr(value.storage_offset()), value.dtype, value.device))
+        elif isinstance(value, torch.SymInt):
+            specs.append(SymSpec(value.node.expr))
+        else:
+            specs.append(value)
+    return specs
+
+
 def example_inputs(gm: fx.GraphModule, key: CompileKey,
                    symbol: sympy.Symbol | None) -> tuple[FakeTensorMode, list[Any]]:
     """Fake inputs for `gm` with the token count as `key` describes (symbolic in a range, or exact)."""
+    return fake_inputs(input_specs(gm), key, symbol)
+
+
+def fake_inputs(specs: list[Any], key: CompileKey, symbol: sympy.Symbol | None) -> tuple[FakeTensorMode, list[Any]]:
+    """Fake inputs from `input_specs`, in a fresh fake mode."""
     dynamic = symbol is not None and not key.exact and key.lo < key.hi
     env = ShapeEnv(specialize_zero_one=False) if dynamic else ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
@@ -66,36 +107,38 @@ def example_inputs(gm: fx.GraphModule, key: CompileKey,
                                 constraint_dim=StrictMinMaxConstraint(vr=ValueRanges(key.lo, key.hi),
                                                                       warn_only=False))
 
-        def size(value: Any) -> Any:
-            if not isinstance(value, torch.SymInt):
-                return value
-            expr = value.node.expr.xreplace({symbol: new})
+        def size(expr: Any) -> Any:
+            if isinstance(expr, int):
+                return expr
+            expr = expr.xreplace({symbol: new})
             if expr.is_number:
                 return int(expr)
             return env.create_symintnode(expr, hint=int(expr.xreplace({new: key.hi})))
     else:
-        def size(value: Any) -> Any:
-            if not isinstance(value, torch.SymInt):
-                return value
-            return int(value.node.expr.xreplace({symbol: key.lo}) if symbol is not None else value.node.expr)
+        def size(expr: Any) -> Any:
+            if isinstance(expr, int):
+                return expr
+            return int(expr.xreplace({symbol: key.lo}) if symbol is not None else expr)
 
     inputs: list[Any] = []
     with mode:
-        for value in placeholder_values(gm):
-            if isinstance(value, torch.Tensor):
-                inputs.append(_fake_like(value, size))
+        for spec in specs:
+            if isinstance(spec, TensorSpec):
+                inputs.append(_fake_like(spec, size))
+            elif isinstance(spec, SymSpec):
+                inputs.append(size(spec.expr))
             else:
-                inputs.append(size(value))
+                inputs.append(spec)
     return mode, inputs
 
 
-def _fake_like(value: torch.Tensor, size: Any) -> torch.Tensor:
-    shape = [size(s) for s in value.shape]
-    stride = [size(s) for s in value.stride()]
-    offset = size(value.storage_offset())
+def _fake_like(spec: TensorSpec, size: Any) -> torch.Tensor:
+    shape = [size(s) for s in spec.shape]
+    stride = [size(s) for s in spec.stride]
+    offset = size(spec.offset)
     if offset == 0:
-        return torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+        return torch.empty_strided(shape, stride, dtype=spec.dtype, device=spec.device)
     # a view into a larger buffer (e.g. q split out of the fused qkv output): keep its layout exactly
     extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-    base = torch.empty(extent, dtype=value.dtype, device=value.device)
+    base = torch.empty(extent, dtype=spec.dtype, device=spec.device)
     return base.as_strided(shape, stride, offset)

@@ -61,22 +61,35 @@ class InductorCompiler:
         return with_output_structure(gm, loaded) if loaded is not None else None
 
     def compile(self, gm: fx.GraphModule, key: CompileKey, symbol: sympy.Symbol | None,
-                piece_hash: str) -> tuple[CompiledFn, bool]:
-        """-> (callable taking the piece's inputs, whether Inductor actually compiled: False on a store hit)."""
-        loaded = self.load(gm, key, piece_hash)
+                piece_hash: str, use_store: bool = True) -> tuple[CompiledFn, bool]:
+        """-> (callable taking the piece's inputs, whether Inductor actually compiled: False on a store hit).
+
+        `use_store=False`: the caller has already looked in the store (and missed)."""
+        loaded = self.load(gm, key, piece_hash) if use_store else None
         if loaded is not None:
             return loaded, False
         fake_mode, inputs = example_inputs(gm, key, symbol)
         dump = self.dump.inductor_output(f"{piece_hash[:12]}_{key}") if self.dump else contextlib.nullcontext()
         scope = compiling(f"{piece_hash[:12]}_{key}", key)  # which range/size the post-grad passes serve
         with dump, scope, torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-            artifact = _compile(gm, inputs, self.config_patches)
+            artifact = compile_graph(gm, inputs, self.config_patches)
         if self.store is not None:
             self.store.save(piece_hash, key, artifact)
         return artifact, True
 
+    def adopt(self, gm: fx.GraphModule, key: CompileKey, piece_hash: str, payload: bytes,
+              save: bool = True) -> CompiledFn:
+        """An artifact compiled elsewhere (a worker process), as bytes: saved to the store, then loaded the
+        way a cached one is."""
+        from kiln.cache.store import artifact_from_bytes
 
-def _compile(gm: fx.GraphModule, inputs: list[Any], patches: dict[str, Any]) -> CompiledFn:
+        save_payload = getattr(self.store, "save_payload", None)
+        if save and save_payload is not None:
+            save_payload(piece_hash, key, payload)
+        return with_output_structure(gm, artifact_from_bytes(payload))
+
+
+def compile_graph(gm: fx.GraphModule, inputs: list[Any], patches: dict[str, Any]) -> CompiledFn:
     standalone = getattr(torch._inductor, "standalone_compile", None)
     if standalone is not None:
         # "from_tracing_context": the fake mode we just entered, with our own token-count symbol

@@ -89,21 +89,48 @@ def stats_of_piece(stats: CompileStats, piece_hash: str, group: list[Piece]) -> 
 
 def compile_pieces(split: SplitGraph, dispatcher: Dispatcher, symbol: sympy.Symbol | None,
                    compiler: InductorCompiler, stats: CompileStats,
-                   progress: Callable[[int], Any] | None = None) -> dict[str, PieceRunner]:
-    """Compile each distinct piece for every key; -> submodule name -> its runner."""
-    runners: dict[str, PieceRunner] = {}
-    keys = dispatcher.keys
+                   progress: Callable[[int], Any] | None = None, workers: int | None = 1) -> dict[str, PieceRunner]:
+    """Compile each distinct piece for every key; -> submodule name -> its runner.
+
+    Cached artifacts are loaded first; the misses are independent compiles, run by `workers` processes
+    (None: `parallel.default_workers`; 1: here, one after the other)."""
+    from kiln.compiler.parallel import CompileJob, CompilePool, default_workers
+
+    tables: dict[str, dict[CompileKey, CompiledFn]] = {}
+    missing: list[CompileJob] = []
     for piece_hash, group in split.distinct().items():
-        first = group[0]
-        piece_stats = stats_of_piece(stats, piece_hash, group)
-        compiled: dict[CompileKey, CompiledFn] = {}
-        for key in keys:
-            start = time.perf_counter()
-            compiled[key], did_compile = compiler.compile(first.module, key, symbol, piece_hash)
-            if did_compile:
-                stats.record_compile(piece_stats, str(key), time.perf_counter() - start)
-            if progress is not None:
-                progress(1)
+        stats_of_piece(stats, piece_hash, group)
+        table = tables[piece_hash] = {}
+        for key in dispatcher.keys:
+            loaded = compiler.load(group[0].module, key, piece_hash)
+            if loaded is None:
+                missing.append(CompileJob(piece_hash, group[0].module, key))
+            else:
+                table[key] = loaded
+                if progress is not None:
+                    progress(1)
+    workers = default_workers(len(missing)) if workers is None else workers
+    if compiler.dump is not None:  # dumps write Inductor's output code from this process
+        workers = 1
+
+    def done(result: Any) -> None:
+        job = result.job
+        tables[job.piece_hash][job.key] = result.fn
+        stats.record_compile(stats.pieces[job.piece_hash[:12]], str(job.key), result.seconds)
+        stats.worker_compiles += result.in_worker
+        if progress is not None:
+            progress(1)
+
+    start = time.perf_counter()
+    with CompilePool(compiler, symbol, workers) as pool:
+        pool.compile(missing, done)
+    if missing:
+        logger.info("%d Inductor compiles in %.1f s with %d worker process(es)", len(missing),
+                    time.perf_counter() - start, workers if workers > 1 and len(missing) > 1 else 0)
+    stats.compile_workers = workers
+    runners: dict[str, PieceRunner] = {}
+    for piece_hash, group in split.distinct().items():
+        compiled = {key: tables[piece_hash][key] for key in dispatcher.keys}  # dispatch order, as before
         for piece in group:
             token_arg, is_tensor = token_argument(piece.module, symbol)
             runners[piece.name] = PieceRunner(piece.name, piece_hash, dict(compiled), dispatcher, token_arg,

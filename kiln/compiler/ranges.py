@@ -70,6 +70,15 @@ class Dispatcher:
         """Everything to compile: ranges first (the general graphs), then exact sizes."""
         return self.ranges + [CompileKey.size(s) for s in self.sizes]
 
+    def add_sizes(self, sizes: Iterable[int]) -> None:
+        """More exact sizes (background compiles, swapped in at a step boundary); forgets memoised choices."""
+        new = {int(s) for s in sizes}
+        outside = [s for s in new if not any(r.contains(s) for r in self.ranges)]
+        if outside:
+            raise ValueError(f"compile sizes {sorted(outside)} lie outside every compile range {self.describe()}")
+        self.sizes = tuple(sorted(set(self.sizes) | new))
+        self._memo.clear()
+
     def describe(self) -> str:
         ranges = ", ".join(f"[{r.lo}, {r.hi}]" for r in self.ranges)
         return f"ranges {ranges}; exact sizes {list(self.sizes)}"

@@ -31,7 +31,13 @@ class CompileStats:
     traces_after_warmup: int = 0
     compiles_after_warmup: int = 0
     trace_seconds: float = 0.0  # Dynamo bytecode analysis + FX capture
-    compile_seconds: float = 0.0  # all Inductor compiles
+    compile_seconds: float = 0.0  # all Inductor compiles, summed (in parallel, more than the wall time)
+    compile_workers: int = 1  # processes the start-up compiles ran in (1: this one)
+    worker_compiles: int = 0  # compiles done by a worker process (the rest, here)
+    # background compiles (kiln/compiler/background.py): artifacts still compiling, swapped in, failed
+    background_pending: int = 0
+    background_swapped: int = 0
+    background_failed: int = 0
     warmup_seconds: float = 0.0  # the whole start-up compile phase, trace and test forwards included
     num_pieces: int = 0  # pieces of the split graph (2L+1)
     num_attention_pieces: int = 0
@@ -80,6 +86,8 @@ class CompileStats:
                 f"{self.inductor_compiles} Inductor compile(s) in {self.compile_seconds:.1f} s, "
                 f"{self.num_pieces} pieces ({self.num_distinct_pieces} distinct compiled, "
                 f"{self.num_attention_pieces} attention), warm-up {self.warmup_seconds:.1f} s"
+                + (f", {self.compile_workers} compile workers" if self.compile_workers > 1 else "")
+                + (f", {self.background_pending} background compile(s) pending" if self.background_pending else "")
                 + self.cache_summary())
 
     def cache_summary(self) -> str:

@@ -50,9 +50,14 @@ class PassManager:
             # from the compile cache runs no pass, yet calls them (seen on the H200: an 8B TP=2 restore failed
             # with "no attribute all_reduce_add_rms_norm").
             import kiln.passes.ops  # noqa: F401
+        self._dump_arg = dump_dir
         self.dump_dir = Path(dump_dir).expanduser().resolve() / "passes" if dump_dir else None
         # scope name ("graph" or "<piece>_<key>") -> pass name -> rewrites; tests and stats read it
         self.matches: dict[str, dict[str, int]] = defaultdict(dict)
+
+    def __reduce__(self) -> tuple:
+        """Pickles as its configuration: a compile worker process rebuilds the same passes (same uuid)."""
+        return PassManager, (self.config, self.env, self._dump_arg)
 
     def __bool__(self) -> bool:
         return bool(self.passes)

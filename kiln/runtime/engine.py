@@ -311,6 +311,9 @@ class Engine:
         return step
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        background = getattr(self.worker.compiled, "background", None)
+        if background is not None:  # a step boundary: finished background compiles are swapped in here
+            background.swap_if_done()
         step = self.runner.execute(sched)
         self.scheduler.advance(sched)
         self.stats.steps += 1

@@ -76,8 +76,10 @@ class Worker:
         factory = store_factory(spec=self.loaded.spec, dtype=self.loaded.dtype, compilation=self.compilation,
                                 max_num_tokens=self.runner.max_num_tokens, device=self.device,
                                 attention_backend=self.backend.name, rank=tp_rank(), tp_size=tp_size())
+        # background compiles swap artifacts on this rank alone: not under tensor parallelism
         with self.clock.phase("compile"):
-            self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory)
+            self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory,
+                                             background=tp_size() == 1)
         self.compile_stats = self.compiled.stats if self.compiled is not None else CompileStats(level=0)
         self.clock.move(self.compile_stats.trace_seconds, "compile", "trace")  # Dynamo runs in the first forward
         from kiln.compiler.cuda_graphs import install_cuda_graphs

@@ -48,7 +48,8 @@ def test_sizes_outside_the_ranges_are_rejected() -> None:
 def test_dispatcher_from_a_resolved_config() -> None:
     config = CompilationConfig(level=3, compile_ranges=(8,)).resolve(torch.device("cpu"), 32)
     d = build_dispatcher(config, 32)
-    assert d.ranges == [CompileKey.range(1, 8), CompileKey.range(9, 32)] and d.sizes == (1, 2, 4)
+    assert d.ranges == [CompileKey.range(1, 8), CompileKey.range(9, 32)] and d.sizes == (1,)
+    assert config.background_compile_sizes == (2, 4)  # -O3's extras: compiled after start-up
 
 
 def _fake_compiled(d: Dispatcher, calls: list[CompileKey]) -> dict[CompileKey, object]:

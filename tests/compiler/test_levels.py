@@ -19,19 +19,19 @@ def resolve(device: torch.device = CPU, budget: int = BUDGET, **kwargs) -> Compi
     return CompilationConfig(**kwargs).resolve(device, budget)
 
 
-# level -> (compile_sizes, enable_passes, max_autotune) on CPU
+# level -> (compile_sizes, background_compile_sizes, enable_passes, max_autotune) on CPU
 CPU_TABLE = {
-    0: ((), False, False),
-    1: ((), False, False),
-    2: ((1,), True, False),
-    3: ((1, 2, 4), True, True),
+    0: ((), (), False, False),
+    1: ((), (), False, False),
+    2: ((1,), (), True, False),
+    3: ((1,), (2, 4), True, True),  # -O3's extra sizes compile after the runtime is ready
 }
 
 
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_cpu_level_defaults(level: int) -> None:
     c = resolve(level=level)
-    assert (c.compile_sizes, c.enable_passes, c.max_autotune) == CPU_TABLE[level]
+    assert (c.compile_sizes, c.background_compile_sizes, c.enable_passes, c.max_autotune) == CPU_TABLE[level]
     assert c.cudagraph_mode == CUDAGraphMode.NONE and c.cudagraph_capture_sizes == ()
     assert c.compile_ranges == ()
 
@@ -44,8 +44,36 @@ def test_gpu_level_defaults() -> None:
                                                                                        False)
     assert o1.cudagraph_capture_sizes == capture
     assert (o2.cudagraph_mode, o2.enable_passes, o2.max_autotune) == ("FULL_AND_PIECEWISE", True, False)
-    assert o2.compile_sizes == capture  # exact sizes = the CUDA graph capture sizes
-    assert o3.compile_sizes == tuple(sorted(set(capture) | {1024, 2048})) and o3.max_autotune
+    assert o2.compile_sizes == (1, 2, 4, 8)  # small decode batches; the range artifact serves the rest
+    assert o2.background_compile_sizes == ()
+    # -O3 compiles every capture size up front (graphs capture them) and the sizes above them afterwards
+    assert o3.compile_sizes == capture and o3.max_autotune
+    assert o3.background_compile_sizes == (1024, 2048)
+
+
+# Issue 14: -O2 compiled all 51 capture sizes exactly (3 pieces x 52 = 156 Inductor compiles, 170 s cold
+# on an 8B model). The plan keeps at most 8 exact sizes per distinct piece, the bound the issue set; the
+# sizes themselves (config.GPU_EXACT_SIZES) come from benchmarks/bench_compile_plan.py (docs/compiler.md).
+MAX_O2_GPU_EXACT_SIZES = 8
+
+
+@pytest.mark.parametrize("budget", [64, 512, 2048, 8192])
+def test_o2_gpu_plan_compiles_at_most_8_exact_sizes(budget: int) -> None:
+    from kiln.compiler import build_dispatcher
+
+    c = resolve(GPU, budget=budget, level=2)
+    assert len(c.cudagraph_capture_sizes) > MAX_O2_GPU_EXACT_SIZES  # the plan really leaves sizes out
+    assert 0 < len(c.compile_sizes) <= MAX_O2_GPU_EXACT_SIZES
+    assert set(c.compile_sizes) <= set(c.cudagraph_capture_sizes) and c.background_compile_sizes == ()
+    # what one distinct piece is compiled for: the general range plus the exact sizes
+    assert len(build_dispatcher(c, budget).keys) == 1 + len(c.compile_sizes)
+
+
+def test_background_sizes_never_hit_a_captured_graph() -> None:
+    # a CUDA graph holds the artifact it was captured with, so a size it captures is compiled up front
+    c = resolve(GPU, level=2, background_compile_sizes=(8, 24, 1024))
+    assert 24 in c.compile_sizes and 8 in c.compile_sizes and c.background_compile_sizes == (1024,)
+    assert resolve(CPU, level=2, background_compile_sizes=(8, 1)).background_compile_sizes == (8,)
 
 
 def test_default_level_is_2() -> None:
@@ -54,9 +82,10 @@ def test_default_level_is_2() -> None:
 
 
 def test_capture_sizes_respect_the_budget() -> None:
-    c = resolve(GPU, budget=48, level=2)
+    c = resolve(GPU, budget=48, level=3)
     assert c.cudagraph_capture_sizes == (1, 2, 4, 8, 16, 24, 32, 40, 48)
     assert c.compile_sizes == c.cudagraph_capture_sizes
+    assert resolve(GPU, budget=4, level=2).compile_sizes == (1, 2, 4)
 
 
 def test_explicit_options_override_the_level() -> None:
@@ -87,6 +116,8 @@ def test_invalid_values_are_rejected() -> None:
         CompilationConfig(compile_sizes=(0, 4))
     with pytest.raises(ValueError, match="compile_ranges must be positive"):
         CompilationConfig(compile_ranges=(-1,))
+    with pytest.raises(ValueError, match="compile_workers"):
+        CompilationConfig(compile_workers=0)
     with pytest.raises(ValueError, match="cudagraph_mode"):
         CompilationConfig(cudagraph_mode="SOMETIMES")
     assert CompilationConfig(compile_sizes=[2, 1]).compile_sizes == (2, 1)  # lists become hashable tuples
@@ -124,5 +155,9 @@ def test_cli_compile_and_parallel_flags_reach_the_config() -> None:
     assert plain.tensor_parallel_size == 1 and plain.compilation.passes is None
     off = runtime_kwargs(parser.parse_args(["--passes"]))
     assert off["enable_passes"] is False
+    tuned = runtime_kwargs(parser.parse_args(["--compile-workers", "4", "--background-compile-sizes", "1024"]))
+    c = build_config("tiny-llama", **tuned).compilation
+    assert (c.compile_workers, c.background_compile_sizes) == (4, (1024,))
+    assert plain.compilation.compile_workers is None  # default: from the host's cores
     with pytest.raises(SystemExit):  # argparse rejects an unknown graph mode
         parser.parse_args(["--cudagraph-mode", "SOMETIMES"])

@@ -57,6 +57,10 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
                         help="token counts to capture graphs for (default: 1, 2, 4, 8, 16, ... up to 512)")
     parser.add_argument("--compile-sizes", type=int, nargs="*", default=None, metavar="N",
                         help="exact token counts compiled with static shapes (none: the ranges serve all)")
+    parser.add_argument("--background-compile-sizes", type=int, nargs="*", default=None, metavar="N",
+                        help="exact token counts compiled after start-up and swapped in (default: -O3's extras)")
+    parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                        help="processes for Inductor compiles (default: half the cores, at most 16; 1: serial)")
     parser.add_argument("--passes", nargs="*", default=None, metavar="PASS",
                         help=f"kiln fusion passes to enable ({', '.join(ALL_PASSES)}); none given: all off")
     parser.add_argument("--compile-dump", default=None, metavar="DIR",
@@ -71,10 +75,10 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "tokenizer", None):
         kwargs["tokenizer"] = args.tokenizer
     for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n", "kv_cache_bytes",
-                 "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode"):
+                 "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode", "compile_workers"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
-    for name in ("cudagraph_capture_sizes", "compile_sizes"):
+    for name in ("cudagraph_capture_sizes", "compile_sizes", "background_compile_sizes"):
         if getattr(args, name, None) is not None:
             kwargs[name] = tuple(getattr(args, name))
     if getattr(args, "passes", None) is not None:

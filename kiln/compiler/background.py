@@ -1,0 +1,113 @@
+"""Serve first, tune in the background: compiles not needed to serve run after the runtime is ready.
+
+`background_compile_sizes` (resolved: -O3's extra exact sizes) are compiled in a spawned worker process
+pool while the engine serves from the range artifacts; the engine calls `swap_if_done()` at every step
+boundary (before a forward is launched, never inside one), and once every compile has finished, the new
+artifacts are loaded and installed in all piece runners and the sizes added to the dispatcher, in one go
+on the engine's thread. Nothing compiles or loads in the serving thread before that, and a failed
+compile only means that size keeps being served from its range.
+
+Rule with CUDA graphs: a graph holds the artifact it was captured with, so background sizes are never
+capture sizes (`CompilationConfig.resolve` compiles those up front); they are token counts above the
+largest capture size, which run the compiled pieces without graphs, so a swap needs no re-capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from kiln.compiler.parallel import CompileJob, CompilePool, default_workers
+from kiln.compiler.ranges import CompileKey
+
+logger = logging.getLogger("kiln.compiler")
+
+
+class BackgroundCompiles:
+    def __init__(self, compiled: Any, sizes: tuple[int, ...], workers: int | None = None) -> None:
+        backend = compiled.backend
+        self.compiled = compiled
+        self.stats = compiled.stats
+        self.dispatcher = backend.dispatcher
+        capture = compiled.capture
+        self.runners = capture.runners
+        keys = [CompileKey.size(s) for s in sizes if s not in self.dispatcher.sizes]
+        self.jobs = [CompileJob(piece_hash, group[0].module, key, capture.piece_specs.get(piece_hash))
+                     for piece_hash, group in capture.split.distinct().items() for key in keys]
+        self.sizes = tuple(k.lo for k in keys)
+        self.stats.background_pending = len(self.jobs)
+        self._results: list[tuple[CompileJob, bytes, bool]] = []  # (job, artifact, to save in the cache)
+        self._done = threading.Event()
+        self._symbol = capture.symbol
+        self._store = backend.compiler.store
+        # always worker processes (at least one): an Inductor compile on a second thread of the serving
+        # process would share Dynamo's and Inductor's global state with the forwards
+        self._pool = CompilePool(backend.compiler, self._symbol, workers or default_workers(len(self.jobs)) or 1)
+        if self._symbol is not False:  # pickle the pieces here, not on the background thread
+            for job in self.jobs:
+                self._pool.prepare(job)
+        self._thread = threading.Thread(target=self._run, name="kiln-background-compile", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            cached = getattr(self._store, "load_payload", None)
+            todo = []
+            for job in self.jobs:  # a warm start finds them in the compile cache: only bytes are read here
+                payload = cached(job.piece_hash, job.key) if cached is not None else None
+                if payload is not None:
+                    self._results.append((job, payload, False))
+                else:
+                    todo.append(job)
+            if todo and self._symbol is False:
+                logger.warning("background compiles need the traced graph (this start loaded it from the "
+                               "cache without its example values); %d stay on their ranges", len(todo))
+                todo = []
+            for job, payload in self._pool.compile_payloads(todo):
+                if payload is not None:
+                    self._results.append((job, payload, True))
+        except Exception as exc:  # noqa: BLE001 - serving goes on from the ranges
+            logger.warning("background compiles failed (%s); those sizes stay served by their ranges", exc)
+        finally:
+            self._pool.shutdown()
+            self.seconds = time.perf_counter() - start
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every background compile has finished (not yet swapped in); for tests, benchmarks."""
+        return self._done.wait(timeout)
+
+    def swap_if_done(self) -> bool:
+        """At a step boundary: install the finished artifacts (all at once); True if a swap happened now."""
+        if not self._done.is_set() or self.stats.background_pending == 0:
+            return False
+        compiler = self.compiled.backend.compiler
+        loaded: dict[tuple[str, CompileKey], Any] = {}
+        for job, payload, save in self._results:
+            try:
+                loaded[(job.piece_hash, job.key)] = compiler.adopt(job.gm, job.key, job.piece_hash, payload, save)
+            except Exception as exc:  # noqa: BLE001 - that size stays on its range
+                logger.warning("background artifact %s at %s did not load (%s)", job.piece_hash[:12], job.key, exc)
+        # a size is swapped in only if every distinct piece has it: dispatch is per token count, shared
+        sizes = [s for s in self.sizes
+                 if all((h, CompileKey.size(s)) in loaded for h in {j.piece_hash for j in self.jobs})]
+        for runner in self.runners.values():
+            for s in sizes:
+                runner.compiled[CompileKey.size(s)] = loaded[(runner.piece_hash, CompileKey.size(s))]
+        self.dispatcher.add_sizes(sizes)
+        for runner in self.runners.values():
+            runner.reset_dispatch()
+        self.stats.background_swapped = len(sizes) * len({j.piece_hash for j in self.jobs})
+        self.stats.background_failed = len(self.jobs) - self.stats.background_swapped
+        self.stats.background_pending = 0
+        self._results.clear()
+        logger.info("background compiles swapped in: exact sizes %s (%d artifacts, %d failed) after %.1f s",
+                    sizes, self.stats.background_swapped, self.stats.background_failed, self.seconds)
+        return True
