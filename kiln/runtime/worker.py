@@ -37,7 +37,8 @@ class Worker:
         self.config = config
         self.device = device
         self.loaded = loaded or load_model(config.model, device=device, dtype=config.dtype,
-                                           load_format=config.load_format, seed=config.seed)
+                                           load_format=config.load_format, seed=config.seed,
+                                           quantization=config.quantization)
         spec = self.loaded.spec
         self.model = self.loaded.model
         self.max_model_len = resolve_max_model_len(config, spec)
