@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
-from kiln.models.quant.fp8 import FP8_DTYPE, dequantize, fp8_linear, quantize_weight
+from kiln.models.quant.fp8 import FP8_DTYPE, Fp8Scheme, dequantize, fp8_linear, quantize_weight
 from tests.conftest import hf_greedy, prompt_logits, random_prompts
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -278,3 +278,28 @@ def test_checkpoints_kiln_cannot_run_are_named(qconfig: dict, message: str, tiny
     (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}))
     with pytest.raises(ValueError, match=message):
         Runtime(str(tmp_path), level=0, device="cpu")
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_fp8_scales_follow_their_shard_with_replicated_kv_heads(rank: int) -> None:
+    """TP=4 over 2 KV heads: each rank keeps its q heads and a replica of one KV head, weight and scale alike
+    (the layer's loader alone; no process group is needed to load)."""
+    from kiln.models.layers import QKVParallelLinear
+    from kiln.models.parallel import TPGroup, set_tp_group
+
+    head_dim, hidden = 16, 64
+    g = torch.Generator().manual_seed(0)
+    full = {name: torch.randn(rows * head_dim, hidden, generator=g) for name, rows in (("q", 4), ("k", 2), ("v", 2))}
+    set_tp_group(TPGroup(rank=rank, size=4))
+    try:
+        layer = QKVParallelLinear(hidden, head_dim, 4, 2, bias=False, quant=Fp8Scheme())
+        for name, tensor in full.items():
+            layer.weight_loader(layer.weight, tensor, name)
+    finally:
+        set_tp_group(TPGroup())
+    q_rows = slice(rank * head_dim, (rank + 1) * head_dim)
+    kv_rows = slice((rank // 2) * head_dim, (rank // 2 + 1) * head_dim)
+    for name, rows, offset in (("q", q_rows, 0), ("k", kv_rows, head_dim), ("v", kv_rows, 2 * head_dim)):
+        wq, ws = quantize_weight(full[name])
+        assert torch.equal(layer.weight[offset:offset + head_dim].float(), wq[rows].float())
+        assert torch.equal(layer.weight_scale[offset:offset + head_dim], ws[rows])
