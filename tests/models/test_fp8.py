@@ -303,3 +303,14 @@ def test_fp8_scales_follow_their_shard_with_replicated_kv_heads(rank: int) -> No
         wq, ws = quantize_weight(full[name])
         assert torch.equal(layer.weight[offset:offset + head_dim].float(), wq[rows].float())
         assert torch.equal(layer.weight_scale[offset:offset + head_dim], ws[rows])
+
+
+def test_cli_flag_reaches_the_runtime_options() -> None:
+    import argparse
+
+    from kiln.cli import add_runtime_args, runtime_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_runtime_args(parser)
+    assert runtime_kwargs(parser.parse_args(["--quantization", "fp8"]))["quantization"] == "fp8"
+    assert "quantization" not in runtime_kwargs(parser.parse_args([]))
