@@ -254,8 +254,11 @@ class RuntimeConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     tensor_parallel_size: int = 1
+    quantization: str | None = None  # "fp8": FP8 linear weights (an FP8 checkpoint is used as it is)
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
         if self.tensor_parallel_size < 1:

@@ -8,6 +8,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kiln.models.quant.fp8 import Fp8Scheme
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -30,6 +32,9 @@ class ModelSpec:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # FP8 linear weights (kiln/models/quant): set by the loader from the checkpoint or the runtime option;
+    # part of the spec so it reaches the model's layers and the compile-cache key with everything else
+    quantization: Fp8Scheme | None = None
 
     @classmethod
     def from_hf(cls, config: Any) -> ModelSpec:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.models.parallel import all_reduce, tp_rank, tp_size
+from kiln.models.quant.fp8 import FP8_DTYPE, Fp8Scheme, fp8_linear, quantize_weight
 
 
 def _shard(tensor: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
@@ -31,24 +32,79 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     _copy_checked(param, loaded)
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """The weights of one (sharded) projection and their loading, shared by the column and row kinds.
+
+    With `quant` set the weight is e4m3 with one fp32 `weight_scale` per output channel (plus a static
+    `input_scale` when the checkpoint has one) and the forward runs kiln/models/quant/fp8.py's GEMM. A
+    full-precision checkpoint tensor is quantized whole on arrival, before sharding, so every rank's scales
+    are exactly those of the unsharded model (row-parallel: the amax spans the whole input dim).
+    Subclasses say which rows/columns of a checkpoint tensor this rank keeps and where they go.
+    """
+
+    def _create(self, out_features: int, in_features: int, bias: bool, quant: Fp8Scheme | None) -> None:
+        self.quant = quant
+        dtype = FP8_DTYPE if quant is not None else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight_scale = self.input_scale = self.bias = None
+        if quant is not None:
+            self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
+            if quant.static_input:
+                self.input_scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
+                self._input_scales: dict[str | None, float] = {}
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
+
+    def _output_rows(self, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        """This rank's rows (output channels) of a checkpoint weight, bias or per-channel scale."""
+        return loaded
+
+    def _input_columns(self, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's columns (input features) of a checkpoint weight."""
+        return loaded
+
+    def _destination(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
+        return param.data
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        if param is self.input_scale:  # merged q/k/v (gate/up) scales: the largest serves all exactly
+            self._input_scales[shard] = float(loaded.float().max())
+            param.data.fill_(max(self._input_scales.values()))
+            return
+        if param is self.weight and self.quant is not None and loaded.dtype != FP8_DTYPE:  # online
+            loaded, scale = quantize_weight(loaded)
+            self.weight_loader(self.weight_scale, scale, shard)
+        if param is self.weight_scale:
+            if loaded.numel() == 1:  # a per-tensor checkpoint scale: the same for every channel
+                self._destination(param, shard).fill_(float(loaded.float().reshape(())))
+                return
+            loaded = loaded.float().reshape(-1)  # compressed-tensors stores channel scales as [N, 1]
+        if param is self.weight:
+            loaded = self._input_columns(loaded)
+        _copy_checked(self._destination(param, shard), self._output_rows(loaded, shard), shard or "")
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """y = x W^T (+ b), W split along the output dim; the output stays sharded."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant: Fp8Scheme | None = None) -> None:
         super().__init__()
         if out_features % tp_size():
             raise ValueError(f"output size {out_features} is not divisible by tensor parallel size {tp_size()}")
         self.out_per_rank = out_features // tp_size()
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+        self._create(self.out_per_rank, in_features, bias, quant)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        _copy_checked(param, _shard(loaded, 0, self.out_per_rank, tp_rank()))
+    def _output_rows(self, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        return _shard(loaded, 0, self.out_per_rank, tp_rank())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -56,8 +112,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     loaded into its slice by name."""
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], shard_names: Sequence[str],
-                 bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
+                 bias: bool = False, quant: Fp8Scheme | None = None) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, quant)
         self.output_sizes = [s // tp_size() for s in output_sizes]
         self.offsets = dict(zip(shard_names, [sum(self.output_sizes[:i]) for i in range(len(output_sizes))]))
         self.sizes = dict(zip(shard_names, self.output_sizes))
@@ -65,54 +121,54 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         if shard is None:
             raise ValueError("a merged projection loads one named shard at a time")
-        size = self.sizes[shard]
-        _copy_checked(param.data.narrow(0, self.offsets[shard], size), _shard(loaded, 0, size, tp_rank()), shard)
+        super().weight_loader(param, loaded, shard)
+
+    def _output_rows(self, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        return _shard(loaded, 0, self.sizes[shard], tp_rank())
+
+    def _destination(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
+        return param.data.narrow(0, self.offsets[shard], self.sizes[shard])
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k, v projections merged; KV heads are split across ranks, or replicated when there are fewer
     KV heads than ranks."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 quant: Fp8Scheme | None = None) -> None:
         world = tp_size()
         if num_heads % world:
             raise ValueError(f"num_attention_heads {num_heads} is not divisible by tensor parallel size {world}")
         self.kv_replicas = max(1, world // num_kv_heads)
         kv_total = max(num_kv_heads, world)  # replicated KV heads count once per rank
         super().__init__(hidden, [num_heads * head_dim, kv_total * head_dim, kv_total * head_dim],
-                         ["q", "k", "v"], bias)
+                         ["q", "k", "v"], bias, quant)
         self.num_kv_heads = num_kv_heads
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def _output_rows(self, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
         if shard in ("k", "v") and self.kv_replicas > 1:
             size = self.sizes[shard]
-            start = (tp_rank() // self.kv_replicas) * size
-            _copy_checked(param.data.narrow(0, self.offsets[shard], size), loaded.narrow(0, start, size), shard)
-            return
-        super().weight_loader(param, loaded, shard)
+            return loaded.narrow(0, (tp_rank() // self.kv_replicas) * size, size)
+        return super()._output_rows(loaded, shard)
 
 
-class RowParallelLinear(nn.Module):
-    """y = x W^T, W split along the input dim; partial outputs are summed across ranks."""
+class RowParallelLinear(_ParallelLinear):
+    """y = x W^T, W split along the input dim; partial outputs are summed across ranks. The bias and the
+    per-output-channel weight scale are whole on every rank (the bias is added once, after the reduction)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant: Fp8Scheme | None = None) -> None:
         super().__init__()
         if in_features % tp_size():
             raise ValueError(f"input size {in_features} is not divisible by tensor parallel size {tp_size()}")
         self.in_per_rank = in_features // tp_size()
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        self._create(out_features, self.in_per_rank, bias, quant)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param is self.bias:  # the bias is added once, after the reduction: not sharded
-            _copy_checked(param, loaded)
-            return
-        _copy_checked(param, _shard(loaded, 1, self.in_per_rank, tp_rank()))
+    def _input_columns(self, loaded: torch.Tensor) -> torch.Tensor:
+        return _shard(loaded, 1, self.in_per_rank, tp_rank())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 

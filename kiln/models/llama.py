@@ -26,6 +26,9 @@ from kiln.models.layers import (
     default_weight_loader,
 )
 from kiln.models.parallel import tp_size
+from kiln.models.quant.fp8 import FP8_DTYPE
+
+KV_CACHE_SCALES = (".k_scale", ".v_scale", ".kv_scale")
 
 
 class Attention(nn.Module):
@@ -36,8 +39,8 @@ class Attention(nn.Module):
         self.num_heads = spec.num_heads // tp_size()
         self.num_kv_heads = max(1, spec.num_kv_heads // tp_size())
         self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
-                                          spec.attention_bias)
-        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size)
+                                          spec.attention_bias, quant=spec.quantization)
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, quant=spec.quantization)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
@@ -60,9 +63,9 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2,
-                                                       ["gate", "up"])
+                                                       ["gate", "up"], quant=spec.quantization)
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, quant=spec.quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -128,6 +131,8 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (self.spec.tie_word_embeddings and name == "lm_head.weight"):
                 continue
+            if self.spec.quantization is not None and name.endswith(KV_CACHE_SCALES):
+                continue  # an FP8 checkpoint's KV-cache scales: kiln's KV cache stays in the model dtype
             shard = None
             for ckpt, ours, shard_name in self.STACKED:
                 if f".{ckpt}." in name:
@@ -144,6 +149,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 loader(params[target], tensor, shard)
             loaded.add(target)
+            if target.endswith(".weight") and getattr(modules[target.rpartition(".")[0]], "quant", None) \
+                    and tensor.dtype != FP8_DTYPE:  # quantized online: the scale came with the weight
+                loaded.add(target.removesuffix("weight") + "weight_scale")
         if self.spec.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded

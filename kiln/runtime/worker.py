@@ -39,7 +39,8 @@ class Worker:
         self.clock = clock or StartupClock(device)
         with self.clock.phase("load"):
             self.loaded = loaded or load_model(config.model, device=device, dtype=config.dtype,
-                                               load_format=config.load_format, seed=config.seed)
+                                               load_format=config.load_format, seed=config.seed,
+                                               quantization=config.quantization)
         spec = self.loaded.spec
         self.model = self.loaded.model
         self.max_model_len = resolve_max_model_len(config, spec)

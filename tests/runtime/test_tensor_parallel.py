@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln import Runtime, SamplingParams
 from kiln.runtime.distributed import EngineDeadError
@@ -152,3 +153,25 @@ def test_start_up_watch_reports_a_worker_that_died(caplog: pytest.LogCaptureFixt
             time.sleep(0.1)
     ready.set()
     assert "worker rank 1 exited during start-up (code 7)" in caplog.text
+
+
+def test_fp8_tp2_matches_tp1() -> None:
+    """FP8 scales shard with their weights: column-parallel ranks keep their channels' scales, row-parallel
+    ranks the whole vector (quantized before sharding, so the scales are TP=1's exactly). The per-token
+    activation scale of a row-parallel input spans each rank's slice only, which moves the logits by FP8
+    rounding; greedy tokens on these prompts are unchanged (measured: all equal)."""
+    tp1 = Runtime("tiny-qwen3", level=0, device="cpu", quantization="fp8")
+    down = tp1.engine.model.layers[0].mlp.down_proj
+    assert down.weight.shape == (64, 128) and down.weight_scale.shape == (64,)
+    reference = [o.outputs[0].token_ids for o in tp1.generate(PROMPTS, PARAMS)]
+    runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32,
+                      quantization="fp8")
+    try:
+        down2 = runtime.engine.model.layers[0].mlp.down_proj  # rank 0's shard
+        assert down2.weight.shape == (64, 64) and torch.equal(down2.weight_scale, down.weight_scale)
+        gate_up = runtime.engine.model.layers[0].mlp.gate_up_proj
+        full = tp1.engine.model.layers[0].mlp.gate_up_proj.weight_scale
+        assert torch.equal(gate_up.weight_scale, torch.cat([full[:64], full[128:192]]))  # gate, up: first halves
+        assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
+    finally:
+        runtime.engine.shutdown()

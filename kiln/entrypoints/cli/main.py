@@ -65,6 +65,8 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
                         help=f"kiln fusion passes to enable ({', '.join(ALL_PASSES)}); none given: all off")
     parser.add_argument("--compile-dump", default=None, metavar="DIR",
                         help="write Dynamo/depyf, split-graph and Inductor output code here")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="FP8 linear weights, quantized at load (FP8 checkpoints are detected on their own)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -75,7 +77,8 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "tokenizer", None):
         kwargs["tokenizer"] = args.tokenizer
     for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n", "kv_cache_bytes",
-                 "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode", "compile_workers"):
+                 "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode", "compile_workers",
+                 "quantization"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     for name in ("cudagraph_capture_sizes", "compile_sizes", "background_compile_sizes"):

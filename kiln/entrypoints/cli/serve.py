@@ -47,7 +47,7 @@ def build_engine(model: str | None, kwargs: dict[str, Any], progress: bool = Tru
               bar_format="{desc:<44}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}]") as bar:
         bar.set_description("loading weights")
         loaded = load_model(config.model, device=resolve_device(config.device), dtype=config.dtype,
-                            load_format=config.load_format, seed=config.seed)
+                            load_format=config.load_format, seed=config.seed, quantization=config.quantization)
         bar.update(1)
         bar.set_description("building engine (KV cache, compile, warm-up)")
         engine = Engine(config, loaded)

@@ -6,6 +6,7 @@ never held twice; safetensors are read straight onto the device, one tensor at a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from kiln.config import resolve_dtype
 from kiln.models.base import ModelSpec
 from kiln.models.loader.dummy import dummy_weights
 from kiln.models.loader.presets import PRESETS, preset_config
+from kiln.models.quant.config import resolve_quantization
 from kiln.models.registry import model_class
 
 logger = logging.getLogger("kiln")
@@ -73,14 +75,15 @@ def safetensors_weights(model_dir: Path, device: torch.device) -> Iterator[tuple
 
 
 def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dtype = "auto",
-               load_format: str = "auto", seed: int = 0) -> LoadedModel:
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> LoadedModel:
     start = time.perf_counter()
     model_dir, hf_config = resolve_model_source(model)
     config_seconds = time.perf_counter() - start
     if load_format == "dummy" or model_dir is None:
         load_format = "dummy"
     cls = model_class(hf_config)
-    spec = ModelSpec.from_hf(hf_config)
+    spec = dataclasses.replace(ModelSpec.from_hf(hf_config),
+                               quantization=resolve_quantization(quantization, hf_config))
     ckpt_dtype = getattr(torch, spec.torch_dtype, None) if spec.torch_dtype else None
     torch_dtype = resolve_dtype(dtype, ckpt_dtype, device)
     previous = torch.get_default_dtype()
@@ -107,6 +110,7 @@ def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dt
         raise ValueError(f"checkpoint {model_dir or model} is missing weights: {', '.join(missing[:8])}")
     net.eval()
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %s) on %s in %.2fs (config %.2fs)", spec.architecture, load_format, torch_dtype,
-                device, seconds, config_seconds)
+    quant = f", fp8 linears ({spec.quantization.source})" if spec.quantization else ""
+    logger.info("loaded %s (%s, %s%s) on %s in %.2fs (config %.2fs)", spec.architecture, load_format, torch_dtype,
+                quant, device, seconds, config_seconds)
     return LoadedModel(net, spec, hf_config, model_dir, torch_dtype, seconds, config_seconds)

@@ -1,0 +1,234 @@
+"""FP8 linear weights vs bf16 on one GPU (issue 17): GEMMs inside CUDA graphs, decode steps, offline throughput.
+
+Random weights at real shapes (a preset), the runtime's default settings (-O2: compiled pieces, full and
+piecewise CUDA graphs), async scheduling on, Triton attention. Three parts, each recorded even if
+another fails:
+
+1. gemm: each projection of the preset (qkv, o, gate_up, down) at M = 1 / 8 / 64 inside a CUDA graph
+   (triton.testing.do_bench_cudagraph): bf16 F.linear, `torch._scaled_mm` alone (row-wise scales, the
+   activation already in e4m3), and kiln's whole FP8 linear (per-token quantization + _scaled_mm, eager
+   ops, so two kernels where the compiled model fuses the quantization into the norm/SiLU kernel before
+   it). Floors: weight bytes / 4.3 TB/s (H200 HBM3e, nominal), for e4m3 and bf16.
+2. decode: mean engine step while `batch` requests decode (128-token prompts), bf16 then fp8, the same
+   compiled-runtime settings.
+3. throughput: N requests with input and output lengths uniform in [100, 1024] (bench_gpu's seeded
+   workload), greedy, EOS ignored; output tokens/s, bf16 then fp8.
+
+    python -m benchmarks.bench_fp8 --json fp8.json                       # H200: llama3-8b, ~5-6 min cold
+    python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --requests 4 --json /tmp/fp8.json  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_gpu import throughput_workload
+from benchmarks.common import stamp, start_decoding, table
+from kiln import Runtime, SamplingParams
+from kiln.models.loader.presets import PRESETS
+from kiln.models.quant.fp8 import fp8_linear, quantize_per_token, quantize_weight
+
+HBM_BYTES_PER_S = 4.3e12
+PROMPT_LEN = 128
+
+
+def projection_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """name -> (K, N) of the preset's four projections (no tensor parallelism)."""
+    cfg = PRESETS[preset]
+    h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    d = cfg.get("head_dim", h // heads)
+    kv = cfg["num_key_value_heads"]
+    return {"qkv": (h, (heads + 2 * kv) * d), "o": (heads * d, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+
+
+def time_us(fn: Callable[[], Any], device: str) -> float:
+    if device == "cuda":
+        from triton.testing import do_bench_cudagraph
+
+        return do_bench_cudagraph(fn, rep=50) * 1e3
+    fn()
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - start) / 3 * 1e6
+
+
+def gemm_rows(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for name, (k, n) in projection_shapes(args.preset).items():
+        for m in args.gemm_m:
+            rows.append(dict(proj=name, K=k, N=n, M=m, **time_projection(k, n, m, args.device)))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def time_projection(k: int, n: int, m: int, device: str) -> dict[str, float]:
+    """One projection at M tokens: bf16, _scaled_mm alone, kiln's FP8 linear; microseconds."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the CPU dry run: fp32 stands for bf16
+    w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+    wq, ws = quantize_weight(w)
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    xq, xs = quantize_per_token(x)
+    bf16 = time_us(lambda: F.linear(x, w), device)
+    scaled = time_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=dtype),
+                     device)
+    whole = time_us(lambda: fp8_linear(x, wq, ws), device)
+    floor = n * k / HBM_BYTES_PER_S * 1e6
+    return dict(bf16_us=bf16, scaled_mm_us=scaled, fp8_linear_us=whole, fp8_floor_us=floor, bf16_floor_us=2 * floor,
+                x_fp8_floor=scaled / floor, speedup=bf16 / scaled)
+
+
+def build(args: argparse.Namespace, quantization: str | None) -> tuple[Runtime, float]:
+    start = time.perf_counter()
+    sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= args.max_num_seqs)
+    rt = Runtime(args.preset, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
+                 load_format="dummy", level=args.level, attention_backend=args.backend, quantization=quantization,
+                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 gpu_memory_utilization=0.85, async_scheduling=True,
+                 cudagraph_capture_sizes=sizes if args.device == "cuda" else None, compile_sizes=())
+    return rt, time.perf_counter() - start
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_step_s(rt: Runtime, batch: int, steps: int, device: str) -> float:
+    engine = rt.engine
+    start_decoding(engine, batch, PROMPT_LEN, max_tokens=steps + 8)
+    for _ in range(2):
+        engine.step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed / steps
+
+
+def throughput(rt: Runtime, requests: int) -> dict[str, float]:
+    rng, lens = throughput_workload(requests)
+    half = rt.engine.max_model_len // 2  # only binds for tiny presets (the CPU dry run)
+    lens = [(min(i, half), min(o, half - 1)) for i, o in lens]
+    vocab = rt.engine.loaded.spec.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in lens]
+    start = time.perf_counter()
+    outs = rt.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(seconds=seconds, output_tokens=out_tokens, output_tokens_per_s=out_tokens / seconds)
+
+
+def weight_gb(rt: Runtime) -> float:
+    params = {id(p): p for p in rt.engine.model.parameters()}.values()
+    return sum(p.numel() * p.element_size() for p in params) / 1e9
+
+
+def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dict[str, str]) -> tuple[list, list]:
+    label = quantization or "bf16"
+    decode, tput = [], []
+    try:
+        rt, build_s = build(args, quantization)
+    except Exception:
+        errors[f"build {label}"] = traceback.format_exc(limit=8)
+        print(errors[f"build {label}"], flush=True)
+        return decode, tput
+    print(f"{label}: built in {build_s:.0f}s, {weight_gb(rt):.2f} GB of weights", flush=True)
+    try:
+        for batch in args.batches:
+            step = decode_step_s(rt, batch, args.steps, args.device)
+            decode.append(dict(weights=label, batch=batch, step_ms=step * 1e3, tokens_per_s=batch / step,
+                               build_s=build_s, weight_gb=weight_gb(rt)))
+            print(decode[-1], flush=True)
+    except Exception:
+        errors[f"decode {label}"] = traceback.format_exc(limit=8)
+        print(errors[f"decode {label}"], flush=True)
+    if args.requests:
+        try:
+            tput.append(dict(weights=label, requests=args.requests, **throughput(rt, args.requests)))
+            print(tput[-1], flush=True)
+        except Exception:
+            errors[f"throughput {label}"] = traceback.format_exc(limit=8)
+            print(errors[f"throughput {label}"], flush=True)
+    rt.engine.shutdown()
+    del rt
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return decode, tput
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--level", type=int, default=2)
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--gemm-m", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=256, help="offline throughput requests (0: skip)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--parts", nargs="+", default=["gemm", "decode", "throughput"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if "throughput" not in args.parts:
+        args.requests = 0
+    print(stamp(), flush=True)
+    errors: dict[str, str] = {}
+    result: dict[str, Any] = {"stamp": stamp(), "preset": args.preset, "args": vars(args), "errors": errors}
+    if "gemm" in args.parts:
+        try:
+            result["gemm"] = gemm_rows(args)
+        except Exception:
+            errors["gemm"] = traceback.format_exc(limit=8)
+            print(errors["gemm"], flush=True)
+    decode, tput = [], []
+    if "decode" in args.parts or args.requests:
+        if "decode" not in args.parts:
+            args.batches = []
+        for quantization in (None, "fp8"):
+            d, t = runtime_rows(args, quantization, errors)
+            decode += d
+            tput += t
+    result.update(decode=decode, throughput=tput)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if result.get("gemm"):
+        print(table(["proj", "K", "N", "M", "bf16 us", "_scaled_mm us", "fp8 linear us", "fp8 floor us",
+                     "x fp8 floor", "bf16/fp8"],
+                    [[r["proj"], r["K"], r["N"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["fp8_linear_us"],
+                      r["fp8_floor_us"], r["x_fp8_floor"], r["speedup"]] for r in result["gemm"]]))
+    bf16 = {r["batch"]: r for r in decode if r["weights"] == "bf16"}
+    if decode:
+        print(table(["weights", "batch", "step ms", "tok/s", "x bf16 tok/s"],
+                    [[r["weights"], r["batch"], r["step_ms"], r["tokens_per_s"],
+                      r["tokens_per_s"] / bf16[r["batch"]]["tokens_per_s"] if r["batch"] in bf16 else float("nan")]
+                     for r in decode]))
+    if tput:
+        base = next((r["output_tokens_per_s"] for r in tput if r["weights"] == "bf16"), float("nan"))
+        print(table(["weights", "requests", "seconds", "output tok/s", "x bf16"],
+                    [[r["weights"], r["requests"], r["seconds"], r["output_tokens_per_s"],
+                      r["output_tokens_per_s"] / base] for r in tput]))
+    if errors:
+        print("errors in: " + ", ".join(errors))
+
+
+if __name__ == "__main__":
+    main()

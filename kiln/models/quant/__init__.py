@@ -1,0 +1,1 @@
+"""Quantized linear weights: the FP8 scheme (online and from checkpoints) used by kiln/models/layers.py."""
