@@ -29,7 +29,8 @@ def profile_activation_peak(model: torch.nn.Module, device: torch.device, num_to
         slot_mapping=torch.arange(block_size, block_size + num_tokens, device=device),
         query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_query_len=num_tokens, max_seq_len=num_tokens,
         uniform_decode=False)
-    context = ForwardContext(attention=lambda i, q, k, v, out: backend.forward(q, k, v, out, cache, metadata),
+    planned = backend.build_metadata(metadata)
+    context = ForwardContext(attention=lambda i, q, k, v, out: backend.forward(q, k, v, out, cache, planned),
                              metadata=metadata, num_tokens=num_tokens)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
