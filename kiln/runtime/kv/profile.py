@@ -48,7 +48,8 @@ def profile_activation_peak(model: torch.nn.Module, device: torch.device, num_to
         block_tables=tables.to(device), slot_mapping=torch.cat(slots).to(device),
         query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_query_len=max(lens), max_seq_len=max(lens),
         uniform_decode=False)
-    context = ForwardContext(attention=lambda i, q, k, v, out: backend.forward(q, k, v, out, cache, metadata),
+    planned = backend.build_metadata(metadata)
+    context = ForwardContext(attention=lambda i, q, k, v, out: backend.forward(q, k, v, out, cache, planned),
                              metadata=metadata, num_tokens=num_tokens)
     if on_gpu:
         torch.cuda.synchronize(device)
