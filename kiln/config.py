@@ -26,12 +26,17 @@ DTYPES = {
 
 
 def resolve_device(device: str) -> torch.device:
+    """A CUDA device always comes back with its index (the current device for 'auto' and 'cuda'):
+    `torch.cuda.set_device` and friends refuse an index-less device (seen: `kiln serve --device auto` on
+    an H200 failed with "Expected a torch.device with a specified index")."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but no CUDA device is available")
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln import Runtime
-from kiln.config import DEVICE_DEFAULTS, CompilationConfig, SchedulerConfig
+from kiln.config import DEVICE_DEFAULTS, CompilationConfig, SchedulerConfig, resolve_device
 
 GPU, CPU = torch.device("cuda"), torch.device("cpu")  # a device object needs no CUDA to exist
 
@@ -73,3 +73,14 @@ def test_the_engine_resolves_its_config_before_building(tiny_checkpoint) -> None
     assert engine.async_scheduling is False
     overlapped = Runtime(path, level=0, device="cpu", kv_cache_bytes=8 << 20, async_scheduling=True)
     assert overlapped.engine.async_scheduling is True
+
+
+@pytest.mark.parametrize("asked", ["auto", "cuda", "cuda:1"])
+def test_a_cuda_device_always_has_an_index(monkeypatch: pytest.MonkeyPatch, asked: str) -> None:
+    """`torch.cuda.set_device` refuses an index-less device: `kiln serve --device auto` failed on an H200 with
+    "Expected a torch.device with a specified index" until resolve_device named the current device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    device = resolve_device(asked)
+    assert device.type == "cuda" and device.index == (1 if asked == "cuda:1" else 0)
+    assert resolve_device("cpu") == CPU
