@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_gpu import throughput_workload
-from benchmarks.common import stamp, start_decoding, table
+from benchmarks.common import decode_step_seconds, stamp, table
 from kiln import Runtime, SamplingParams
 from kiln.models.loader.presets import PRESETS
 from kiln.models.quant.fp8 import fp8_linear, quantize_per_token, quantize_weight
@@ -98,27 +98,6 @@ def build(args: argparse.Namespace, quantization: str | None) -> tuple[Runtime, 
     return rt, time.perf_counter() - start
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def decode_step_s(rt: Runtime, batch: int, steps: int, device: str) -> float:
-    engine = rt.engine
-    start_decoding(engine, batch, PROMPT_LEN, max_tokens=steps + 8)
-    for _ in range(2):
-        engine.step()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(device)
-    elapsed = time.perf_counter() - start
-    while engine.has_unfinished():
-        engine.step()
-    return elapsed / steps
-
-
 def throughput(rt: Runtime, requests: int) -> dict[str, float]:
     rng, lens = throughput_workload(requests)
     half = rt.engine.max_model_len // 2  # only binds for tiny presets (the CPU dry run)
@@ -150,7 +129,7 @@ def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dic
     print(f"{label}: built in {build_s:.0f}s, {weight_gb(rt):.2f} GB of weights", flush=True)
     try:
         for batch in args.batches:
-            step = decode_step_s(rt, batch, args.steps, args.device)
+            step = decode_step_seconds(rt.engine, batch, PROMPT_LEN, args.steps)
             decode.append(dict(weights=label, batch=batch, step_ms=step * 1e3, tokens_per_s=batch / step,
                                build_s=build_s, weight_gb=weight_gb(rt)))
             print(decode[-1], flush=True)

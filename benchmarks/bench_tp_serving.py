@@ -7,9 +7,9 @@ floor (weights of one shard + KV read at the copy bandwidth measured in the same
 
     # H200 x2 (about 12 min: two 8B builds and one 70B build, cold caches)
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        python benchmarks/bench_tp_serving.py --json tp_serving.json
+        python -m benchmarks.bench_tp_serving --json tp_serving.json
     # CPU dry run (gloo)
-    python benchmarks/bench_tp_serving.py --device cpu --configs tiny-llama:1 tiny-llama:2 --batches 1 4 \\
+    python -m benchmarks.bench_tp_serving --device cpu --configs tiny-llama:1 tiny-llama:2 --batches 1 4 \\
         --json /tmp/tp.json
 """
 
@@ -29,33 +29,9 @@ DEFAULT_CONFIGS = ["llama3-8b:1", "llama3-8b:2", "llama3-70b:2"]
 PROMPT_LEN = 128
 
 
-def sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def step_seconds(engine, batch: int, device: str, steps: int) -> float:
-    """Mean time of back-to-back engine steps while `batch` requests decode (synchronised around the run)."""
-    from benchmarks.common import start_decoding
-
-    start_decoding(engine, batch, PROMPT_LEN, max_tokens=steps + 12)
-    for _ in range(2):
-        engine.step()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(device)
-    elapsed = time.perf_counter() - start
-    while engine.has_unfinished():
-        engine.step()
-    return elapsed / steps
-
-
 def run_one(args: argparse.Namespace) -> dict:
     """Child: build one runtime, measure each batch sync then async, then time its shutdown."""
+    from benchmarks.common import decode_step_seconds
     from kiln import Runtime
 
     model, tp = args.one.split(":")
@@ -80,7 +56,7 @@ def run_one(args: argparse.Namespace) -> dict:
             for mode in ("sync", "async"):
                 engine.async_scheduling = mode == "async"
                 try:
-                    step = step_seconds(engine, batch, args.device, args.steps)
+                    step = decode_step_seconds(engine, batch, PROMPT_LEN, args.steps)
                 except Exception as exc:  # recorded, the other measurements still run
                     out["errors"].append(f"batch {batch} {mode}: {exc!r}")
                     continue

@@ -14,8 +14,6 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from benchmarks.common import table
 
 
@@ -68,22 +66,10 @@ def decode_child(config: tuple[str, int, str, tuple[str, ...], tuple[int, ...]],
 
 def _decode_row(rt: Any, batch: int, ceil: Any, on_gpu: bool) -> dict[str, Any]:
     from benchmarks.bench_gpu import decode_floor_seconds, weight_bytes
-    from benchmarks.common import start_decoding
+    from benchmarks.common import decode_step_seconds
 
-    engine, steps = rt.engine, 32 if on_gpu else 4
-    start_decoding(engine, batch, 128 if on_gpu else 16, max_tokens=steps + 8)
-    for _ in range(2):
-        engine.step()
-    if on_gpu:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    if on_gpu:
-        torch.cuda.synchronize()
-    step = (time.perf_counter() - start) / steps
-    while engine.has_unfinished():
-        engine.step()
+    steps = 32 if on_gpu else 4
+    step = decode_step_seconds(rt.engine, batch, 128 if on_gpu else 16, steps)
     row = {"batch": batch, "step_ms": step * 1e3, "tokens_per_s": batch / step,
            "weight_GB_per_gpu": weight_bytes(rt) / 1e9}
     if ceil is not None:
