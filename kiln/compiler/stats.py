@@ -50,6 +50,9 @@ class CompileStats:
     cache_recovered: int = 0  # corrupt artifacts discarded and recompiled
     cold_warmup_seconds: float | None = None  # warm-up of the start that filled the cache, on a hit
     capture_loaded: bool = False  # the split graph came from the cache: no Dynamo trace at all
+    # seconds per start-up phase and the total, set by the engine once ready (kiln.runtime.startup.StartupTimes
+    # .as_dict(): load, tokenizer, trace, compile, kv, capture, other, total); empty until then
+    startup: dict[str, float] = field(default_factory=dict)
 
     def record_trace(self, seconds: float) -> None:
         self.dynamo_traces += 1

@@ -51,14 +51,17 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: RuntimeConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, loaded: LoadedModel | None = None,
+                 clock: StartupClock | None = None) -> None:
+        """`loaded`: weights the caller loaded already; then pass the `clock` it timed that load on (its
+        "load" phase), or start-up times will not count the load (`kiln serve` does this for its progress bar)."""
         self.device = resolve_device(config.device)
         # per-device defaults (batch limits, async scheduling) are fixed here, before any worker sees the config
         config = dataclasses.replace(config, scheduler=config.scheduler.resolve(self.device))
         self.config = config
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        clock = StartupClock(self.device)
+        clock = clock or StartupClock(self.device)
         self._tp_procs: list = []
         self._ready = threading.Event()  # set once built: ends the tensor-parallel start-up watch
         self._channel = None
@@ -92,7 +95,12 @@ class Engine:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
         self.startup_times: StartupTimes = clock.finish()
-        logger.info("%s", self.startup_times.summary())
+        # the compiler's record carries it too (a plain dict: kiln.compiler does not import kiln.runtime)
+        stats = self.worker.compile_stats
+        stats.startup = self.startup_times.as_dict()
+        pending = stats.background_pending
+        logger.info("%s%s", self.startup_times.summary(),
+                    f", {pending} background compile(s) pending" if pending else "")
         self._ready.set()
 
     # -- set-up helpers --------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ def test_startup_times_cover_each_phase_and_are_logged(tiny_checkpoint, caplog: 
     stats = rt.compile_stats
     assert stats.dynamo_traces == 1 and times.trace == pytest.approx(stats.trace_seconds) and times.trace > 0
     assert times.compile > 0 and times.kv > 0 and times.tokenizer > 0
+    assert stats.startup == pytest.approx(times.as_dict())  # Runtime.compile_stats carries the record too
+    assert stats.as_dict()["startup"]["load"] == times.load
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kiln ready in")]
     assert lines == [times.summary()]
     for phase in PHASES:

@@ -41,16 +41,22 @@ def build_engine(model: str | None, kwargs: dict[str, Any], progress: bool = Tru
     from kiln.models.loader.load import load_model
     from kiln.runtime.engine import Engine
     from kiln.runtime.runtime import build_config
+    from kiln.runtime.startup import StartupClock
 
     config = build_config(model, **kwargs)
+    device = resolve_device(config.device)
+    # the load runs here, outside the engine, to be its own progress stage: time it on the engine's start-up
+    # clock so the summary's `load` and `total` include it
+    clock = StartupClock(device)
     with tqdm(total=2, unit="stage", disable=not progress, file=sys.stderr,
               bar_format="{desc:<44}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}]") as bar:
         bar.set_description("loading weights")
-        loaded = load_model(config.model, device=resolve_device(config.device), dtype=config.dtype,
-                            load_format=config.load_format, seed=config.seed, quantization=config.quantization)
+        with clock.phase("load"):
+            loaded = load_model(config.model, device=device, dtype=config.dtype, load_format=config.load_format,
+                                seed=config.seed, quantization=config.quantization)
         bar.update(1)
         bar.set_description("building engine (KV cache, compile, warm-up)")
-        engine = Engine(config, loaded)
+        engine = Engine(config, loaded, clock=clock)
         bar.update(1)
         bar.set_description("ready")
     return engine

@@ -35,6 +35,12 @@ COMPILE_FIELDS = {
                             "Dynamo traces after warm-up (a recompile while serving: should stay 0)"),
     "compiles_after_warmup": ("kiln:compile_compiles_after_warmup", "counter",
                               "Inductor compiles after warm-up (compiling while serving: should stay 0)"),
+    # serve first, tune in the background (kiln/compiler/background.py): pending drops to 0 at the swap
+    "background_pending": ("kiln:background_compiles_pending", "gauge",
+                           "Background compiles not yet swapped in (finished or still compiling)"),
+    "background_swapped": ("kiln:background_compiles_swapped", "counter", "Background compiles swapped in"),
+    "background_failed": ("kiln:background_compiles_failed", "counter",
+                          "Background compiles that failed (those sizes stay on their ranges)"),
 }
 
 
@@ -70,6 +76,8 @@ class _EngineCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        from kiln.runtime.startup import PHASES
+
         engine, labels = self.engine, [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -100,6 +108,15 @@ class _EngineCollector:
         for field_name, (metric, kind, doc) in COMPILE_FIELDS.items():
             make = counter if kind == "counter" else gauge
             yield make(metric, doc, compile_stat(engine, field_name))
+        times = getattr(engine, "startup_times", None)
+        if times is not None:  # fixed once the engine is ready: gauges, so a restart is a new value, not a reset
+            phases = GaugeMetricFamily("kiln:startup_seconds", "Seconds of each start-up phase, engine start to ready",
+                                       labels=["model_name", "phase"])
+            for phase in (*PHASES, "other"):  # `other`: what no phase covers, so they sum to the total
+                phases.add_metric([self.model_name, phase], float(getattr(times, phase)))
+            yield phases
+            yield gauge("kiln:startup_total_seconds", "Seconds from the engine's start to ready (the phases' sum)",
+                        float(times.total))
         replays = CounterMetricFamily("kiln:cudagraph_replays", "CUDA graph replays by mode",
                                       labels=["model_name", "mode"])
         for mode, count in sorted({"FULL": 0.0, "PIECEWISE": 0.0, "NONE": 0.0, **graph_replays(engine)}.items()):

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kiln.entrypoints.cli.main import main
+from kiln.runtime.startup import PHASES
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +69,21 @@ def test_serve_prints_a_start_up_summary(server: ServeProcess) -> None:
                      "load / compile seconds"):
         assert expected in text, text
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_serve_logs_one_start_up_line_that_counts_the_load(server: ServeProcess) -> None:
+    """`kiln serve` loads the weights before it builds the engine (a progress stage of its own); the engine's
+    start-up line still counts that load: `load` is at least the loader's own seconds, and `total` holds it."""
+    log = Path(server.log.name).read_text()
+    lines = [line.split("kiln ready in ", 1)[1] for line in log.splitlines() if "kiln ready in " in line]
+    assert len(lines) == 1, log  # at the default log level, once
+    total, phases = lines[0].split(" s: ", 1)
+    seconds = {name: float(value) for name, value in (part.split() for part in phases.split(", "))}
+    assert list(seconds) == [*PHASES, "other"], lines[0]
+    row = next(line for line in server.lines if "load / compile seconds" in line)
+    loader_seconds = float(row.split()[-3])  # "load / compile seconds  0.4 / 0.0": the loader's own figure
+    assert seconds["load"] >= loader_seconds and seconds["load"] > 0, (lines[0], row)
+    assert float(total) >= sum(seconds.values()) - 0.1 * len(seconds)  # one-decimal rounding of each
 
 
 def test_bench_serve_random_prints_the_table(server: ServeProcess, capsys: pytest.CaptureFixture[str],

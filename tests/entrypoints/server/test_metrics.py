@@ -79,3 +79,31 @@ def test_engine_counters_are_read_at_scrape_time(served: Served, monkeypatch: py
     assert value(samples, "kiln:compile_compiles_after_warmup_total") == 2
     assert value(samples, "kiln:cudagraph_replays_total", mode="FULL") == 40
     assert value(samples, "kiln:cudagraph_replays_total", mode="PIECEWISE") == 3
+
+
+def test_start_up_phases_and_pending_background_compiles(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up gauges are the engine's own record (as in `Runtime.compile_stats.startup`), and the
+    pending background-compile gauge is read from the live compile statistics at each scrape."""
+    from kiln.runtime.startup import PHASES
+
+    engine = served.engine
+    times = engine.startup_times
+    samples = scrape(served)
+    for phase in (*PHASES, "other"):
+        assert value(samples, "kiln:startup_seconds", phase=phase) == pytest.approx(getattr(times, phase))
+    assert value(samples, "kiln:startup_total_seconds") == pytest.approx(times.total)
+    phases = [value(samples, "kiln:startup_seconds", phase=p) for p in (*PHASES, "other")]
+    assert sum(phases) == pytest.approx(times.total)
+    assert value(samples, "kiln:startup_seconds", phase="load") >= engine.loaded.load_seconds > 0
+    assert engine.worker.compile_stats.startup == pytest.approx(times.as_dict())
+    # a start with background compiles: pending until the step-boundary swap sets it to 0 (background.py)
+    stats = engine.worker.compile_stats
+    assert value(samples, "kiln:background_compiles_pending") == stats.background_pending == 0
+    monkeypatch.setattr(stats, "background_pending", 3)
+    assert value(scrape(served), "kiln:background_compiles_pending") == 3
+    monkeypatch.setattr(stats, "background_pending", 0)
+    monkeypatch.setattr(stats, "background_swapped", 3)
+    after = scrape(served)
+    assert value(after, "kiln:background_compiles_pending") == 0
+    assert value(after, "kiln:background_compiles_swapped_total") == 3
+    assert value(after, "kiln:background_compiles_failed_total") == 0
