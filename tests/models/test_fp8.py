@@ -308,7 +308,7 @@ def test_fp8_scales_follow_their_shard_with_replicated_kv_heads(rank: int) -> No
 def test_cli_flag_reaches_the_runtime_options() -> None:
     import argparse
 
-    from kiln.cli import add_runtime_args, runtime_kwargs
+    from kiln.entrypoints.cli.main import add_runtime_args, runtime_kwargs
 
     parser = argparse.ArgumentParser()
     add_runtime_args(parser)
