@@ -71,3 +71,19 @@ def test_a_tokenizer_that_fails_to_load_raises_the_inline_error(tiny_checkpoint,
 def test_a_bad_model_argument_still_raises_the_loaders_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="neither a directory with a config.json nor a preset"):
         Runtime(str(tmp_path / "nowhere"), **SMALL)
+
+
+def test_nothing_but_the_tokenizer_imports_transformers_on_the_way_to_ready(checkpoint_with_tokenizer: Path) -> None:
+    """In a fresh process, with the tokenizer load replaced by a stub, building the runtime from an HF
+    directory never imports transformers: the tokenizer thread is its only importer on the start-up path."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from kiln.runtime import tokenizer_load\n"
+            "tokenizer_load.load_tokenizer = lambda tokenizer, model_dir: None\n"
+            "from kiln import Runtime\n"
+            f"rt = Runtime({str(checkpoint_with_tokenizer)!r}, device='cpu', level=0, num_blocks=64)\n"
+            "print(type(rt.engine.loaded.hf_config).__name__, 'transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["ConfigView", "False"]
