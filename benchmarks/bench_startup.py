@@ -110,7 +110,7 @@ def child_start(spec: dict[str, Any]) -> dict[str, Any]:
         "interpreter_s": imports_start - spec["spawned_at"], "imports_s": imported - imports_start,
         "runtime_s": ready - imported, "first_generate_s": first - ready,
         "phases": rt.startup_times.as_dict(), "summary": rt.startup_times.summary(),
-        "load_config_s": rt.engine.loaded.config_seconds,  # of the load phase: the config (a transformers import)
+        "load_config_s": rt.engine.loaded.config_seconds,  # of the load phase: reading config.json (json)
         "dynamo_traces": stats.dynamo_traces, "inductor_compiles": stats.inductor_compiles,
         "cache_hits": stats.cache_hits, "compile_summary": stats.summary(),
     }

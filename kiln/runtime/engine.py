@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kiln.config import RuntimeConfig, resolve_device
-from kiln.models.loader.load import LoadedModel
+from kiln.models.loader.load import LoadedModel, model_directory
 from kiln.runtime import tp_processes
 from kiln.runtime.async_step import LaunchedStep
 from kiln.runtime.detokenizer import IncrementalDetokenizer
@@ -35,6 +35,7 @@ from kiln.runtime.sampler import needs_output_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.startup import StartupClock, StartupTimes
+from kiln.runtime.tokenizer_load import BackgroundTokenizer, load_tokenizer
 from kiln.runtime.worker import Worker
 
 logger = logging.getLogger("kiln")
@@ -62,6 +63,8 @@ class Engine:
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         clock = clock or StartupClock(self.device)
+        # the tokenizer (the first `import transformers`) loads on a thread while the model loads and compiles
+        tokenizer_job = self._start_tokenizer(config, loaded, clock)
         self._tp_procs: list = []
         self._ready = threading.Event()  # set once built: ends the tensor-parallel start-up watch
         self._channel = None
@@ -73,8 +76,11 @@ class Engine:
         self.loaded, self.model = self.worker.loaded, self.worker.model
         self.backend, self.kv_cache, self.runner = self.worker.backend, self.worker.kv_cache, self.worker.runner
         self.max_model_len = self.worker.max_model_len
-        with clock.phase("tokenizer"):
-            self.tokenizer = self._load_tokenizer()
+        with clock.phase("tokenizer"):  # the wait for the thread (or the whole load, where none was started)
+            if tokenizer_job is not None and tokenizer_job.model_dir == self.loaded.model_dir:
+                self.tokenizer = tokenizer_job.result()
+            else:
+                self.tokenizer = load_tokenizer(config.tokenizer, self.loaded.model_dir)
         self.eos_token_ids = frozenset(self.loaded.spec.eos_token_ids) | self._tokenizer_eos()
         self.pool = BlockPool(self.worker.num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.cache.block_size,
@@ -169,16 +175,27 @@ class Engine:
                     "destroyed" if clean else "NOT destroyed", closed - start, time.perf_counter() - closed,
                     f" (ranks {forced} had to be terminated)" if forced else "")
 
-    def _load_tokenizer(self) -> Any:
-        source = self.config.tokenizer or self.loaded.model_dir
-        if source is None:
-            return None
-        names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-        if self.config.tokenizer is None and not any((source / n).is_file() for n in names):
-            return None  # a weights-only directory: token-id prompts only
-        from transformers import AutoTokenizer
+    @staticmethod
+    def _start_tokenizer(config: RuntimeConfig, loaded: LoadedModel | None,
+                         clock: StartupClock) -> BackgroundTokenizer | None:
+        """Start loading the tokenizer in the background; None where it is left to the join point.
 
-        return AutoTokenizer.from_pretrained(str(source))
+        The model directory is resolved here cheaply (no config read). Where that fails the load raises the
+        same error later, as it always did, and the tokenizer is then loaded in line. Ranks other than 0 of
+        a torchrun group leave in `_start_tensor_parallel` and need none."""
+        if config.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
+            return None
+        if loaded is not None:
+            model_dir = loaded.model_dir
+        else:
+            try:
+                with clock.phase("load"):  # converting the embedded model, on its first use, is load time
+                    model_dir = model_directory(config.model)
+            except Exception:
+                return None
+        if config.tokenizer is None and model_dir is None:
+            return None  # a preset: no tokenizer, nothing to wait for
+        return BackgroundTokenizer(config.tokenizer, model_dir)
 
     def _tokenizer_eos(self) -> frozenset[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -6,7 +6,7 @@ Phases, in the order a start runs them (docs/startup.md):
   trace      Dynamo's capture of the model (0 on a warm start: the split graph comes from the cache)
   compile    the rest of the compile phase: Inductor compiles or cache loads, and a test forward per range
   capture    CUDA graph capture at every capture size
-  tokenizer  loading the tokenizer (0 for a weights-only directory or a preset)
+  tokenizer  the wait for the tokenizer, loaded on a thread since the engine's start (0 for a preset)
 `total` is wall time from the engine's start to ready; what no phase covers (tensor-parallel spawn,
 scheduler set-up) is `other`, so the phases never add up to more than the total.
 """

@@ -20,8 +20,9 @@ from torch import nn
 
 from kiln.config import resolve_dtype
 from kiln.models.base import ModelSpec
+from kiln.models.loader.config_view import json_config_view
 from kiln.models.loader.dummy import dummy_weights
-from kiln.models.loader.presets import PRESETS, preset_config
+from kiln.models.loader.presets import PRESETS, preset_view
 from kiln.models.quant.config import resolve_quantization
 from kiln.models.registry import model_class
 
@@ -32,29 +33,42 @@ logger = logging.getLogger("kiln")
 class LoadedModel:
     model: nn.Module
     spec: ModelSpec
-    hf_config: Any
+    hf_config: Any  # a ConfigView of config.json, or the transformers config where that was needed
     model_dir: Path | None  # None for preset (dummy) models: no tokenizer on disk
     dtype: torch.dtype
     load_seconds: float
-    config_seconds: float = 0.0  # of load_seconds: reading the config (the first `transformers` import)
+    config_seconds: float = 0.0  # of load_seconds: reading the config (json; transformers only as the fallback)
 
 
-def resolve_model_source(model: str | None) -> tuple[Path | None, Any]:
-    """-> (directory or None for a preset, the transformers config)."""
-    from transformers import AutoConfig
-
+def model_directory(model: str | None) -> Path | None:
+    """The model argument's HF directory (None for a preset), without reading the config."""
     if model is None:
         from kiln.models.loader.gguf_import import embedded_model_dir
 
         model = str(embedded_model_dir())
     if model in PRESETS:
-        return None, preset_config(model)
+        return None
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(
             f"model {model!r} is neither a directory with a config.json nor a preset "
             f"({', '.join(sorted(PRESETS))}); kiln cannot download weights"
         )
+    return path
+
+
+def resolve_model_source(model: str | None) -> tuple[Path | None, Any]:
+    """-> (directory or None for a preset, its config: a ConfigView of config.json where that is enough,
+    else the transformers config; see config_view.py)."""
+    path = model_directory(model)
+    if path is None:
+        return None, preset_view(model)
+    view, reason = json_config_view(path)
+    if view is not None:
+        return path, view
+    logger.debug("reading %s through transformers' AutoConfig: %s", path / "config.json", reason)
+    from transformers import AutoConfig
+
     return path, AutoConfig.from_pretrained(path)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.models.loader.config_view import ConfigView
+
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
@@ -40,6 +42,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3"}
+
+
+def preset_view(name: str) -> ConfigView:
+    """The preset as kiln loads it: a read-only view of its fields, no transformers import (config_view.py)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    values = PRESETS[name]
+    return ConfigView({"model_type": _MODEL_TYPES[values["architectures"][0]], **values})
 
 
 def preset_config(name: str) -> Any:
