@@ -129,6 +129,11 @@ def _rms_norm_fake(x, weight, eps):
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + residual), x + residual)."""
+    return _add_rms_norm(x, residual, weight, eps)
+
+
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x):
         from kiln.passes.kernels import add_rms_norm_triton
 
@@ -170,15 +175,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     before the add, as the unfused graph's all-reduce output is."""
     from kiln.models.allreduce import all_reduce_impl
 
-    reduced = all_reduce_impl(x, group_name)
-    if _use_triton(reduced):
-        from kiln.passes.kernels import add_rms_norm_triton
-
-        normed, summed = add_rms_norm_triton(reduced, residual, weight, eps)
-        assert summed is not None
-        return normed, summed
-    summed = reduced + residual
-    return rms_norm_ref(summed, weight, eps), summed
+    return _add_rms_norm(all_reduce_impl(x, group_name), residual, weight, eps)
 
 
 @all_reduce_add_rms_norm.register_fake
