@@ -96,15 +96,15 @@ class BackgroundCompiles:
             except Exception as exc:  # noqa: BLE001 - that size stays on its range
                 logger.warning("background artifact %s at %s did not load (%s)", job.piece_hash[:12], job.key, exc)
         # a size is swapped in only if every distinct piece has it: dispatch is per token count, shared
-        sizes = [s for s in self.sizes
-                 if all((h, CompileKey.size(s)) in loaded for h in {j.piece_hash for j in self.jobs})]
+        hashes = {j.piece_hash for j in self.jobs}
+        sizes = [s for s in self.sizes if all((h, CompileKey.size(s)) in loaded for h in hashes)]
         for runner in self.runners.values():
             for s in sizes:
                 runner.compiled[CompileKey.size(s)] = loaded[(runner.piece_hash, CompileKey.size(s))]
         self.dispatcher.add_sizes(sizes)
         for runner in self.runners.values():
             runner.reset_dispatch()
-        self.stats.background_swapped = len(sizes) * len({j.piece_hash for j in self.jobs})
+        self.stats.background_swapped = len(sizes) * len(hashes)
         self.stats.background_failed = len(self.jobs) - self.stats.background_swapped
         self.stats.background_pending = 0
         self._results.clear()

@@ -113,9 +113,7 @@ class CompilePool:
             finish(self._compile_here(job))
         for job, future in futures:
             try:
-                payload, seconds, matches, uuid = future.result()
-                if uuid != self._hook_uuid():
-                    raise RuntimeError("the post-grad hook has a different uuid in the worker")
+                payload, seconds, matches = self._worker_result(future)
                 fn = self.compiler.adopt(job.gm, job.key, job.piece_hash, payload)
                 self._merge_matches(matches)
                 finish(CompileResult(job, fn, seconds, True))
@@ -136,15 +134,21 @@ class CompilePool:
                 yield job, None
                 continue
             try:
-                payload, _, matches, uuid = future.result()
-                if uuid != self._hook_uuid():
-                    raise RuntimeError("the post-grad hook has a different uuid in the worker")
+                payload, _, _ = self._worker_result(future)
             except Exception as exc:  # noqa: BLE001 - the caller keeps serving without it
                 logger.warning("compile of piece %s at %s failed in its worker (%s: %s)", job.piece_hash[:12],
                                job.key, type(exc).__name__, exc)
                 yield job, None
                 continue
             yield job, payload
+
+    def _worker_result(self, future: Future) -> tuple[bytes, float, list[dict[str, dict[str, int]] | None]]:
+        """(artifact bytes, seconds, the passes' rewrite counts) of a worker's compile; raises if it failed or
+        its post-grad hook was not the parent's."""
+        payload, seconds, matches, uuid = future.result()
+        if uuid != self._hook_uuid():
+            raise RuntimeError("the post-grad hook has a different uuid in the worker")
+        return payload, seconds, matches
 
     def _compile_here(self, job: CompileJob) -> CompileResult:
         start = time.perf_counter()
