@@ -171,6 +171,21 @@ def child_env(caches: Path | None) -> dict[str, str]:
     return env
 
 
+def profiled(run, spec: dict[str, Any]) -> dict[str, Any]:
+    """KILN_BENCH_PROFILE=1: run a child under cProfile (main thread) and write the 60 costliest calls by
+    cumulative time beside its result, as <result>.profile.txt: where a start's seconds go."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    result = profiler.runcall(run, spec)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+    Path(spec["result"]).with_suffix(".profile.txt").write_text(text.getvalue())
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama3-8b")
@@ -189,7 +204,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         spec = json.loads(args.spec)
-        result = (child_write if args.child == "write" else child_start)(spec)
+        run = child_write if args.child == "write" else child_start
+        result = profiled(run, spec) if os.environ.get("KILN_BENCH_PROFILE") else run(spec)
         Path(spec["result"]).write_text(json.dumps(result, indent=1))
         return
     if not args.json:

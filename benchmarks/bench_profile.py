@@ -1,0 +1,167 @@
+"""Where a decode step's time goes, on the GPU: torch.profiler over steady-state decode steps at default settings.
+
+For each configuration (model, TP size, quantization, batch) it reports, per step: the wall time of the step
+(timed without the profiler), the time the GPU of rank 0 was busy (union of its kernel intervals), the
+idle remainder, and the kernel time by kind (GEMM, attention, all-reduce, Inductor/Triton element-wise,
+copies, other) with the top kernels. Idle time is host or peer waiting; an all-reduce kernel that runs long
+is waiting for the peer rank. Only rank 0 is profiled.
+
+    python -m benchmarks.bench_profile --configs llama3-8b:1:bf16 llama3-8b:2:bf16 llama3-8b:1:fp8 \
+        --batches 1 64 --json prof.json [--trace-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.common import start_decoding, table
+
+KINDS = (  # first match wins
+    ("allreduce", re.compile(r"nccl|all_?reduce|one_shot|two_shot|symm|multimem|cross_device", re.I)),
+    ("attention", re.compile(r"attention|attn|flash|paged|page_indices|reshape_and_cache", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|xmma|cutlass|nvjet|scaled_mm|cublas|wgmma|sm90|splitk|matmul", re.I)),
+    ("elementwise", re.compile(r"^triton_|^triton|elementwise|vectorized|reduce_kernel|unrolled", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None) -> dict[str, Any]:
+    """Wall time of `steps` engine steps, then the same number again under the profiler: rank 0's kernel time
+    by kind and by name, and how much of the step its GPU was busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        by_kind[kind_of(e.name)] = by_kind.get(kind_of(e.name), 0.0) + us
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps / 1e3
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+        with open(trace_path, "rb") as src, gzip.open(trace_path + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace_path)
+    return {"step_ms": step_ms, "gpu_busy_ms": busy, "idle_ms": step_ms - busy,
+            "kernels_per_step": len(kernels) / steps,
+            "by_kind_ms": {k: v / steps / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": n[:90], "ms_per_step": t / steps / 1e3, "per_step": c / steps} for n, (t, c) in top]}
+
+
+def profile_config(model: str, tp: int, quant: str, batches: list[int], steps: int, trace_dir: str | None,
+                   device: str = "cuda", offline_requests: int = 0) -> dict:
+    """With `offline_requests`, the offline workload (lengths U(100, 1024)) profiled mid-run, at the runtime's
+    default capture sizes; then decode at each batch size (graphs captured at exactly those sizes when there
+    is no offline part)."""
+    from benchmarks.bench_gpu import throughput_workload
+    from kiln import Runtime, SamplingParams
+
+    on_gpu = device == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    options: dict[str, Any] = {}
+    if on_gpu and not offline_requests:
+        options["cudagraph_capture_sizes"] = tuple(sorted(set(batches)))
+    start = time.perf_counter()
+    rt = Runtime(model, device=device, dtype="bf16" if on_gpu else "fp32", load_format="dummy",
+                 tensor_parallel_size=tp, quantization=None if quant == "bf16" else quant,
+                 attention_backend="triton" if on_gpu else "torch", **options)
+    result: dict[str, Any] = {"model": model, "tp": tp, "quant": quant, "rows": [],
+                              "build_s": round(time.perf_counter() - start, 1)}
+    engine = rt.engine
+    slug = f"{model}-tp{tp}-{quant}"
+    if offline_requests:
+        rng, lens = throughput_workload(offline_requests)
+        vocab = engine.loaded.spec.vocab_size
+        for i, o in lens:
+            engine.add_request([rng.randrange(vocab) for _ in range(i)],
+                               SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
+        for _ in range(4 * steps):  # past the first prefills: a steady mix of chunked prefill and decode
+            engine.step()
+        row = {"batch": f"offline{offline_requests}", "running": len(engine.scheduler.running),
+               **profile_steps(engine, steps, sync, trace_dir and os.path.join(trace_dir, f"{slug}-offline.json"))}
+        while engine.has_unfinished():
+            engine.step()
+        result["rows"].append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    for batch in batches:
+        start_decoding(engine, batch, 128, max_tokens=2 * steps + 12)
+        row = {"batch": batch,
+               **profile_steps(engine, steps, sync, trace_dir and os.path.join(trace_dir, f"{slug}-b{batch}.json"))}
+        while engine.has_unfinished():
+            engine.step()
+        result["rows"].append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    rt.engine.shutdown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["llama3-8b:1:bf16"], help="model:tp:quant (bf16 or fp8)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run (no kernels to attribute)")
+    parser.add_argument("--offline-requests", type=int, default=0,
+                        help="profile the offline workload of this many requests instead of decode batches")
+    args = parser.parse_args()
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    results = []
+    for spec in args.configs:
+        model, tp, quant = spec.split(":")
+        try:
+            results.append(profile_config(model, int(tp), quant, args.batches, args.steps, args.trace_dir,
+                                          args.device, args.offline_requests))
+        except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others
+            results.append({"config": spec, "error": f"{type(exc).__name__}: {exc}"[:400]})
+            print(results[-1], flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    rows = [[f"{r['model']} tp{r['tp']} {r['quant']}", row["batch"], row["step_ms"], row["gpu_busy_ms"], row["idle_ms"],
+             *(row["by_kind_ms"].get(k, 0.0) for k, _ in KINDS), row["by_kind_ms"].get("other", 0.0)]
+            for r in results if "rows" in r for row in r["rows"]]
+    print(table(["config", "batch", "step ms", "GPU busy", "idle", *(k for k, _ in KINDS), "other"], rows))
+
+
+if __name__ == "__main__":
+    main()
