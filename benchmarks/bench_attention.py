@@ -7,11 +7,15 @@ against the device-to-device copy bandwidth, and prefill FLOP/s against the bf16
 measured in the same run.
 
     python -m benchmarks.bench_attention [--backends torch triton flashinfer] [--batches 1 8 64]
+    # the Triton decode kernel's launch configurations (tile, warps, stages, split waves), ~2 min:
+    python -m benchmarks.bench_attention --sweep --batches 1 8 64 256 --contexts 160 600 2048 --json sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import math
 
 import torch
@@ -68,14 +72,65 @@ def time_step(backend: AttentionBackend, tensors: tuple[torch.Tensor, ...], comm
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(2, 8))
+
+
+def sweep(layout: AttentionLayout, batches: list[int], contexts: list[int], ceil, json_path: str | None) -> None:
+    """Every Triton decode launch configuration in SWEEP at each (batch, context), graph-replayed, checked
+    against the default configuration's output; the best per shape and its gain over the default."""
+    backend = select_backend("triton", layout, torch.device("cuda"))(layout, torch.device("cuda"))
+    default = dict(backend.decode_cfg)
+    configs = [dict(zip(SWEEP, values)) for values in itertools.product(*SWEEP.values())]
+    elt = torch.finfo(DTYPE).bits // 8
+    results, rows = [], []
+    for batch in batches:
+        for ctx in contexts:
+            tensors, common = make_step([1] * batch, [ctx - 1] * batch)
+            bytes_moved = elt * D * (batch * ctx * HKV * 2 + batch * HQ * 2 + batch * HKV * 2)
+            out, cache = tensors[3], tensors[4]
+            snapshot = cache.clone()
+            timed, reference = [], out
+            for cfg in [default] + configs:
+                backend.decode_cfg = cfg
+                cache.copy_(snapshot)
+                try:
+                    ms = time_step(backend, tensors, common, graph=True)
+                    err = float((out.float() - reference.float()).abs().max())
+                except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
+                    print(f"{cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
+                if not timed:  # the default configuration's output is the reference of the others
+                    reference = out.clone()
+                timed.append((ms, cfg, err))
+                results.append(dict(batch=batch, ctx=ctx, us=ms * 1e3, err=err, **cfg,
+                                    of_ceiling=bytes_moved / (ms / 1e3) / ceil.copy_bytes_per_s))
+            base = timed[0][0]
+            ok = [t for t in timed[1:] if t[2] < 2e-2]
+            best = min(ok, key=lambda t: t[0])
+            rows.append([batch, ctx, base * 1e3, best[0] * 1e3, base / best[0], str(best[1]),
+                         f"{100 * bytes_moved / (best[0] / 1e3) / ceil.copy_bytes_per_s:.0f}%",
+                         max(t[2] for t in timed)])
+            print(rows[-1], flush=True)
+    backend.decode_cfg = default
+    print(table(["batch", "ctx", "default us", "best us", "gain", "best config", "of ceiling", "max err"], rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"stamp": stamp(), "default": default, "results": results}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backends", nargs="+", default=["torch", "triton", "flashinfer"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--sweep", action="store_true", help="sweep the Triton decode launch configurations")
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     ceil = measure_ceilings()
     layout = AttentionLayout(HQ, HKV, D, D ** -0.5, BS, DTYPE)
+    if args.sweep:
+        sweep(layout, args.batches, args.contexts, ceil, args.json)
+        return
     backends: dict[str, AttentionBackend] = {}
     for name in args.backends:
         try:

@@ -95,6 +95,10 @@ class TritonAttentionBackend(AttentionBackend):
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
         self._retired: list[torch.Tensor] = []
         self._prefill_cfg = self._prefill_config()
+        # decode launch: BLOCK_N keys per tile, warps, pipeline stages, and the program waves the split
+        # count aims for (benchmarks/bench_attention.py --sweep measures the alternatives)
+        self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
+                               waves=2)
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -113,9 +117,10 @@ class TritonAttentionBackend(AttentionBackend):
                     num_stages=stages)
 
     def num_splits(self, num_reqs: int) -> int:
-        """Enough (request, kv_head, split) programs for ~2 waves; a function of the request count only."""
+        """Enough (request, kv_head, split) programs for the configured waves; a function of the request
+        count only."""
         programs = max(1, num_reqs * self.layout.num_kv_heads)
-        return max(1, min(_MAX_SPLITS, triton.cdiv(2 * self.num_sms, programs)))
+        return max(1, min(_MAX_SPLITS, triton.cdiv(self.decode_cfg["waves"] * self.num_sms, programs)))
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
         splits = self.num_splits(common.num_reqs) if common.uniform_decode else 1
@@ -164,7 +169,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonMetadata) -> None:
         # padded tokens past num_reqs get no K/V write: theirs would only land in the null block
-        layout, common, splits = self.layout, metadata.common, metadata.num_splits
+        layout, common, splits, cfg = self.layout, metadata.common, metadata.num_splits, self.decode_cfg
         part_out = metadata.part_out if metadata.part_out is not None else out
         part_lse = metadata.part_lse if metadata.part_lse is not None else out
         counters = metadata.counters if metadata.counters is not None else common.seq_lens
@@ -173,5 +178,6 @@ class TritonAttentionBackend(AttentionBackend):
             common.slot_mapping, layout.scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
             GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), HEAD_DIM=layout.head_dim,
-            BLOCK_D=self.block_d, BLOCK_N=16 if self.ieee else 64, PAGE=layout.block_size, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), IEEE=self.ieee, num_warps=8 if self.ieee else 4, num_stages=2)
+            BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), IEEE=self.ieee, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
