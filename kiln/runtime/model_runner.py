@@ -136,6 +136,7 @@ class ModelRunner:
         seq_lens = self.seq_lens_cpu.numpy()
         tables = self.block_tables_cpu.numpy()
         pending_dst, pending_src = self.pending_dst_cpu.numpy(), self.pending_src_cpu.numpy()
+        logits_indices = self.logits_indices_cpu.numpy()  # numpy views: a tensor setitem is two aten ops
         bs = self.block_size
         sampling_rows: list[int] = []
         qsl[0] = 0
@@ -172,7 +173,7 @@ class ModelRunner:
             qsl[i + 1] = cursor
             seq_lens[i] = start + n
             if sched.samples(i):
-                self.logits_indices_cpu[len(sampling_rows)] = cursor - 1
+                logits_indices[len(sampling_rows)] = cursor - 1
                 sampling_rows.append(i)
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
