@@ -71,3 +71,17 @@ def test_weights_stream_one_tensor_at_a_time(sharded_tiny: Path, monkeypatch: py
     assert reads == [first]
     rest = [name for name, _ in stream]
     assert reads == [first, *rest] and len(rest) > 1
+
+
+def test_staged_upload_is_exact_for_chunked_and_odd_tensors():
+    """The uploader's chunking (a tensor larger than a staging buffer goes up in pieces) and dtype views
+    reproduce every tensor exactly; on the CPU the same code runs without pinning or events."""
+    from kiln.models.loader.staged_upload import StagedUploader
+
+    uploader = StagedUploader(torch.device("cpu"), buffer_bytes=64)
+    cases = [torch.randn(37, 5), torch.randn(3, 4).to(torch.bfloat16), torch.arange(100, dtype=torch.int64),
+             torch.randn(8, 6).t(), torch.empty(0, 3), torch.randn(2, 9).to(torch.float8_e4m3fn)]
+    for host in cases:
+        out = uploader.upload(host)
+        assert out.dtype == host.dtype and out.shape == host.shape
+        assert torch.equal(out.view(torch.uint8), host.contiguous().view(torch.uint8))

@@ -1,7 +1,8 @@
 """Resolve a model argument (None, an HF directory, or a preset name) and build the model on a device.
 
 The model is built on the meta device and materialised once on the target device, so weights are
-never held twice; safetensors are read straight onto the device, one tensor at a time.
+never held twice; safetensors are streamed to the device one tensor at a time (through pinned staging
+buffers on a GPU: staged_upload.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kiln.models.base import ModelSpec
 from kiln.models.loader.config_view import json_config_view
 from kiln.models.loader.dummy import dummy_weights
 from kiln.models.loader.presets import PRESETS, preset_view
+from kiln.models.loader.staged_upload import StagedUploader
 from kiln.models.quant.config import resolve_quantization
 from kiln.models.registry import model_class
 
@@ -82,10 +84,13 @@ def safetensors_weights(model_dir: Path, device: torch.device) -> Iterator[tuple
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no .safetensors files in {model_dir}")
+    # on a GPU: read on the host (memory map) and upload through pinned buffers (staged_upload.py)
+    uploader = StagedUploader(device) if device.type == "cuda" else None
     for name in files:
-        with safe_open(str(model_dir / name), framework="pt", device=str(device)) as f:
+        with safe_open(str(model_dir / name), framework="pt", device="cpu" if uploader else str(device)) as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                tensor = f.get_tensor(key)
+                yield key, uploader.upload(tensor) if uploader else tensor
 
 
 def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dtype = "auto",
