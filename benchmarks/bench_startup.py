@@ -164,6 +164,9 @@ def run_child(kind: str, spec: dict[str, Any], env: dict[str, str], timeout: flo
 def child_env(caches: Path | None) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("KILN_DISABLE_COMPILE_CACHE", None)
+    # a user's install has bytecode; an image that forbids writing it makes every start compile every
+    # module from source (the H200 image does: docs/startup.md)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if caches is not None:
         for name, sub in (("KILN_CACHE_DIR", "kiln"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                           ("TRITON_CACHE_DIR", "triton"), ("CUDA_CACHE_PATH", "cuda")):
