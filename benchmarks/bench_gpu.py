@@ -232,6 +232,8 @@ def default_runtime(args: argparse.Namespace) -> tuple[Runtime, float]:
     kwargs = {} if args.compile_sizes is None else {"compile_sizes": tuple(args.compile_sizes)}
     if args.max_num_batched_tokens is not None:  # the one default an A/B may move (8192 vs 2048 on GPU)
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.quantization:  # an FP8 model at its defaults (issue 17)
+        kwargs["quantization"] = args.quantization
     start = time.perf_counter()
     rt = Runtime(args.model, device=args.device, load_format="dummy", attention_backend=args.backend, **kwargs)
     return rt, time.perf_counter() - start
@@ -262,7 +264,8 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
         print(table(list(row), [list(row.values())]))
         return [row]
     subset = min(args.hf_requests or args.requests, args.requests)
-    row: dict = dict(model=args.model, requests=args.requests, settings="defaults" if args.defaults else "tuned")
+    row: dict = dict(model=args.model, requests=args.requests, settings="defaults" if args.defaults else "tuned",
+                     quantization=args.quantization or "none")
     rt = None
     try:
         rt, build = default_runtime(args) if args.defaults else make_runtime(
@@ -422,6 +425,7 @@ def main() -> None:
             p.add_argument("--hf-max-seconds", type=float, default=None,
                            help="stop the baseline after this long; a cut-short baseline gives no ratio")
             p.add_argument("--hf-only", action="store_true", help="run only the transformers baseline")
+            p.add_argument("--quantization", default=None, choices=["fp8"], help="with --defaults: an FP8 model")
     args = parser.parse_args()
     COMPILE_OPTIONS.update(cudagraph_capture_sizes=tuple(args.capture_sizes),
                            compile_sizes=tuple(args.compile_sizes or ()), enable_passes=args.passes)
