@@ -11,7 +11,7 @@ another fails:
 
 1. gemm: each projection of the preset (qkv, o, gate_up, down) at M = 1 / 8 / 64 inside a CUDA graph
    (triton.testing.do_bench_cudagraph): bf16 F.linear, `torch._scaled_mm` alone (row-wise scales, the
-   activation already in e4m3), and kiln's whole FP8 linear (per-token quantization + _scaled_mm, eager
+   activation already in e4m3), and kiln's whole FP8 linear (per-token quantization + kiln::fp8_gemm, eager
    ops, so two kernels where the compiled model fuses the quantization into the norm/SiLU kernel before
    it). Floors: weight bytes / 4.3 TB/s (H200 HBM3e, nominal), for e4m3 and bf16.
 2. decode: mean engine step while `batch` requests decode (128-token prompts), bf16 then fp8, the same
@@ -22,7 +22,7 @@ another fails:
     python -m benchmarks.bench_fp8 --json fp8.json                       # H200: llama3-8b, ~5-6 min cold
     python -m benchmarks.bench_fp8 --parts kernels --json k.json         # H200: the kernel sweep, ~1.5-2 min
     python -m benchmarks.bench_fp8 --parts decode --fp8-paths triton cublas --requests 0 --json d.json
-    python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --requests 4 --json /tmp/fp8.json  # smoke
+    python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --backend torch --requests 4 --json /tmp/fp8.json
     python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --parts kernels --kernel-m 1 16 --json /tmp/k.json
 
 The decode and throughput parts run bf16, then FP8 once per --fp8-paths entry: "triton" is the default

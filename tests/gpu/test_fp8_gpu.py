@@ -79,6 +79,25 @@ def test_triton_fp8_gemm_matches_scaled_mm_at_llama_shapes(proj: str, m: int) ->
     assert ((got.double() - reference).norm() / reference.norm()).item() < 2e-3
 
 
+@pytest.mark.parametrize("m", [3, 64])
+def test_every_swept_tile_config_is_correct(m: int) -> None:
+    """The tiles bench_fp8's sweep may put into fp8_kernel.TUNED, each with and without split-K."""
+    from benchmarks.fp8_kernel_sweep import candidate_tiles
+    from kiln.models.quant.fp8_gemm import scaled_mm
+    from kiln.models.quant.fp8_kernel import Fp8GemmConfig, fp8_gemm_triton
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    wq, ws = quantize_weight((torch.randn(4096, 4096, device="cuda", generator=g) * 0.02).bfloat16())
+    xq, xs = quantize_per_token(torch.randn(m, 4096, device="cuda", generator=g).bfloat16())
+    expected = scaled_mm(xq, wq, xs, ws, torch.bfloat16).float()
+    for tile in candidate_tiles():
+        for split in (1, 4):
+            config = Fp8GemmConfig(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages)
+            got = fp8_gemm_triton(xq, wq, xs, ws, torch.bfloat16, config).float()
+            torch.testing.assert_close(got, expected, rtol=2.0**-7, atol=1e-3 * expected.abs().max().item(),
+                                       msg=lambda text, c=config: f"{c}: {text}")
+
+
 def test_fp8_linear_dispatches_on_m(monkeypatch: pytest.MonkeyPatch) -> None:
     from kiln.models.quant import fp8_gemm
 
