@@ -156,9 +156,9 @@ def print_kernels(kernels: dict[str, Any]) -> None:
     cfg = (lambda c: f"{c['block_n']}x{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"
            if c else "-")
     print(table(["proj", "M", "bf16 us", "_scaled_mm us", "triton auto us", "triton best us", "best config",
-                 "fp8 floor us", "best x floor", "_scaled_mm / best", "auto / best"],
+                 "best GB/s", "fp8 floor us", "best x floor", "_scaled_mm / best", "auto / best"],
                 [[r["proj"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["auto_us"], r["best_us"],
-                  cfg(r["best_config"]), r["fp8_floor_us"], r["best_us"] / r["fp8_floor_us"],
+                  cfg(r["best_config"]), r["best_gb_per_s"], r["fp8_floor_us"], r["best_us"] / r["fp8_floor_us"],
                   r["scaled_mm_us"] / r["best_us"], r["auto_us"] / r["best_us"]] for r in kernels["summary"]]))
     print(table(["M", "projections", "bf16 ms/step", "_scaled_mm ms/step", "triton auto ms/step",
                  "triton best ms/step", "fp8 floor ms/step"],

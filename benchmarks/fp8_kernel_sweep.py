@@ -143,6 +143,7 @@ def summary(rows: list[dict]) -> list[dict]:
                         scaled_mm_us=by.get("scaled_mm", {}).get("us", nan),
                         auto_us=by.get("triton_auto", {}).get("us", nan),
                         best_us=best["us"] if best else nan, best_config=best["config"] if best else None,
+                        best_gb_per_s=best["gb_per_s"] if best else nan,
                         fp8_floor_us=next((r["floor_us"] for r in sel if r["kernel"] != "bf16_mm"), nan),
                         N=sel[0]["N"], K=sel[0]["K"]))
     return out
