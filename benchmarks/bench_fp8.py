@@ -224,6 +224,7 @@ def main() -> None:
     parser.add_argument("--kernel-budget-s", type=float, default=120.0,
                         help="kernel sweep: no new projection is started after this many seconds")
     parser.add_argument("--fp8-paths", nargs="+", default=["triton"], choices=["triton", "cublas"])
+    parser.add_argument("--no-bf16", action="store_true", help="decode/throughput: FP8 runs only (no bf16 build)")
     parser.add_argument("--triton-max-m", type=int, default=fp8_gemm.TRITON_MAX_M)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -248,7 +249,8 @@ def main() -> None:
     if "decode" in args.parts or args.requests:
         if "decode" not in args.parts:
             args.batches = []
-        for quantization, path in [(None, "triton")] + [("fp8", p) for p in args.fp8_paths]:
+        runs = ([] if args.no_bf16 else [(None, "triton")]) + [("fp8", p) for p in args.fp8_paths]
+        for quantization, path in runs:
             d, t = runtime_rows(args, quantization, errors, path)
             decode += d
             tput += t
@@ -263,11 +265,11 @@ def main() -> None:
                      "x fp8 floor", "bf16/fp8"],
                     [[r["proj"], r["K"], r["N"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["fp8_linear_us"],
                       r["fp8_floor_us"], r["x_fp8_floor"], r["speedup"]] for r in result["gemm"]]))
-    bf16 = {r["batch"]: r for r in decode if r["weights"] == "bf16"}
     if decode:
-        print(table(["weights", "batch", "step ms", "tok/s", "x bf16 tok/s"],
+        base = {w: {r["batch"]: r["tokens_per_s"] for r in decode if r["weights"] == w} for w in ("bf16", "fp8-cublas")}
+        print(table(["weights", "batch", "step ms", "tok/s", "x bf16 tok/s", "x fp8-cublas tok/s"],
                     [[r["weights"], r["batch"], r["step_ms"], r["tokens_per_s"],
-                      r["tokens_per_s"] / bf16[r["batch"]]["tokens_per_s"] if r["batch"] in bf16 else float("nan")]
+                      *(r["tokens_per_s"] / b[r["batch"]] if r["batch"] in b else float("nan") for b in base.values())]
                      for r in decode]))
     if tput:
         base = next((r["output_tokens_per_s"] for r in tput if r["weights"] == "bf16"), float("nan"))
