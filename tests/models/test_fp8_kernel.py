@@ -5,8 +5,11 @@ interpreter (TRITON_INTERPRET=1), which executes float8 tl.dot; on a GPU the sam
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +139,20 @@ def test_op_on_cpu_is_scaled_mm() -> None:
     # the fake (what Dynamo traces) agrees with the real op; opcheck's schema test cannot multiply e4m3 on CPU
     torch.library.opcheck(torch.ops.kiln.fp8_gemm.default, (xq, wq, xs, ws, torch.float32),
                           test_utils=("test_faketensor",))
+
+
+@pytest.mark.parametrize("block_m,split", [(16, False), (64, True)])
+def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool) -> None:
+    """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
+    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", str(block_m), str(int(split))],
+                          capture_output=True, text=True, env=env, timeout=300, check=False,
+                          cwd=Path(__file__).resolve().parents[2])
+    if proc.returncode != 0 and "ptxas" in proc.stderr:
+        pytest.skip("no ptxas in this Triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"], ptx
+    stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
+    assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer

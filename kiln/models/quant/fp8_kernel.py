@@ -85,7 +85,7 @@ def num_sms(device: torch.device) -> int:
 # M is not specialized (Triton would compile M == 1 and M % 16 == 0 apart): fewer compiles at start-up,
 # where every CUDA-graph size runs once, for no loss (M only masks the few activation rows)
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_per_split, s_xm, s_wn, s_om, s_op,
+def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
@@ -98,12 +98,12 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_per_split
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
+    k_lo = pid_k * k_steps * BLOCK_K
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * s_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for step in range(0, k_steps):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             if EVEN_N:
@@ -111,7 +111,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_per_split
             else:
                 w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
-            k_mask = (k0 + offs_k) < k_hi
+            k_mask = (k_lo + step * BLOCK_K + offs_k) < K
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
@@ -161,12 +161,12 @@ def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor
     block_m = block_m_for(m)
     # every split covers a whole number of BLOCK_K steps; the last one may be short (masked) or empty
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
-    split = triton.cdiv(k, k_per_split)
-    even_k = k % k_per_split == 0
+    k_steps = triton.cdiv(triton.cdiv(k, split), config.block_k)
+    split = triton.cdiv(k, k_steps * config.block_k)
+    even_k = k % (k_steps * config.block_k) == 0
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
-    _fp8_gemm_kernel[grid](q, weight, x_scale, weight_scale, target, m, n, k, k_per_split,
+    _fp8_gemm_kernel[grid](q, weight, x_scale, weight_scale, target, m, n, k, k_steps,
                            q.stride(0), weight.stride(0), n, m * n,
                            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split > 1,
                            EVEN_K=even_k, EVEN_N=n % config.block_n == 0,
