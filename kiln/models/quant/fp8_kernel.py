@@ -12,7 +12,7 @@ X tile^T), so the weight rows take the MMA's large M side (64 on Hopper's wgmma)
 small N side (padded to 16 with masks). Both operands are K-contiguous, the layout fp8 MMAs want.
 Split-K writes fp32 partials [SPLIT_K, M, N] and a second tiny kernel sums them in a fixed order, applies
 the scales and casts: deterministic, unlike atomics, at the cost of SPLIT_K * M * N * 8 bytes of traffic
-(small next to the weight when M is small, which is where split-K is chosen).
+(small next to the weight at decode M, and mostly L2-resident; the sweep shows where split-K pays).
 
 Tile configs are chosen per shape by `pick_config` (a rule plus the `TUNED` table filled from an H200 sweep,
 benchmarks/bench_fp8.py --parts kernels), never autotuned at run time: the op runs inside CUDA graphs and
@@ -159,7 +159,7 @@ def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor
     if m == 0 or n == 0:
         return out
     block_m = block_m_for(m)
-    # every split covers a whole number of BLOCK_K steps; the last one may be short (masked) or empty
+    # every split covers a whole number of BLOCK_K steps; only the last may run past K (masked loads)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
     k_steps = triton.cdiv(triton.cdiv(k, split), config.block_k)
     split = triton.cdiv(k, k_steps * config.block_k)
