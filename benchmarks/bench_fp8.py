@@ -1,12 +1,17 @@
 """FP8 linear weights vs bf16 on one GPU (issue 17): GEMMs inside CUDA graphs, decode steps, offline throughput.
 
 Random weights at real shapes (a preset), the runtime's default settings (-O2: compiled pieces, full and
-piecewise CUDA graphs), async scheduling on, Triton attention. Three parts, each recorded even if
+piecewise CUDA graphs), async scheduling on, Triton attention. Four parts, each recorded even if
 another fails:
+
+0. kernels (benchmarks/fp8_kernel_sweep.py): per projection and M in 1..64, bf16 torch.mm, _scaled_mm and
+   kiln's Triton FP8 GEMM at the heuristic's config and at every swept tile config, in CUDA graphs that
+   rotate over more weight than L2 holds; floors at the copy bandwidth measured in the same run. Prints the
+   per-(projection, M) summary, the per-step totals and a suggested `TUNED` table (all rows in the JSON).
 
 1. gemm: each projection of the preset (qkv, o, gate_up, down) at M = 1 / 8 / 64 inside a CUDA graph
    (triton.testing.do_bench_cudagraph): bf16 F.linear, `torch._scaled_mm` alone (row-wise scales, the
-   activation already in e4m3), and kiln's whole FP8 linear (per-token quantization + _scaled_mm, eager
+   activation already in e4m3), and kiln's whole FP8 linear (per-token quantization + kiln::fp8_gemm, eager
    ops, so two kernels where the compiled model fuses the quantization into the norm/SiLU kernel before
    it). Floors: weight bytes / 4.3 TB/s (H200 HBM3e, nominal), for e4m3 and bf16.
 2. decode: mean engine step while `batch` requests decode (128-token prompts), bf16 then fp8, the same
@@ -15,7 +20,13 @@ another fails:
    workload), greedy, EOS ignored; output tokens/s, bf16 then fp8.
 
     python -m benchmarks.bench_fp8 --json fp8.json                       # H200: llama3-8b, ~5-6 min cold
-    python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --requests 4 --json /tmp/fp8.json  # smoke
+    python -m benchmarks.bench_fp8 --parts kernels --json k.json         # H200: the kernel sweep, ~1.5-2 min
+    python -m benchmarks.bench_fp8 --parts decode --fp8-paths triton cublas --requests 0 --json d.json
+    python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --backend torch --requests 4 --json /tmp/fp8.json
+    python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --parts kernels --kernel-m 1 16 --json /tmp/k.json
+
+The decode and throughput parts run bf16, then FP8 once per --fp8-paths entry: "triton" is the default
+dispatch (kiln::fp8_gemm's Triton kernel up to TRITON_MAX_M tokens), "cublas" forces _scaled_mm everywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -31,10 +43,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks import fp8_kernel_sweep
 from benchmarks.bench_gpu import throughput_workload
 from benchmarks.common import decode_step_seconds, stamp, table
 from kiln import Runtime, SamplingParams
 from kiln.models.loader.presets import PRESETS
+from kiln.models.quant import fp8_gemm
 from kiln.models.quant.fp8 import fp8_linear, quantize_per_token, quantize_weight
 
 HBM_BYTES_PER_S = 4.3e12
@@ -117,8 +131,49 @@ def weight_gb(rt: Runtime) -> float:
     return sum(p.numel() * p.element_size() for p in params) / 1e9
 
 
-def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dict[str, str]) -> tuple[list, list]:
+def kernel_part(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
+    """The kernel sweep; on CPU its Triton kernel runs under the interpreter (the flag only for this part)."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        shapes = projection_shapes(args.preset)
+        result = fp8_kernel_sweep.kernel_table(shapes, args.device, tuple(args.kernel_m), args.kernel_budget_s,
+                                               errors)
+        layers = PRESETS[args.preset]["num_hidden_layers"]
+        result["step_totals"] = fp8_kernel_sweep.step_totals(result["summary"], layers)
+        return result
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def print_kernels(kernels: dict[str, Any]) -> None:
+    print(f"copy bandwidth {kernels['copy_gb_per_s']:.0f} GB/s; sweep {kernels['seconds']:.0f} s"
+          + (f"; skipped (budget): {kernels['skipped']}" if kernels["skipped"] else ""))
+    cfg = (lambda c: f"{c['block_n']}x{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"
+           if c else "-")
+    print(table(["proj", "M", "bf16 us", "_scaled_mm us", "triton auto us", "triton best us", "best config",
+                 "best GB/s", "fp8 floor us", "best x floor", "_scaled_mm / best", "auto / best"],
+                [[r["proj"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["auto_us"], r["best_us"],
+                  cfg(r["best_config"]), r["best_gb_per_s"], r["fp8_floor_us"], r["best_us"] / r["fp8_floor_us"],
+                  r["scaled_mm_us"] / r["best_us"], r["auto_us"] / r["best_us"]] for r in kernels["summary"]]))
+    print(table(["M", "projections", "bf16 ms/step", "_scaled_mm ms/step", "triton auto ms/step",
+                 "triton best ms/step", "fp8 floor ms/step"],
+                [[r["M"], r["projections"], r["bf16_ms"], r["scaled_mm_ms"], r["auto_ms"], r["best_ms"],
+                  r["fp8_floor_ms"]] for r in kernels["step_totals"]]))
+    print(kernels["suggested_tuned"])
+
+
+def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dict[str, str],
+                 fp8_path: str = "triton") -> tuple[list, list]:
     label = quantization or "bf16"
+    if quantization:
+        label = f"{quantization}-{fp8_path}"
+        # read per call by kiln::fp8_gemm; set before the build so its CUDA graphs capture this path
+        fp8_gemm.TRITON_MAX_M = 0 if fp8_path == "cublas" else args.triton_max_m
     decode, tput = [], []
     try:
         rt, build_s = build(args, quantization)
@@ -163,7 +218,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256, help="offline throughput requests (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--parts", nargs="+", default=["gemm", "decode", "throughput"])
+    parser.add_argument("--parts", nargs="+", default=["gemm", "decode", "throughput"],
+                        choices=["kernels", "gemm", "decode", "throughput"])
+    parser.add_argument("--kernel-m", type=int, nargs="+", default=list(fp8_kernel_sweep.KERNEL_M))
+    parser.add_argument("--kernel-budget-s", type=float, default=120.0,
+                        help="kernel sweep: no new projection is started after this many seconds")
+    parser.add_argument("--fp8-paths", nargs="+", default=["triton"], choices=["triton", "cublas"])
+    parser.add_argument("--no-bf16", action="store_true", help="decode/throughput: FP8 runs only (no bf16 build)")
+    parser.add_argument("--triton-max-m", type=int, default=fp8_gemm.TRITON_MAX_M)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if "throughput" not in args.parts:
@@ -171,6 +233,12 @@ def main() -> None:
     print(stamp(), flush=True)
     errors: dict[str, str] = {}
     result: dict[str, Any] = {"stamp": stamp(), "preset": args.preset, "args": vars(args), "errors": errors}
+    if "kernels" in args.parts:
+        try:
+            result["kernels"] = kernel_part(args, errors)
+        except Exception:
+            errors["kernels"] = traceback.format_exc(limit=8)
+            print(errors["kernels"], flush=True)
     if "gemm" in args.parts:
         try:
             result["gemm"] = gemm_rows(args)
@@ -181,24 +249,27 @@ def main() -> None:
     if "decode" in args.parts or args.requests:
         if "decode" not in args.parts:
             args.batches = []
-        for quantization in (None, "fp8"):
-            d, t = runtime_rows(args, quantization, errors)
+        runs = ([] if args.no_bf16 else [(None, "triton")]) + [("fp8", p) for p in args.fp8_paths]
+        for quantization, path in runs:
+            d, t = runtime_rows(args, quantization, errors, path)
             decode += d
             tput += t
     result.update(decode=decode, throughput=tput)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if result.get("kernels"):
+        print_kernels(result["kernels"])
     if result.get("gemm"):
         print(table(["proj", "K", "N", "M", "bf16 us", "_scaled_mm us", "fp8 linear us", "fp8 floor us",
                      "x fp8 floor", "bf16/fp8"],
                     [[r["proj"], r["K"], r["N"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["fp8_linear_us"],
                       r["fp8_floor_us"], r["x_fp8_floor"], r["speedup"]] for r in result["gemm"]]))
-    bf16 = {r["batch"]: r for r in decode if r["weights"] == "bf16"}
     if decode:
-        print(table(["weights", "batch", "step ms", "tok/s", "x bf16 tok/s"],
+        base = {w: {r["batch"]: r["tokens_per_s"] for r in decode if r["weights"] == w} for w in ("bf16", "fp8-cublas")}
+        print(table(["weights", "batch", "step ms", "tok/s", "x bf16 tok/s", "x fp8-cublas tok/s"],
                     [[r["weights"], r["batch"], r["step_ms"], r["tokens_per_s"],
-                      r["tokens_per_s"] / bf16[r["batch"]]["tokens_per_s"] if r["batch"] in bf16 else float("nan")]
+                      *(r["tokens_per_s"] / b[r["batch"]] if r["batch"] in b else float("nan") for b in base.values())]
                      for r in decode]))
     if tput:
         base = next((r["output_tokens_per_s"] for r in tput if r["weights"] == "bf16"), float("nan"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
-from kiln.models.quant.fp8 import FP8_DTYPE, dequantize, fp8_linear, quantize_weight
+from kiln.models.quant.fp8 import FP8_DTYPE, dequantize, fp8_linear, quantize_per_token, quantize_weight
 from tests.conftest import random_prompts
 
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
@@ -39,3 +39,95 @@ def test_compiled_graphed_fp8_matches_eager_fp8() -> None:
     got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
     # bf16 kernels differ between eager and Inductor, so allow a late divergence; the first tokens must agree
     assert sum(a[:4] == b[:4] for a, b in zip(got, expected)) >= len(prompts) - 1, (got, expected)
+
+
+# --- kiln's Triton FP8 GEMM (kiln::fp8_gemm's small-M path) ------------------------------------------------
+
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def count_triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The M of every call kiln::fp8_gemm makes to the Triton kernel from now on (the op looks it up per call)."""
+    from kiln.models.quant import fp8_kernel
+
+    calls: list[int] = []
+    original = fp8_kernel.fp8_gemm_triton
+
+    def counted(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_kernel, "fp8_gemm_triton", counted)
+    return calls
+
+
+@pytest.mark.parametrize("proj", sorted(LLAMA3_8B))
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
+def test_triton_fp8_gemm_matches_scaled_mm_at_llama_shapes(proj: str, m: int) -> None:
+    from kiln.models.quant.fp8_gemm import scaled_mm
+    from kiln.models.quant.fp8_kernel import fp8_gemm_triton
+
+    n, k = LLAMA3_8B[proj]
+    g = torch.Generator(device="cuda").manual_seed(m)
+    wq, ws = quantize_weight((torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16())
+    xq, xs = quantize_per_token(torch.randn(m, k, device="cuda", generator=g).bfloat16())
+    got = fp8_gemm_triton(xq, wq, xs, ws, torch.bfloat16)  # the heuristic's config
+    expected = scaled_mm(xq, wq, xs, ws, torch.bfloat16)
+    # the same fp32 products summed in another order, then one bf16 rounding each: at most ~1 bf16 ulp apart
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2.0**-7, atol=1e-3 * expected.abs().max().item())
+    reference = (xq.double() @ wq.double().t()) * xs.double() * ws.double()
+    assert ((got.double() - reference).norm() / reference.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("m", [3, 64])
+def test_every_swept_tile_config_is_correct(m: int) -> None:
+    """The tiles bench_fp8's sweep may put into fp8_kernel.TUNED, each with and without split-K."""
+    from benchmarks.fp8_kernel_sweep import candidate_tiles
+    from kiln.models.quant.fp8_gemm import scaled_mm
+    from kiln.models.quant.fp8_kernel import Fp8GemmConfig, fp8_gemm_triton
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    wq, ws = quantize_weight((torch.randn(4096, 4096, device="cuda", generator=g) * 0.02).bfloat16())
+    xq, xs = quantize_per_token(torch.randn(m, 4096, device="cuda", generator=g).bfloat16())
+    expected = scaled_mm(xq, wq, xs, ws, torch.bfloat16).float()
+    for tile in candidate_tiles():
+        for split in (1, 4):
+            config = Fp8GemmConfig(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages)
+            got = fp8_gemm_triton(xq, wq, xs, ws, torch.bfloat16, config).float()
+            torch.testing.assert_close(got, expected, rtol=2.0**-7, atol=1e-3 * expected.abs().max().item(),
+                                       msg=lambda text, c=config: f"{c}: {text}")
+
+
+def test_fp8_linear_dispatches_on_m(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.models.quant import fp8_gemm
+
+    calls = count_triton_calls(monkeypatch)
+    monkeypatch.setattr(fp8_gemm, "TRITON_MAX_M", 16)
+    w = (torch.randn(512, 256, device="cuda") * 0.02).bfloat16()
+    wq, ws = quantize_weight(w)
+    for m in (1, 16, 17, 100):
+        fp8_linear(torch.randn(m, 256, device="cuda").bfloat16(), wq, ws)
+    assert calls == [1, 16]
+
+
+def test_greedy_tokens_match_between_triton_and_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled, CUDA-graphed FP8 model with the Triton small-M GEMM against the same model on _scaled_mm only."""
+    from kiln.models.quant import fp8_gemm
+
+    calls = count_triton_calls(monkeypatch)
+    prompts = random_prompts([1, 5, 17, 40, 9, 26], 49152, seed=7)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", dtype="bf16", load_format="dummy", quantization="fp8", level=2,
+                  cudagraph_capture_sizes=(1, 2, 4, 8), gpu_memory_utilization=0.3, attention_backend="triton")
+    monkeypatch.setattr(fp8_gemm, "TRITON_MAX_M", 0)
+    cublas = Runtime("smollm2-135m", **common)
+    expected = [o.outputs[0].token_ids for o in cublas.generate(prompts, params)]
+    del cublas
+    assert not calls
+    monkeypatch.setattr(fp8_gemm, "TRITON_MAX_M", 64)
+    triton_rt = Runtime("smollm2-135m", **common)
+    got = [o.outputs[0].token_ids for o in triton_rt.generate(prompts, params)]
+    assert calls and max(calls) <= 64  # the kernel ran (decode steps, short prefills) and only for small M
+    # both paths round the same fp32 products to bf16 after summing in different orders, so a last-bit
+    # difference may flip a near-tie late in a random-weight model; the opening tokens must agree
+    assert sum(a[:8] == b[:8] for a, b in zip(got, expected)) >= len(prompts) - 1, (got, expected)

@@ -7,8 +7,9 @@ quantized per token at run time ("dynamic"), or with the checkpoint's static per
 The activation quantization is plain torch on purpose: amax -> scale -> divide -> cast are element-wise
 and reduction ops that Inductor fuses into the kernel that produced the activation (the RMSNorm, the
 SiLU-mul), so no separate quantization kernel or fusion pass is needed for that. The GEMM is
-`torch._scaled_mm` with row-wise scales, an aten op that Dynamo traces and Inductor keeps as an extern
-kernel inside the compiled pieces (and CUDA graphs capture).
+`torch._scaled_mm` with row-wise scales on CPU (an aten op that Dynamo traces and Inductor keeps as an
+extern kernel) and, on CUDA, the `kiln::fp8_gemm` custom op (fp8_gemm.py), which runs kiln's Triton kernel
+for decode-sized M and `_scaled_mm` otherwise; CUDA graphs capture either.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kiln.models.quant.fp8_gemm import scaled_mm
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -60,9 +63,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2 = x.reshape(-1, shape[-1])
     q, x_scale = quantize_per_token(x2) if input_scale is None else quantize_static(x2, input_scale)
     # row-wise scaled GEMMs on CUDA produce bf16 only; the CPU kernel also takes fp32 (the CI models)
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
-                         out_dtype=out_dtype).to(x.dtype)
+    if x.is_cuda:  # kiln::fp8_gemm picks the Triton kernel (small M) or _scaled_mm at run time
+        y = torch.ops.kiln.fp8_gemm(q, weight, x_scale, weight_scale, torch.bfloat16).to(x.dtype)
+    else:
+        y = scaled_mm(q, weight, x_scale, weight_scale, x.dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], y.shape[-1])

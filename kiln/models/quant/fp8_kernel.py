@@ -1,0 +1,178 @@
+"""A Triton FP8 GEMM for decode-sized M: out[m, n] = (sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n].
+
+Why it exists (issue 17): at decode, M (tokens) is 1..64 and the GEMM only has to stream the e4m3 weight
+once, so its floor is weight bytes / copy bandwidth. cuBLAS's row-wise `_scaled_mm` picks one
+128x128-tile kernel for every small M on the H200 and ran no faster than bf16 (3.75 ms vs 4.03 ms per
+Llama-3-8B step at M=1, floor ~1.7 ms): too few tiles to keep 132 SMs streaming. This kernel reads the
+same quantized operands (the activation quantized by the same torch code, so results do not depend on
+which path ran) and fills the GPU with small N tiles and, where N alone is too few tiles, split-K.
+
+Shape of the kernel ("swap AB"): each program computes a [BLOCK_N, BLOCK_M] tile as tl.dot(W tile,
+X tile^T), so the weight rows take the MMA's large M side (64 on Hopper's wgmma) and the few tokens its
+small N side (padded to 16 with masks). Both operands are K-contiguous, the layout fp8 MMAs want.
+Split-K writes fp32 partials [SPLIT_K, M, N] and a second tiny kernel sums them in a fixed order, applies
+the scales and casts: deterministic, unlike atomics, at the cost of SPLIT_K * M * N * 8 bytes of traffic
+(small next to the weight at decode M, and mostly L2-resident; the sweep shows where split-K pays).
+
+Tile configs are chosen per shape by `pick_config` (a rule plus the `TUNED` table filled from an H200 sweep,
+benchmarks/bench_fp8.py --parts kernels), never autotuned at run time: the op runs inside CUDA graphs and
+compiled pieces, where a first-call benchmark would be captured or would cost start-up time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """One tile configuration. block_n / block_k: the weight tile each program streams per step; split_k:
+    programs along K per output tile; num_warps / num_stages: Triton's launch and pipelining depth."""
+
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# (N, K, largest M) -> config, measured on an H200 (benchmarks/bench_fp8.py --parts kernels). The first
+# entry whose N, K match and whose largest M is >= M wins; shapes not listed fall back to the rule below.
+TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {}
+
+# Programs per SM the rule aims for: two resident programs each keep several weight tiles in flight.
+_PROGRAMS_PER_SM = 2
+# Split-K is not taken below this many BLOCK_K steps per split: the pipeline needs a few to fill.
+_MIN_K_STEPS_PER_SPLIT = 4
+
+
+def block_m_for(m: int) -> int:
+    """Tokens per tile: the MMA's small side, at least 16 (the smallest tl.dot), at most 64."""
+    return min(64, max(16, triton.next_power_of_2(m)))
+
+
+def pick_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConfig:
+    """The tile config for an [M, K] x [N, K]^T GEMM on a GPU with num_sms SMs."""
+    for (tn, tk, max_m), config in TUNED.items():
+        if tn == n and tk == k and m <= max_m:
+            return config
+    block_n, block_k = 64, 256
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m_for(m))
+    split = 1
+    while (tiles * split * 2 <= num_sms * _PROGRAMS_PER_SM
+           and k // (split * 2) >= _MIN_K_STEPS_PER_SPLIT * block_k):
+        split *= 2
+    return Fp8GemmConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; an H200's 132 elsewhere (the CPU interpreter, where only correctness counts)."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# M is not specialized (Triton would compile M == 1 and M % 16 == 0 apart): fewer compiles at start-up,
+# where every CUDA-graph size runs once, for no loss (M only masks the few activation rows)
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
+    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
+    k_lo = pid_k * k_steps * BLOCK_K
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * s_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + (k_lo + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(0, k_steps):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = (k_lo + step * BLOCK_K + offs_k) < K
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    out_offs = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
+    if SPLIT:
+        tl.store(out_ptr + pid_k.to(tl.int64) * s_op + out_offs, acc, mask=out_mask)
+    else:
+        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+        ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+        y = acc * xs[None, :] * ws[:, None]
+        tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_reduce_kernel(p_ptr, xs_ptr, ws_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = (sum over splits, in order, of partial[s, m, n]) * x_scale[m] * w_scale[n]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * M * N + offs, mask=mask, other=0.0)
+    m = offs // N
+    n = offs % N
+    xs = tl.load(xs_ptr + m, mask=mask, other=0.0)
+    ws = tl.load(ws_ptr + n, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, (acc * xs * ws).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
+                    out_dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> torch.Tensor:
+    """q [M, K] e4m3, weight [N, K] e4m3, x_scale [M, 1] (or [M]) fp32, weight_scale [N] fp32 -> [M, N]."""
+    m, k = q.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={k} of the activation")
+    if q.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("q/weight: the K dimension must be contiguous")
+    config = config or pick_config(m, n, k, num_sms(q.device))
+    x_scale = x_scale.reshape(-1).float().contiguous()
+    weight_scale = weight_scale.reshape(-1).float().contiguous()
+    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
+    if m == 0 or n == 0:
+        return out
+    block_m = block_m_for(m)
+    # every split covers a whole number of BLOCK_K steps; only the last may run past K (masked loads)
+    split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
+    k_steps = triton.cdiv(triton.cdiv(k, split), config.block_k)
+    split = triton.cdiv(k, k_steps * config.block_k)
+    even_k = k % (k_steps * config.block_k) == 0
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
+    _fp8_gemm_kernel[grid](q, weight, x_scale, weight_scale, target, m, n, k, k_steps,
+                           q.stride(0), weight.stride(0), n, m * n,
+                           BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split > 1,
+                           EVEN_K=even_k, EVEN_N=n % config.block_n == 0,
+                           num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, x_scale, weight_scale, out, m, n,
+                                                             SPLIT_K=split, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,158 @@
+"""kiln's Triton FP8 GEMM (kiln/models/quant/fp8_kernel.py) against a float64 reference of the same formula, and
+the `kiln::fp8_gemm` op's CPU path against `_scaled_mm`. Without a GPU the kernel runs under Triton's CPU
+interpreter (TRITON_INTERPRET=1), which executes float8 tl.dot; on a GPU the same tests run compiled."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_KERNEL_MODULE = "kiln.models.quant.fp8_kernel"
+
+if DEVICE == "cpu":
+    # the flag is read when a kernel is decorated and while it runs: define the kernels interpreted here, and
+    # set it during each test only (see the fixture), so the rest of the session never sees it
+    _previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        if _KERNEL_MODULE in sys.modules:
+            importlib.reload(sys.modules[_KERNEL_MODULE])
+        else:
+            importlib.import_module(_KERNEL_MODULE)
+    finally:
+        if _previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _previous
+
+from kiln.models.quant.fp8 import quantize_per_token, quantize_weight  # noqa: E402
+from kiln.models.quant.fp8_gemm import scaled_mm  # noqa: E402
+from kiln.models.quant.fp8_kernel import Fp8GemmConfig, block_m_for, fp8_gemm_triton, pick_config  # noqa: E402
+
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random e4m3 activations/weights with their scales, quantized by kiln's own helpers."""
+    g = torch.Generator().manual_seed(seed)
+    wq, ws = quantize_weight(torch.randn(n, k, generator=g) * 0.05)
+    xq, xs = quantize_per_token(torch.randn(m, k, generator=g))
+    return tuple(t.to(DEVICE) for t in (xq, wq, xs, ws))
+
+
+def reference(xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """The formula in float64: (xq @ wq^T) * x_scale[m] * w_scale[n]; e4m3 values are exact in float64."""
+    return (xq.double() @ wq.double().t()) * xs.double().reshape(-1, 1) * ws.double().reshape(1, -1)
+
+
+# (M, N, K, config): M below/at/above the 16-row tile and over 64 (several M tiles); N and K that are not
+# multiples of the tile; split-K that divides K evenly, unevenly, and with an empty last split
+CASES = [
+    (1, 64, 256, Fp8GemmConfig(block_n=64, block_k=128, split_k=1)),
+    (3, 80, 300, Fp8GemmConfig(block_n=32, block_k=64, split_k=1)),
+    (16, 96, 512, Fp8GemmConfig(block_n=32, block_k=64, split_k=4)),
+    (17, 96, 520, Fp8GemmConfig(block_n=64, block_k=64, split_k=3)),
+    (33, 40, 200, Fp8GemmConfig(block_n=32, block_k=32, split_k=5)),
+    (70, 48, 128, Fp8GemmConfig(block_n=32, block_k=64, split_k=2)),
+    (5, 128, 1024, None),  # the heuristic's own choice
+]
+
+
+@pytest.mark.parametrize("m,n,k,config", CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}" for c in CASES])
+def test_kernel_matches_float64_reference(m: int, n: int, k: int, config: Fp8GemmConfig | None) -> None:
+    xq, wq, xs, ws = operands(m, n, k, seed=m * 7 + k)
+    got = fp8_gemm_triton(xq, wq, xs, ws, torch.float32, config)
+    expected = reference(xq, wq, xs, ws)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    # fp32 accumulation over K terms: a few ulps of the row's magnitude
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_kernel_bf16_output_is_the_rounded_fp32_result() -> None:
+    xq, wq, xs, ws = operands(9, 72, 384, seed=3)
+    config = Fp8GemmConfig(block_n=32, block_k=64, split_k=2)
+    got = fp8_gemm_triton(xq, wq, xs, ws, torch.bfloat16, config)
+    expected = reference(xq, wq, xs, ws)
+    assert got.dtype == torch.bfloat16
+    # one bf16 rounding of the fp32 result: round-to-nearest on the GPU (half an ulp, 2^-8 relative); the CPU
+    # interpreter's fp32 -> bf16 cast truncates (up to a whole ulp, 2^-7)
+    ulps = 0.5 if DEVICE == "cuda" else 1.0
+    torch.testing.assert_close(got.double(), expected, rtol=ulps * 2.0**-7 + 1e-5, atol=1e-6)
+
+
+def test_kernel_agrees_with_scaled_mm_on_the_same_operands() -> None:
+    xq, wq, xs, ws = operands(12, 96, 640, seed=11)
+    got = fp8_gemm_triton(xq, wq, xs, ws, torch.float32, Fp8GemmConfig(block_n=32, block_k=64, split_k=3))
+    out_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    expected = scaled_mm(xq, wq, xs, ws, out_dtype).float()
+    rtol = 2.0**-8 if DEVICE == "cuda" else 1e-5
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=rtol * expected.abs().max().item())
+
+
+def test_split_k_reduction_is_deterministic() -> None:
+    xq, wq, xs, ws = operands(4, 64, 1024, seed=5)
+    config = Fp8GemmConfig(block_n=32, block_k=64, split_k=4)
+    first = fp8_gemm_triton(xq, wq, xs, ws, torch.float32, config)
+    assert all(torch.equal(first, fp8_gemm_triton(xq, wq, xs, ws, torch.float32, config)) for _ in range(2))
+
+
+def test_mismatched_k_is_named() -> None:
+    xq, wq, xs, ws = operands(2, 32, 128, seed=0)
+    with pytest.raises(ValueError, match="weight"):
+        fp8_gemm_triton(xq, wq[:, :64], xs, ws, torch.float32)
+
+
+@pytest.mark.parametrize("proj", sorted(LLAMA3_8B))
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_heuristic_fills_an_h200_without_tiny_splits(proj: str, m: int) -> None:
+    n, k = LLAMA3_8B[proj]
+    config = pick_config(m, n, k, num_sms=132)
+    tiles = -(-n // config.block_n) * -(-m // block_m_for(m))
+    assert tiles * config.split_k >= 132, (proj, m, config)  # at least one program per SM
+    assert k // config.split_k >= 4 * config.block_k  # every split pipelines over a few K steps
+
+
+def test_op_on_cpu_is_scaled_mm() -> None:
+    from kiln.models.quant import fp8_gemm  # noqa: F401 - registers kiln::fp8_gemm
+
+    g = torch.Generator().manual_seed(1)
+    wq, ws = quantize_weight(torch.randn(24, 64, generator=g))
+    xq, xs = quantize_per_token(torch.randn(5, 64, generator=g))
+    got = torch.ops.kiln.fp8_gemm(xq, wq, xs, ws, torch.float32)
+    assert torch.equal(got, scaled_mm(xq, wq, xs, ws, torch.float32))
+    # the fake (what Dynamo traces) agrees with the real op; opcheck's schema test cannot multiply e4m3 on CPU
+    torch.library.opcheck(torch.ops.kiln.fp8_gemm.default, (xq, wq, xs, ws, torch.float32),
+                          test_utils=("test_faketensor",))
+
+
+@pytest.mark.parametrize("block_m,split", [(16, False), (64, True)])
+def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool) -> None:
+    """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
+    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", str(block_m), str(int(split))],
+                          capture_output=True, text=True, env=env, timeout=300, check=False,
+                          cwd=Path(__file__).resolve().parents[2])
+    if proc.returncode != 0 and "ptxas" in proc.stderr:
+        pytest.skip("no ptxas in this Triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"], ptx
+    stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
+    assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer
