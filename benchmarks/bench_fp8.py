@@ -55,13 +55,18 @@ HBM_BYTES_PER_S = 4.3e12
 PROMPT_LEN = 128
 
 
-def projection_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """name -> (K, N) of the preset's four projections (no tensor parallelism)."""
+def projection_shapes(preset: str, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """name -> (K, N) of the preset's four projections; with tp > 1 also one rank's shards ("qkv/tp2": column
+    parallel projections split N, row parallel ones K)."""
     cfg = PRESETS[preset]
     h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     d = cfg.get("head_dim", h // heads)
     kv = cfg["num_key_value_heads"]
-    return {"qkv": (h, (heads + 2 * kv) * d), "o": (heads * d, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+    full = {"qkv": (h, (heads + 2 * kv) * d), "o": (heads * d, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+    if tp > 1:
+        full |= {f"{name}/tp{tp}": (k // tp, n) if name in ("o", "down") else (k, n // tp)
+                 for name, (k, n) in list(full.items())}
+    return full
 
 
 def time_us(fn: Callable[[], Any], device: str) -> float:
@@ -137,7 +142,7 @@ def kernel_part(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, A
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        shapes = projection_shapes(args.preset)
+        shapes = projection_shapes(args.preset, args.kernel_tp)
         result = fp8_kernel_sweep.kernel_table(shapes, args.device, tuple(args.kernel_m), args.kernel_budget_s,
                                                errors)
         layers = PRESETS[args.preset]["num_hidden_layers"]
@@ -160,10 +165,16 @@ def print_kernels(kernels: dict[str, Any]) -> None:
                 [[r["proj"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["auto_us"], r["best_us"],
                   cfg(r["best_config"]), r["best_gb_per_s"], r["fp8_floor_us"], r["best_us"] / r["fp8_floor_us"],
                   r["scaled_mm_us"] / r["best_us"], r["auto_us"] / r["best_us"]] for r in kernels["summary"]]))
-    print(table(["M", "projections", "bf16 ms/step", "_scaled_mm ms/step", "triton auto ms/step",
-                 "triton best ms/step", "fp8 floor ms/step"],
-                [[r["M"], r["projections"], r["bf16_ms"], r["scaled_mm_ms"], r["auto_ms"], r["best_ms"],
-                  r["fp8_floor_ms"]] for r in kernels["step_totals"]]))
+    print(table(["proj", "M", "cuBLAS bf16 us", "triton bf16 auto us", "triton bf16 best us", "best config",
+                 "cuBLAS / best"],
+                [[r["proj"], r["M"], r["bf16_us"], r["bf16_triton_auto_us"], r["bf16_triton_best_us"],
+                  cfg(r["bf16_triton_best_config"]), r["bf16_us"] / r["bf16_triton_best_us"]]
+                 for r in kernels["summary"]]))
+    print(table(["shard", "M", "projections", "bf16 ms/step", "triton bf16 auto", "triton bf16 best",
+                 "_scaled_mm ms/step", "triton auto ms/step", "triton best ms/step", "fp8 floor ms/step"],
+                [[r["shard"], r["M"], r["projections"], r["bf16_ms"], r["bf16_triton_auto_ms"],
+                  r["bf16_triton_best_ms"], r["scaled_mm_ms"], r["auto_ms"], r["best_ms"], r["fp8_floor_ms"]]
+                 for r in kernels["step_totals"]]))
     print(kernels["suggested_tuned"])
 
 
@@ -221,6 +232,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["gemm", "decode", "throughput"],
                         choices=["kernels", "gemm", "decode", "throughput"])
     parser.add_argument("--kernel-m", type=int, nargs="+", default=list(fp8_kernel_sweep.KERNEL_M))
+    parser.add_argument("--kernel-tp", type=int, default=1, help="kernel sweep: also one rank's shards at this TP")
     parser.add_argument("--kernel-budget-s", type=float, default=120.0,
                         help="kernel sweep: no new projection is started after this many seconds")
     parser.add_argument("--fp8-paths", nargs="+", default=["triton"], choices=["triton", "cublas"])

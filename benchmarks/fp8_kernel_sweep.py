@@ -73,12 +73,17 @@ def copy_gb_per_s(device: str) -> float:
     return 2 * size / us / 1e3
 
 
-def sweep_configs(m: int, n: int, k: int) -> list[Any]:
+def candidate_bf16_tiles() -> list[Any]:
+    """The 16-bit operand tiles: the FP8 ones with half the K tile (the same bytes per pipeline step)."""
+    return [type(t)(t.block_n, t.block_k // 2, 1, t.num_warps, t.num_stages) for t in candidate_tiles()]
+
+
+def sweep_configs(m: int, n: int, k: int, tiles_of: Callable[[], list[Any]] = candidate_tiles) -> list[Any]:
     """Every candidate tile at every split that leaves each split a few K steps and the grid not absurd."""
     from kiln.models.quant.fp8_kernel import block_m_for
 
     configs = []
-    for tile in candidate_tiles():
+    for tile in tiles_of():
         tiles = math.ceil(n / tile.block_n) * math.ceil(m / block_m_for(m))
         for split in SPLITS:
             if split == 1 or (k // split >= 2 * tile.block_k and tiles * split <= 8 * 132):
@@ -87,12 +92,12 @@ def sweep_configs(m: int, n: int, k: int) -> list[Any]:
 
 
 def shape_rows(proj: str, n: int, k: int, device: str, floor_bw: float, ms: tuple[int, ...],
-               errors: dict[str, str]) -> list[dict]:
+               errors: dict[str, str], fp8: bool = True) -> list[dict]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     copies = max(1, math.ceil(ROTATE_BYTES / (n * k))) if device == "cuda" else 1
     w = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(min(copies, 2))]
     w = [w[i % len(w)].clone() for i in range(copies)]  # distinct storage; content need not differ
-    quant = [quantize_weight(t) for t in w]
+    quant = [quantize_weight(t) for t in w] if fp8 else []
     rows: list[dict] = []
     for m in ms:
         rows += m_rows(proj, m, w, quant, floor_bw, errors)
@@ -103,7 +108,7 @@ def shape_rows(proj: str, n: int, k: int, device: str, floor_bw: float, ms: tupl
 def m_rows(proj: str, m: int, w: list[torch.Tensor], quant: list[tuple[torch.Tensor, torch.Tensor]],
            floor_bw: float, errors: dict[str, str]) -> list[dict]:
     """One projection at M tokens: bf16, _scaled_mm, the heuristic's Triton config and every swept one."""
-    from kiln.models.quant.fp8_kernel import fp8_gemm_triton, num_sms, pick_config
+    from kiln.models.quant.fp8_kernel import bf16_gemm_triton, fp8_gemm_triton, num_sms, pick_config
 
     (n, k), dtype, device = w[0].shape, w[0].dtype, w[0].device.type
     x = torch.randn(m, k, device=device, dtype=dtype)
@@ -121,12 +126,18 @@ def m_rows(proj: str, m: int, w: list[torch.Tensor], quant: list[tuple[torch.Ten
                          gb_per_s=weight_bytes / us / 1e3, floor_us=floor_us, x_floor=us / floor_us))
 
     record("bf16_mm", None, [lambda t=t: torch.mm(x, t.t()) for t in w], 2 * n * k)
-    record("scaled_mm", None, [lambda q=q: scaled_mm(xq, q[0], xs, q[1], dtype) for q in quant], n * k)
-    auto = pick_config(m, n, k, num_sms(xq.device))
-    for config in [auto, *sweep_configs(m, n, k)]:
-        label = "triton_auto" if config is auto else "triton"
-        record(label, asdict(config),
-               [lambda q=q, c=config: fp8_gemm_triton(xq, q[0], xs, q[1], dtype, c) for q in quant], n * k)
+    if quant:
+        record("scaled_mm", None, [lambda q=q: scaled_mm(xq, q[0], xs, q[1], dtype) for q in quant], n * k)
+        auto = pick_config(m, n, k, num_sms(xq.device))
+        for config in [auto, *sweep_configs(m, n, k)]:
+            label = "triton_auto" if config is auto else "triton"
+            record(label, asdict(config),
+                   [lambda q=q, c=config: fp8_gemm_triton(xq, q[0], xs, q[1], dtype, c) for q in quant], n * k)
+    if device == "cuda":  # the same kernel on the bf16 weight, against cuBLAS's bf16 (the interpreter: no bf16)
+        auto = pick_config(m, n, k, num_sms(x.device), 2)
+        for config in [auto, *sweep_configs(m, n, k, candidate_bf16_tiles)]:
+            label = "bf16triton_auto" if config is auto else "bf16triton"
+            record(label, asdict(config), [lambda t=t, c=config: bf16_gemm_triton(x, t, c) for t in w], 2 * n * k)
     return rows
 
 
@@ -135,11 +146,16 @@ def summary(rows: list[dict]) -> list[dict]:
     out = []
     for key in sorted({(r["proj"], r["M"]) for r in rows}, key=lambda pm: (pm[0], pm[1])):
         sel = [r for r in rows if (r["proj"], r["M"]) == key]
-        by = {r["kernel"]: r for r in sel if r["kernel"] != "triton"}
+        by = {r["kernel"]: r for r in sel if r["kernel"] not in ("triton", "bf16triton")}
         swept = [r for r in sel if r["kernel"].startswith("triton")]
         best = min(swept, key=lambda r: r["us"]) if swept else None
+        swept16 = [r for r in sel if r["kernel"].startswith("bf16triton")]
+        best16 = min(swept16, key=lambda r: r["us"]) if swept16 else None
         nan = float("nan")
         out.append(dict(proj=key[0], M=key[1], bf16_us=by.get("bf16_mm", {}).get("us", nan),
+                        bf16_triton_auto_us=by.get("bf16triton_auto", {}).get("us", nan),
+                        bf16_triton_best_us=best16["us"] if best16 else nan,
+                        bf16_triton_best_config=best16["config"] if best16 else None,
                         scaled_mm_us=by.get("scaled_mm", {}).get("us", nan),
                         auto_us=by.get("triton_auto", {}).get("us", nan),
                         best_us=best["us"] if best else nan, best_config=best["config"] if best else None,
@@ -171,8 +187,8 @@ def kernel_table(shapes: dict[str, tuple[int, int]], device: str, ms: tuple[int,
         if time.perf_counter() - start > budget_s:
             skipped.append(proj)
             continue
-        try:
-            rows += shape_rows(proj, n, k, device, bw, ms, errors)
+        try:  # tensor-parallel shards ("/tp2"): the bf16 comparison only
+            rows += shape_rows(proj, n, k, device, bw, ms, errors, fp8="/tp" not in proj)
         except Exception:
             errors[f"kernels {proj}"] = traceback.format_exc(limit=6)
             print(errors[f"kernels {proj}"], flush=True)
@@ -184,11 +200,15 @@ def kernel_table(shapes: dict[str, tuple[int, int]], device: str, ms: tuple[int,
 
 
 def step_totals(best: list[dict], layers: int) -> list[dict]:
-    """The four projections x layers per decode step, ms, per M: what the GEMMs of one step would take."""
+    """The four projections x layers per decode step, ms, per M (and per shard set: "" or "/tp2"): what the
+    GEMMs of one step would take."""
     out = []
-    for m in sorted({r["M"] for r in best}):
-        sel = [r for r in best if r["M"] == m]
-        total = {key: sum(r[key] for r in sel) * layers / 1e3
-                 for key in ("bf16_us", "scaled_mm_us", "auto_us", "best_us", "fp8_floor_us")}
-        out.append(dict(M=m, projections=len(sel), **{k.replace("_us", "_ms"): v for k, v in total.items()}))
+    for shard in sorted({r["proj"].partition("/")[2] for r in best}):
+        for m in sorted({r["M"] for r in best}):
+            sel = [r for r in best if r["M"] == m and r["proj"].partition("/")[2] == shard]
+            total = {key: sum(r[key] for r in sel) * layers / 1e3
+                     for key in ("bf16_us", "bf16_triton_auto_us", "bf16_triton_best_us", "scaled_mm_us", "auto_us",
+                                 "best_us", "fp8_floor_us")}
+            out.append(dict(shard=shard or "tp1", M=m, projections=len(sel),
+                            **{k.replace("_us", "_ms"): v for k, v in total.items()}))
     return out

@@ -22,7 +22,8 @@ def compile_sm90(block_m: int, split: bool) -> dict:
     signature = {name: "i32" for name in ("M", "N", "K", "k_steps", "s_xm", "s_wn", "s_om", "s_op")}
     signature |= {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
                   "out_ptr": "*fp32" if split else "*bf16"}
-    constexprs = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT": split, "EVEN_K": True, "EVEN_N": True}
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT": split, "EVEN_K": True, "EVEN_N": True,
+                  "SCALED": True}
     signature |= dict.fromkeys(constexprs, "constexpr")
     signature = {name: signature[name] for name in kernel.arg_names}
     # what Triton assumes at a launch on real shapes: 16-byte aligned pointers, sizes and strides divisible by 16

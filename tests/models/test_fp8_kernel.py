@@ -156,3 +156,26 @@ def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: 
     assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"], ptx
     stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
     assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 96, 200, Fp8GemmConfig(32, 64, 1, 4, 2)),
+    (5, 70, 256, Fp8GemmConfig(64, 64, 2, 4, 2)),
+    (17, 64, 130, Fp8GemmConfig(64, 32, 3, 4, 2)),
+])
+def test_bf16_path_matches_a_float64_matmul(m: int, n: int, k: int, config: Fp8GemmConfig) -> None:
+    """The same kernel on 16-bit operands without scales (the bf16 GEMV candidate): x @ w^T, fp32 accumulation,
+    with and without split-K and with N and K off the tile. bf16 on a GPU; fp16 under the CPU interpreter,
+    whose bf16 loads are wrong (numpy has no bf16: it returned values off by 1e11 for the fp32-exact inputs
+    that fp16 and fp32 get right), so there the same code runs on the other 16-bit type."""
+    from kiln.models.quant.fp8_kernel import bf16_gemm_triton
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEVICE)
+    out = bf16_gemm_triton(x, w, config)
+    want = x.double() @ w.double().t()
+    assert out.dtype == dtype and out.shape == (m, n)
+    # one 16-bit rounding of an fp32 sum (the interpreter's cast truncates: a whole ulp)
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=1e-3)

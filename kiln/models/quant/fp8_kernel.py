@@ -56,12 +56,14 @@ def block_m_for(m: int) -> int:
     return min(64, max(16, triton.next_power_of_2(m)))
 
 
-def pick_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConfig:
-    """The tile config for an [M, K] x [N, K]^T GEMM on a GPU with num_sms SMs."""
-    for (tn, tk, max_m), config in TUNED.items():
-        if tn == n and tk == k and m <= max_m:
-            return config
-    block_n, block_k = 64, 256
+def pick_config(m: int, n: int, k: int, num_sms: int, element_bytes: int = 1) -> Fp8GemmConfig:
+    """The tile config for an [M, K] x [N, K]^T GEMM on a GPU with num_sms SMs (TUNED holds FP8 shapes;
+    16-bit operands take the rule with half the K tile, the same bytes per step)."""
+    if element_bytes == 1:
+        for (tn, tk, max_m), config in TUNED.items():
+            if tn == n and tk == k and m <= max_m:
+                return config
+    block_n, block_k = 64, 256 // element_bytes
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m_for(m))
     split = 1
     while (tiles * split * 2 <= num_sms * _PROGRAMS_PER_SM
@@ -87,7 +89,7 @@ def num_sms(device: torch.device) -> int:
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
     are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
     pid_n = tl.program_id(0)
@@ -121,40 +123,56 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
     out_offs = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     if SPLIT:
         tl.store(out_ptr + pid_k.to(tl.int64) * s_op + out_offs, acc, mask=out_mask)
-    else:
+    elif SCALED:
         xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
         ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
         y = acc * xs[None, :] * ws[:, None]
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # bf16 operands: no scales
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_k_reduce_kernel(p_ptr, xs_ptr, ws_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _split_k_reduce_kernel(p_ptr, xs_ptr, ws_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                           SCALED: tl.constexpr):
     """out[m, n] = (sum over splits, in order, of partial[s, m, n]) * x_scale[m] * w_scale[n]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptr + s * M * N + offs, mask=mask, other=0.0)
-    m = offs // N
-    n = offs % N
-    xs = tl.load(xs_ptr + m, mask=mask, other=0.0)
-    ws = tl.load(ws_ptr + n, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, (acc * xs * ws).to(out_ptr.dtype.element_ty), mask=mask)
+    if SCALED:
+        xs = tl.load(xs_ptr + offs // N, mask=mask, other=0.0)
+        ws = tl.load(ws_ptr + offs % N, mask=mask, other=0.0)
+        acc = acc * xs * ws
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
                     out_dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """q [M, K] e4m3, weight [N, K] e4m3, x_scale [M, 1] (or [M]) fp32, weight_scale [N] fp32 -> [M, N]."""
+    x_scale = x_scale.reshape(-1).float().contiguous()
+    weight_scale = weight_scale.reshape(-1).float().contiguous()
+    return _small_m_gemm(q, weight, x_scale, weight_scale, out_dtype, config)
+
+
+def bf16_gemm_triton(x: torch.Tensor, weight: torch.Tensor, config: Fp8GemmConfig | None = None) -> torch.Tensor:
+    """The same kernel on 16-bit operands without scales: x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype.
+    Measured against cuBLAS by benchmarks/bench_fp8.py --parts kernels (bf16 rows, TP-sharded shapes too)."""
+    return _small_m_gemm(x, weight, None, None, x.dtype, config)
+
+
+def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
+                  weight_scale: torch.Tensor | None, out_dtype: torch.dtype,
+                  config: Fp8GemmConfig | None) -> torch.Tensor:
     m, k = q.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={k} of the activation")
     if q.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("q/weight: the K dimension must be contiguous")
-    config = config or pick_config(m, n, k, num_sms(q.device))
-    x_scale = x_scale.reshape(-1).float().contiguous()
-    weight_scale = weight_scale.reshape(-1).float().contiguous()
+    config = config or pick_config(m, n, k, num_sms(q.device), q.element_size())
+    scaled = x_scale is not None
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return out
@@ -166,13 +184,14 @@ def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor
     even_k = k % (k_steps * config.block_k) == 0
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
-    _fp8_gemm_kernel[grid](q, weight, x_scale, weight_scale, target, m, n, k, k_steps,
+    xs, ws = (x_scale, weight_scale) if scaled else (out, out)  # unread without scales
+    _fp8_gemm_kernel[grid](q, weight, xs, ws, target, m, n, k, k_steps,
                            q.stride(0), weight.stride(0), n, m * n,
                            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split > 1,
-                           EVEN_K=even_k, EVEN_N=n % config.block_n == 0,
+                           EVEN_K=even_k, EVEN_N=n % config.block_n == 0, SCALED=scaled,
                            num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, x_scale, weight_scale, out, m, n,
-                                                             SPLIT_K=split, BLOCK=block, num_warps=4)
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
+                                                             SPLIT_K=split, BLOCK=block, SCALED=scaled, num_warps=4)
     return out
