@@ -76,6 +76,10 @@ CASES = [
 
 @pytest.mark.parametrize("m,n,k,config", CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}" for c in CASES])
 def test_kernel_matches_float64_reference(m: int, n: int, k: int, config: Fp8GemmConfig | None) -> None:
+    if DEVICE == "cuda":  # seen on the H200, 2026-11-30: up to 1.7e-3 relative off float64 (imprecise accumulation)
+        pytest.skip("Hopper's fp8 MMA sums each group of products in reduced precision before the fp32 promotion, "
+                    "so fp32-exactness holds in the interpreter only; tests/gpu/test_fp8_gpu.py holds the GPU "
+                    "kernel to _scaled_mm and to float64 norm-wise")
     xq, wq, xs, ws = operands(m, n, k, seed=m * 7 + k)
     got = fp8_gemm_triton(xq, wq, xs, ws, torch.float32, config)
     expected = reference(xq, wq, xs, ws)
@@ -179,3 +183,19 @@ def test_bf16_path_matches_a_float64_matmul(m: int, n: int, k: int, config: Fp8G
     assert out.dtype == dtype and out.shape == (m, n)
     # one 16-bit rounding of an fp32 sum (the interpreter's cast truncates: a whole ulp)
     torch.testing.assert_close(out.double(), want, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=1e-3)
+
+
+def test_cpu_fallback_without_rowwise_scaled_mm_matches_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's CPU _scaled_mm takes per-tensor scales only; the fallback (the same e4m3 products in fp32,
+    scaled after) must give what the row-wise _scaled_mm gives where it exists."""
+    from kiln.models.quant import fp8_gemm
+
+    if not fp8_gemm.CPU_ROWWISE:
+        pytest.skip("this torch's CPU _scaled_mm has no row-wise scales to compare with")
+    g = torch.Generator().manual_seed(3)
+    wq, ws = quantize_weight(torch.randn(40, 96, generator=g))
+    xq, xs = quantize_per_token(torch.randn(7, 96, generator=g))
+    expected = fp8_gemm.scaled_mm(xq, wq, xs, ws, torch.float32)
+    monkeypatch.setattr(fp8_gemm, "CPU_ROWWISE", False)
+    got = fp8_gemm.scaled_mm(xq, wq, xs, ws, torch.float32)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

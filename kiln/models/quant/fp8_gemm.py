@@ -22,9 +22,25 @@ import torch
 TRITON_MAX_M = int(os.environ.get("KILN_FP8_TRITON_MAX_M", "64"))
 
 
+def _cpu_takes_rowwise_scales() -> bool:
+    """torch 2.13's CPU _scaled_mm takes row-wise scales; 2.11's takes per-tensor scales only."""
+    one = torch.ones(1, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(one, one.t(), scale_a=torch.ones(1, 1), scale_b=torch.ones(1, 1), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+CPU_ROWWISE = _cpu_takes_rowwise_scales()  # probed once at import: a constant to the traced code
+
+
 def scaled_mm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """The library path: torch._scaled_mm with row-wise scales."""
+    """The library path: torch._scaled_mm with row-wise scales (on a CPU torch without them, the same e4m3
+    products summed in fp32, then scaled)."""
+    if q.device.type == "cpu" and not CPU_ROWWISE:
+        return ((q.float() @ weight.float().t()) * x_scale.float() * weight_scale.float().reshape(1, -1)).to(out_dtype)
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype)
 
 

@@ -116,7 +116,10 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
             k_mask = (k_lo + step * BLOCK_K + offs_k) < K
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        if SCALED:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; promote to fp32 every 32 products
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=32)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out_mask = n_mask[:, None] & m_mask[None, :]
