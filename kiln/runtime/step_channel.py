@@ -13,6 +13,8 @@ host does not wait): that part is the base class's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +35,12 @@ class StepHeader:
     share_samples: bool  # rank 0 broadcasts this step's sampled ids after its forward
 
 
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(BatchShape))
+
+
 def encode_header(header: StepHeader) -> list[int]:
-    return [CMD_STEP, header.num_pending, int(header.share_samples), *dataclasses.astuple(header.shape)]
+    shape = header.shape  # not dataclasses.astuple: it deep-copies, and this runs every step
+    return [CMD_STEP, header.num_pending, int(header.share_samples), *[int(getattr(shape, f)) for f in _SHAPE_FIELDS]]
 
 
 def decode_header(values: list[int]) -> StepHeader | None:
@@ -46,13 +52,17 @@ def decode_header(values: list[int]) -> StepHeader | None:
     return StepHeader(shape, int(values[1]), bool(values[2]))
 
 
-def host_views(runner: ModelRunner, shape: BatchShape, num_pending: int) -> list[torch.Tensor]:
-    """The slices of the host buffers (`HOST_BUFFERS`, in order) that one step fills."""
+def step_slices(buffers: Sequence[Any], shape: BatchShape, num_pending: int) -> list[Any]:
+    """The slices that one step fills of `buffers` (the `HOST_BUFFERS`, in order: tensors or numpy arrays)."""
+    ids, pos, slots, qsl, seq_lens, tables, logits_idx, pending_dst, pending_src = buffers
     n, r = shape.num_padded_tokens, shape.num_reqs
-    return [runner.input_ids_cpu[:n], runner.positions_cpu[:n], runner.slot_mapping_cpu[:n],
-            runner.query_start_loc_cpu[: r + 1], runner.seq_lens_cpu[:r],
-            runner.block_tables_cpu[:r, : shape.max_blocks], runner.logits_indices_cpu[: shape.num_sampling],
-            runner.pending_dst_cpu[:num_pending], runner.pending_src_cpu[:num_pending]]
+    return [ids[:n], pos[:n], slots[:n], qsl[: r + 1], seq_lens[:r], tables[:r, : shape.max_blocks],
+            logits_idx[: shape.num_sampling], pending_dst[:num_pending], pending_src[:num_pending]]
+
+
+def host_views(runner: ModelRunner, shape: BatchShape, num_pending: int) -> list[torch.Tensor]:
+    """The slices of the runner's host buffers that one step fills."""
+    return step_slices([getattr(runner, name) for name in HOST_BUFFERS], shape, num_pending)
 
 
 class StepChannel:

@@ -44,7 +44,7 @@ from kiln.runtime.step_channel import (
     StepHeader,
     decode_header,
     encode_header,
-    host_views,
+    step_slices,
 )
 
 _LINE = 64  # bytes: one cache line per writer in the control block
@@ -128,7 +128,8 @@ class ShmStepChannel(StepChannel):
         self._published = control[0:1]
         self._acks = control[_LINE // 8::_LINE // 8]  # one word per worker, a line apart
         self._headers: list[np.ndarray] = []
-        self._segments: list[list[torch.Tensor]] = []
+        self._segments: list[list[np.ndarray]] = []
+        self._runner_arrays: tuple[object, list[np.ndarray]] | None = None
         offset = layout.control_bytes
         for _ in range(layout.num_slots):
             sizes = layout.segment_bytes()
@@ -136,7 +137,7 @@ class ShmStepChannel(StepChannel):
             at = offset + sizes[0]
             segments = []
             for (dtype, capacity), nbytes in zip(layout.buffers, sizes[1:]):
-                segments.append(torch.frombuffer(shm.buf, dtype=getattr(torch, dtype), count=capacity, offset=at))
+                segments.append(np.frombuffer(shm.buf, dtype=np.dtype(dtype), count=capacity, offset=at))
                 at += nbytes
             self._segments.append(segments)
             offset += layout.slot_bytes
@@ -184,7 +185,7 @@ class ShmStepChannel(StepChannel):
 
     def close(self) -> None:
         self.unlink()
-        self._headers, self._segments = [], []
+        self._headers, self._segments, self._runner_arrays = [], [], None
         self._published = self._acks = None
         try:
             self.shm.close()
@@ -192,7 +193,14 @@ class ShmStepChannel(StepChannel):
             pass
 
     # -- rank 0 ----------------------------------------------------------------------------------------
-    def _publish(self, values: list[int], views: list[torch.Tensor]) -> None:
+    def _arrays(self, runner: ModelRunner) -> list[np.ndarray]:
+        """Numpy views of the runner's host buffers, made once: numpy slicing and copies cost a fraction of
+        torch's per call, and a step makes about twenty of them."""
+        if self._runner_arrays is None or self._runner_arrays[0] is not runner:
+            self._runner_arrays = (runner, [getattr(runner, name).numpy() for name in HOST_BUFFERS])
+        return self._runner_arrays[1]
+
+    def _publish(self, values: list[int], views: list[np.ndarray]) -> None:
         seq = self._seq + 1
         reuse = seq - self.layout.num_slots  # the step that used this slot before
         wait_until(lambda: int(self._acks.min()) >= reuse, self.check_peer, self.spin_s, self.max_sleep_s,
@@ -200,17 +208,17 @@ class ShmStepChannel(StepChannel):
         slot = seq % self.layout.num_slots
         self._headers[slot][:] = values
         for segment, view in zip(self._segments[slot], views):
-            segment[: view.numel()].view(view.shape).copy_(view)
+            segment[: view.size].reshape(view.shape)[...] = view
         _fence()
         self._published[0] = seq
         self._seq = seq
 
     def send(self, runner: ModelRunner, header: StepHeader) -> None:
-        views = host_views(runner, header.shape, header.num_pending)
+        views = step_slices(self._arrays(runner), header.shape, header.num_pending)
         for name, view, (_, capacity) in zip(HOST_BUFFERS, views, self.layout.buffers):
-            if view.numel() > capacity:
+            if view.size > capacity:
                 raise ValueError(f"step batch does not fit the shared-memory step channel: {name} needs "
-                                 f"{view.numel()} elements, the slot holds {capacity}")
+                                 f"{view.size} elements, the slot holds {capacity}")
         self._publish(encode_header(header), views)
 
     def send_stop(self) -> None:
@@ -226,8 +234,9 @@ class ShmStepChannel(StepChannel):
         header = decode_header(self._headers[slot].tolist())
         if header is not None:
             runner.wait_host_buffers_free()  # the previous step's non-blocking uploads read them
-            for segment, view in zip(self._segments[slot], host_views(runner, header.shape, header.num_pending)):
-                view.copy_(segment[: view.numel()].view(view.shape))
+            views = step_slices(self._arrays(runner), header.shape, header.num_pending)
+            for segment, view in zip(self._segments[slot], views):
+                view[...] = segment[: view.size].reshape(view.shape)
         _fence()
         self._acks[self.rank - 1] = seq
         self._seq = seq
