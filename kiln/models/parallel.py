@@ -83,6 +83,8 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     gathered = x.new_empty((_group.size * x.shape[0], *x.shape[1:]))  # the layout every backend accepts
-    dist.all_gather_into_tensor(gathered, x.contiguous(), group=_group.group)
+    # all_gather_single is torch 2.13's name for all_gather_into_tensor (deprecated there; 2.11 has only it)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, x.contiguous(), group=_group.group)
     by_rank = gathered.view(_group.size, *x.shape)
     return by_rank.movedim(0, -2).reshape(*x.shape[:-1], _group.size * x.shape[-1])
