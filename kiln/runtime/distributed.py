@@ -71,6 +71,16 @@ def step_channel_kind(local_workers: bool) -> str:
     return "gloo" if asked == "gloo" or not local_workers else "shm"
 
 
+def _check_shm_space(nbytes: int) -> None:
+    """tmpfs allocates pages on first touch: a segment larger than what /dev/shm has left (64 MB in a default
+    Docker container) would be created fine and then kill a process with SIGBUS mid-step."""
+    if os.path.isdir("/dev/shm"):
+        stat = os.statvfs("/dev/shm")
+        free = stat.f_bavail * stat.f_frsize
+        if free < nbytes:
+            raise OSError(f"/dev/shm has {free} bytes free, the step channel needs {nbytes}")
+
+
 def open_step_channel(rank: int, group: dist.ProcessGroup, runner: ModelRunner, device: torch.device,
                       local_workers: bool = False, check_workers=None) -> StepChannel:
     """Every rank calls this once, after its warm-up. Rank 0 picks the channel and, for shared memory, creates
@@ -88,10 +98,14 @@ def open_step_channel(rank: int, group: dist.ProcessGroup, runner: ModelRunner, 
         kind = step_channel_kind(local_workers)
         if kind == "shm":
             layout = ShmLayout.for_runner(runner, world - 1)
-            channel = ShmStepChannel.create(layout, check_workers or (lambda: None), timeout_s=timeout, **options)
-            offer = [(kind, channel.name, os.getpid(), layout)]
-        else:
-            offer = [(kind, None, None, None)]
+            try:  # a failure here must not leave the workers waiting for an offer: fall back instead
+                _check_shm_space(layout.total_bytes)
+                channel = ShmStepChannel.create(layout, check_workers or (lambda: None), timeout_s=timeout,
+                                                **options)
+            except (OSError, ValueError) as exc:
+                logger.warning("shared-memory step channel unavailable (%s); using gloo broadcasts", exc)
+                kind = "gloo"
+        offer = [(kind, channel.name, os.getpid(), layout)] if channel is not None else [("gloo", None, None, None)]
     try:
         dist.broadcast_object_list(offer, src=0, group=group)
         kind, name, rank0_pid, layout = offer[0]
@@ -115,7 +129,8 @@ def open_step_channel(rank: int, group: dist.ProcessGroup, runner: ModelRunner, 
             channel.unlink()
     if kind == "gloo":
         channel = GlooStepChannel(group, dist.group.WORLD)
-    logger.info("tensor-parallel rank %d: %s step channel", rank, kind)
+    logger.info("tensor-parallel rank %d: %s step channel%s", rank, kind,
+                f" ({layout.total_bytes / 2**20:.1f} MiB, {layout.num_slots} slots)" if kind == "shm" else "")
     return channel
 
 

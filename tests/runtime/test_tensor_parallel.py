@@ -56,6 +56,23 @@ def test_tp2_gloo_step_channel_matches_tp1(reference, monkeypatch: pytest.Monkey
         runtime.engine.shutdown()
 
 
+def test_tp2_falls_back_to_gloo_without_room_in_dev_shm(reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment tmpfs cannot back would SIGBUS mid-step: rank 0 checks first and the workers follow its
+    choice (they are never left waiting for an offer)."""
+    import kiln.runtime.distributed as tp
+
+    def no_room(nbytes: int) -> None:
+        raise OSError(f"/dev/shm has 0 bytes free, the step channel needs {nbytes}")
+
+    monkeypatch.setattr(tp, "_check_shm_space", no_room)
+    runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32)
+    try:
+        assert runtime.engine._channel.kind == "gloo"
+        assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
+    finally:
+        runtime.engine.shutdown()
+
+
 def own_shm_segments() -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"kiln-tp-{os.getpid()}-")]
 
