@@ -70,9 +70,21 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """[T, V/size] on each rank -> [T, V], rank-major along the last dim. Runs eagerly every step (the
+    vocab-parallel logits), so it calls c10d directly: the functional collective's wrapper and wait cost
+    rank 0's host more than the gather itself, and chunk + cat are one transposing copy here."""
     if _group.size == 1:
         return x
-    import torch.distributed._functional_collectives as funcol
+    if torch.compiler.is_compiling():  # traced: the functional form (2.11-safe API)
+        import torch.distributed._functional_collectives as funcol
 
-    gathered = funcol.all_gather_tensor(x.contiguous(), 0, _group.group)  # [size * T, V/size] (2.11-safe API)
-    return torch.cat(gathered.chunk(_group.size, dim=0), dim=-1)
+        gathered = funcol.all_gather_tensor(x.contiguous(), 0, _group.group)  # [size * T, V/size]
+        return torch.cat(gathered.chunk(_group.size, dim=0), dim=-1)
+    import torch.distributed as dist
+
+    gathered = x.new_empty((_group.size * x.shape[0], *x.shape[1:]))  # the layout every backend accepts
+    # all_gather_single is torch 2.13's name for all_gather_into_tensor (deprecated there; 2.11 has only it)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, x.contiguous(), group=_group.group)
+    by_rank = gathered.view(_group.size, *x.shape)
+    return by_rank.movedim(0, -2).reshape(*x.shape[:-1], _group.size * x.shape[-1])

@@ -1,9 +1,10 @@
-"""Tensor parallelism: process-group set-up, the per-step broadcast of the batch, a worker's loop, and the
-ordered tear-down of the groups.
+"""Tensor parallelism: process-group set-up, the choice of step channel, a worker's loop, and the ordered
+tear-down of the groups.
 
 Rank 0 runs the scheduler and samples; every rank holds a model shard, a KV-cache shard and a model
-runner. Each step rank 0 broadcasts the flat batch it prepared (a fixed header of sizes, then one int64
-payload) over a CPU (gloo) group, so the workers fill their own persistent buffers and run the same
+runner. Each step rank 0 sends the flat batch it prepared (a fixed header of sizes, then the host buffers)
+through a step channel (kiln/runtime/step_channel.py: shared memory when kiln spawned every rank on this
+host, gloo broadcasts otherwise), so the workers fill their own persistent buffers and run the same
 forward, whose collectives (NCCL on GPU, gloo on CPU) are traced into the compiled graph. Under async
 scheduling rank 0 also broadcasts the sampled token ids over the device group, so a worker fills the
 next step's pending input tokens from its own device copy exactly as rank 0 does (docs/distributed.md).
@@ -14,7 +15,6 @@ on one host get those variables set, and processes started by `torchrun` across 
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import logging
 import os
@@ -26,16 +26,13 @@ import torch.distributed as dist
 
 from kiln.config import RuntimeConfig, resolve_device
 from kiln.models.parallel import TPGroup, set_tp_group
-from kiln.runtime.model_runner import BatchShape, ModelRunner
+from kiln.runtime.errors import EngineDeadError
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.step_channel import GlooStepChannel, StepChannel
+
+__all__ = ["EngineDeadError", "StepChannel", "open_step_channel", "worker_main"]
 
 logger = logging.getLogger("kiln")
-
-_CMD_STEP, _CMD_STOP = 1, 0
-_HEADER = 3 + len(dataclasses.fields(BatchShape))  # command, pending tokens, samples shared, the shape
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot continue (e.g. a tensor-parallel worker died); every request fails with it."""
 
 
 def launched_by_torchrun() -> bool:
@@ -63,66 +60,78 @@ def agree_min(value: int, group: dist.ProcessGroup) -> int:
     return int(t.item())
 
 
-@dataclasses.dataclass(frozen=True)
-class StepHeader:
-    shape: BatchShape
-    num_pending: int  # input tokens the previous step sampled (async scheduling): filled on the device
-    share_samples: bool  # rank 0 broadcasts this step's sampled ids after its forward
+def step_channel_kind(local_workers: bool) -> str:
+    """Rank 0's choice: shared memory when it spawned every worker on its own host, else gloo (torchrun,
+    possibly across hosts). KILN_TP_STEP_CHANNEL=gloo forces gloo (e.g. to compare the two)."""
+    asked = os.environ.get("KILN_TP_STEP_CHANNEL", "auto")
+    if asked not in ("auto", "shm", "gloo"):
+        raise ValueError(f"KILN_TP_STEP_CHANNEL must be auto, shm or gloo; got {asked!r}")
+    if asked == "shm" and not local_workers:
+        raise ValueError("KILN_TP_STEP_CHANNEL=shm needs workers kiln spawned on this host (not torchrun)")
+    return "gloo" if asked == "gloo" or not local_workers else "shm"
 
 
-class StepChannel:
-    """Rank 0 -> workers: one step's header and the host buffers it describes (CPU group), and under async
-    scheduling the step's sampled token ids (device group, queued on the stream: the host does not wait)."""
+def _check_shm_space(nbytes: int) -> None:
+    """tmpfs allocates pages on first touch: a segment larger than what /dev/shm has left (64 MB in a default
+    Docker container) would be created fine and then kill a process with SIGBUS mid-step."""
+    if os.path.isdir("/dev/shm"):
+        stat = os.statvfs("/dev/shm")
+        free = stat.f_bavail * stat.f_frsize
+        if free < nbytes:
+            raise OSError(f"/dev/shm has {free} bytes free, the step channel needs {nbytes}")
 
-    def __init__(self, group: dist.ProcessGroup, device_group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.device_group = device_group
 
-    @staticmethod
-    def _views(runner: ModelRunner, shape: BatchShape, num_pending: int) -> list[torch.Tensor]:
-        n, r = shape.num_padded_tokens, shape.num_reqs
-        return [runner.input_ids_cpu[:n], runner.positions_cpu[:n], runner.slot_mapping_cpu[:n],
-                runner.query_start_loc_cpu[: r + 1], runner.seq_lens_cpu[:r],
-                runner.block_tables_cpu[:r, : shape.max_blocks], runner.logits_indices_cpu[: shape.num_sampling],
-                runner.pending_dst_cpu[:num_pending], runner.pending_src_cpu[:num_pending]]
+def open_step_channel(rank: int, group: dist.ProcessGroup, runner: ModelRunner, device: torch.device,
+                      local_workers: bool = False, check_workers=None) -> StepChannel:
+    """Every rank calls this once, after its warm-up. Rank 0 picks the channel and, for shared memory, creates
+    the segment sized for the runner's largest batch; the workers map it; once all did, rank 0 unlinks its
+    name, so no /dev/shm entry outlives the set-up whatever happens later (docs/distributed.md)."""
+    from kiln.runtime.step_channel_shm import ShmLayout, ShmStepChannel
 
-    def send(self, runner: ModelRunner, header: StepHeader) -> None:
-        shape = header.shape
-        values = [_CMD_STEP, header.num_pending, int(header.share_samples), *dataclasses.astuple(shape)]
-        dist.broadcast(torch.tensor(values, dtype=torch.int64), 0, group=self.group)
-        views = self._views(runner, shape, header.num_pending)
-        payload = torch.cat([v.reshape(-1).to(torch.int64) for v in views])
-        dist.broadcast(payload, 0, group=self.group)
-
-    def send_stop(self) -> None:
-        dist.broadcast(torch.zeros(_HEADER, dtype=torch.int64), 0, group=self.group)
-
-    def share_samples(self, tokens: torch.Tensor) -> None:
-        dist.broadcast(tokens, 0, group=self.device_group)
-
-    def recv(self, runner: ModelRunner) -> StepHeader | None:
-        raw = torch.empty(_HEADER, dtype=torch.int64)
-        dist.broadcast(raw, 0, group=self.group)
-        if int(raw[0]) == _CMD_STOP:
-            return None
-        values = raw[3:].tolist()
-        shape = BatchShape(*[bool(v) if f.type in (bool, "bool") else int(v)
-                             for v, f in zip(values, dataclasses.fields(BatchShape))])
-        header = StepHeader(shape, int(raw[1]), bool(raw[2]))
-        views = self._views(runner, shape, header.num_pending)
-        payload = torch.empty(sum(v.numel() for v in views), dtype=torch.int64)
-        dist.broadcast(payload, 0, group=self.group)
-        runner.wait_host_buffers_free()  # the previous step's non-blocking uploads read them
-        offset = 0
-        for view in views:
-            view.copy_(payload[offset:offset + view.numel()].view(view.shape))
-            offset += view.numel()
-        return header
-
-    def recv_samples(self, num: int, device: torch.device) -> torch.Tensor:
-        tokens = torch.empty(num, dtype=torch.int64, device=device)
-        dist.broadcast(tokens, 0, group=self.device_group)
-        return tokens
+    world = dist.get_world_size(group)
+    timeout = float(os.environ.get("KILN_TP_TIMEOUT", "300"))
+    spin_ms = float(os.environ.get("KILN_TP_SHM_SPIN_MS", "50" if device.type == "cuda" else "2"))
+    options = {"device_group": dist.group.WORLD, "spin_s": spin_ms / 1000}
+    channel: StepChannel | None = None
+    offer = [None]
+    if rank == 0:
+        kind = step_channel_kind(local_workers)
+        if kind == "shm":
+            layout = ShmLayout.for_runner(runner, world - 1)
+            try:  # a failure here must not leave the workers waiting for an offer: fall back instead
+                _check_shm_space(layout.total_bytes)
+                channel = ShmStepChannel.create(layout, check_workers or (lambda: None), timeout_s=timeout,
+                                                **options)
+            except (OSError, ValueError) as exc:
+                logger.warning("shared-memory step channel unavailable (%s); using gloo broadcasts", exc)
+                kind = "gloo"
+        offer = [(kind, channel.name, os.getpid(), layout)] if channel is not None else [("gloo", None, None, None)]
+    try:
+        dist.broadcast_object_list(offer, src=0, group=group)
+        kind, name, rank0_pid, layout = offer[0]
+        ok = 1
+        if rank != 0 and kind == "shm":
+            try:
+                if layout != ShmLayout.for_runner(runner, world - 1):
+                    raise ValueError(f"rank {rank}'s host buffers differ from rank 0's: {layout}")
+                channel = ShmStepChannel.attach(name, layout, rank, rank0_pid, **options)
+            except Exception:
+                logger.exception("worker rank %d could not map the shared-memory step channel", rank)
+                ok = 0
+        if agree_min(ok, group) == 0:  # every worker mapped the segment (or one failed: all ranks raise)
+            raise RuntimeError("a tensor-parallel rank could not map the shared-memory step channel")
+    except BaseException:
+        if channel is not None:
+            channel.close()
+        raise
+    finally:
+        if rank == 0 and channel is not None:
+            channel.unlink()
+    if kind == "gloo":
+        channel = GlooStepChannel(group, dist.group.WORLD)
+    logger.info("tensor-parallel rank %d: %s step channel%s", rank, kind,
+                f" ({layout.total_bytes / 2**20:.1f} MiB, {layout.num_slots} slots)" if kind == "shm" else "")
+    return channel
 
 
 def worker_main(config: RuntimeConfig, rank: int, world: int) -> bool:
@@ -136,12 +145,18 @@ def worker_main(config: RuntimeConfig, rank: int, world: int) -> bool:
     group = init_tensor_parallel(rank, world, device)
     worker = Worker(config, device, agree_num_blocks=lambda n: agree_min(n, group))
     worker.warm_up()
-    channel = StepChannel(group, dist.group.WORLD)
     runner = worker.runner
-    while (header := channel.recv(runner)) is not None:
-        runner.execute_replica(header.shape, header.num_pending)
-        share = header.share_samples and header.shape.num_sampling > 0
-        runner.last_sampled = channel.recv_samples(header.shape.num_sampling, device) if share else None
+    channel = open_step_channel(rank, group, runner, device)
+    try:
+        while (header := channel.recv(runner)) is not None:
+            runner.execute_replica(header.shape, header.num_pending)
+            share = header.share_samples and header.shape.num_sampling > 0
+            runner.last_sampled = channel.recv_samples(header.shape.num_sampling, device) if share else None
+    except EngineDeadError as exc:  # rank 0 is gone: its groups cannot be torn down with it
+        logger.error("%s", exc)
+        return False
+    finally:
+        channel.close()
     return close_tensor_parallel(worker, shutdown_timeout())
 
 

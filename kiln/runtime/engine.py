@@ -68,11 +68,18 @@ class Engine:
         self._tp_procs: list = []
         self._ready = threading.Event()  # set once built: ends the tensor-parallel start-up watch
         self._channel = None
+        self._tp_group = None  # the CPU process group under tensor parallelism
         agree = None
         if config.tensor_parallel_size > 1:
             agree = self._start_tensor_parallel(config)
         self.worker = Worker(config, self.device, loaded, agree_num_blocks=agree, clock=clock)
         self.worker.warm_up()
+        if self._tp_group is not None:  # the workers open theirs after their warm-up too
+            from kiln.runtime import distributed as tp
+
+            self._channel = tp.open_step_channel(0, self._tp_group, self.worker.runner, self.device,
+                                                 local_workers=bool(self._tp_procs),
+                                                 check_workers=lambda: tp_processes.check_workers(self._tp_procs))
         self.loaded, self.model = self.worker.loaded, self.worker.model
         self.backend, self.kv_cache, self.runner = self.worker.backend, self.worker.kv_cache, self.worker.runner
         self.max_model_len = self.worker.max_model_len
@@ -134,14 +141,11 @@ class Engine:
             tp_processes.watch_start_up(self._tp_procs, self._ready)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        group = tp.init_tensor_parallel(0, world, self.device)
-        import torch.distributed as dist
-
-        self._channel = tp.StepChannel(group, dist.group.WORLD)
+        group = self._tp_group = tp.init_tensor_parallel(0, world, self.device)
         return lambda n: tp.agree_min(n, group)
 
     def _broadcast(self, shape, num_pending: int) -> None:
-        from kiln.runtime.distributed import StepHeader
+        from kiln.runtime.step_channel import StepHeader
 
         tp_processes.check_workers(self._tp_procs)
         self._channel.send(self.runner, StepHeader(shape, num_pending, self.async_scheduling))
@@ -164,6 +168,7 @@ class Engine:
             self._channel.send_stop()
         except Exception as exc:  # a dead worker must not make shutdown fail
             logger.warning("could not stop tensor-parallel workers cleanly: %s", exc)
+        self._channel.close()
         self._channel = None
         self._inflight = None
         self.runner.on_batch = self.runner.on_sampled = None

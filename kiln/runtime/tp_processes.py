@@ -50,8 +50,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def watch_parent(parent_pid: int, poll: float = 1.0) -> None:
+    """A spawned worker leaves when rank 0 (its parent) is gone, wherever it waits: the step channel notices
+    that too, but a collective whose peer died may never return (NCCL waits until the group's timeout)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll)
+        logger.error("tensor-parallel rank 0 (pid %d) exited; this worker leaves", parent_pid)
+        sys.stderr.flush()
+        os._exit(UNCLEAN_EXIT)
+
+    threading.Thread(target=watch, name="kiln-tp-parent-watch", daemon=True).start()
+
+
 def _spawned_worker(config: RuntimeConfig, rank: int, world: int, env: dict[str, str], started) -> None:
     started.set()  # past the import of the main script: from here on rank 0 waits in the rendezvous
+    watch_parent(int(env["KILN_TP_RANK0_PID"]))
     os.environ.update(env)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from kiln.runtime.distributed import worker_main
@@ -70,7 +85,7 @@ def spawn_workers(config: RuntimeConfig, world: int) -> LocalWorkers:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     env = {"MASTER_ADDR": os.environ["MASTER_ADDR"], "MASTER_PORT": os.environ["MASTER_PORT"],
-           "WORLD_SIZE": str(world)}
+           "WORLD_SIZE": str(world), "KILN_TP_RANK0_PID": str(os.getpid())}
     ctx = mp.get_context("spawn")
     workers = LocalWorkers([], [])
     for rank in range(1, world):

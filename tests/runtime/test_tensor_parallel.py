@@ -1,5 +1,7 @@
-"""Tensor parallelism over gloo on CPU: 2 ranks give the same greedy tokens as 1 (sync and async scheduling),
-shut down without hanging, and fail at once, naming the cause, when a worker cannot start."""
+"""Tensor parallelism over gloo on CPU: 2 ranks give the same greedy tokens as 1 (sync and async scheduling;
+the shared-memory step channel, the default for spawned workers, and the gloo one), shut down without hanging
+or leaving a shared-memory segment behind, fail at once, naming the cause, when a worker cannot start or
+dies, and a worker leaves when rank 0 dies."""
 
 from __future__ import annotations
 
@@ -34,10 +36,101 @@ def test_tp2_matches_tp1(reference) -> None:
     # tiny-qwen3 has 2 KV heads: one per rank; its vocabulary and MLP split evenly
     runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32)
     try:
+        assert runtime.engine._channel.kind == "shm"  # kiln spawned the worker on this host
         assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
         assert runtime.engine.kv_cache.shape[-2] == 1  # this rank holds half the KV heads
     finally:
         runtime.engine.shutdown()
+
+
+def test_tp2_gloo_step_channel_matches_tp1(reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The channel torchrun (multi-host) launches use, forced on spawned workers; async scheduling on, so the
+    sampled ids travel over the device group next to it."""
+    monkeypatch.setenv("KILN_TP_STEP_CHANNEL", "gloo")
+    runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32,
+                      async_scheduling=True)
+    try:
+        assert runtime.engine._channel.kind == "gloo"
+        assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
+    finally:
+        runtime.engine.shutdown()
+
+
+def test_tp2_falls_back_to_gloo_without_room_in_dev_shm(reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment tmpfs cannot back would SIGBUS mid-step: rank 0 checks first and the workers follow its
+    choice (they are never left waiting for an offer)."""
+    import kiln.runtime.distributed as tp
+
+    def no_room(nbytes: int) -> None:
+        raise OSError(f"/dev/shm has 0 bytes free, the step channel needs {nbytes}")
+
+    monkeypatch.setattr(tp, "_check_shm_space", no_room)
+    runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32)
+    try:
+        assert runtime.engine._channel.kind == "gloo"
+        assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
+    finally:
+        runtime.engine.shutdown()
+
+
+def own_shm_segments() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"kiln-tp-{os.getpid()}-")]
+
+
+def test_shm_step_channel_leaves_no_segment_behind() -> None:
+    """Rank 0 unlinks the segment's name as soon as every worker mapped it: none exists while serving (so a
+    crash cannot leak one either), and none after shutdown; the workers still get every step."""
+    assert own_shm_segments() == []
+    runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
+    try:
+        channel = runtime.engine._channel
+        assert channel.kind == "shm" and channel.name.lstrip("/").startswith(f"kiln-tp-{os.getpid()}-")
+        assert own_shm_segments() == []
+        assert len(runtime.generate(PROMPTS[:2], PARAMS)[1].outputs[0].token_ids) == PARAMS.max_tokens
+    finally:
+        runtime.engine.shutdown()
+    assert own_shm_segments() == []
+    assert runtime.engine._tp_procs[0].exitcode == 0
+
+
+def test_worker_exits_when_rank0_is_killed(tmp_path: Path) -> None:
+    """Rank 0 dies without shutting down (SIGKILL): its worker, waiting for the next step, must leave."""
+    import signal
+    import time
+
+    script = tmp_path / "rank0_dies.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal
+        from kiln import Runtime, SamplingParams
+
+        if __name__ == "__main__":
+            runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
+            runtime.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+            print("worker", runtime.engine._tp_procs[0].pid, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(root)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("w") as stdout, err.open("w") as stderr:  # files, not pipes: the worker inherits them
+        returncode = subprocess.run([sys.executable, str(script)], env=env, stdout=stdout, stderr=stderr,
+                                    timeout=300).returncode
+    assert returncode == -signal.SIGKILL, err.read_text()[-3000:]
+    pid = int(out.read_text().split("worker")[-1].split()[0])
+
+    def alive() -> bool:  # an orphan that exited may stay a zombie until its new parent reaps it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 60  # a bound against a hang, not a measurement
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive():
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"worker {pid} still running 60 s after rank 0 was killed")
 
 
 def test_tp2_async_scheduling_matches_tp1(reference) -> None:
