@@ -47,11 +47,13 @@ from benchmarks import fp8_kernel_sweep
 from benchmarks.bench_gpu import throughput_workload
 from benchmarks.common import decode_step_seconds, stamp, table
 from kiln import Runtime, SamplingParams
+from kiln.models import dense_gemm
 from kiln.models.loader.presets import PRESETS
 from kiln.models.quant import fp8_gemm
 from kiln.models.quant.fp8 import fp8_linear, quantize_per_token, quantize_weight
 
 HBM_BYTES_PER_S = 4.3e12
+dense_gemm_max_m = dense_gemm.TRITON_MAX_M  # the default, restored after a cublas run
 PROMPT_LEN = 128
 
 
@@ -180,11 +182,13 @@ def print_kernels(kernels: dict[str, Any]) -> None:
 
 def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dict[str, str],
                  fp8_path: str = "triton") -> tuple[list, list]:
-    label = quantization or "bf16"
+    label = f"{quantization or 'bf16'}-{fp8_path}"
     if quantization:
-        label = f"{quantization}-{fp8_path}"
         # read per call by kiln::fp8_gemm; set before the build so its CUDA graphs capture this path
         fp8_gemm.TRITON_MAX_M = 0 if fp8_path == "cublas" else args.triton_max_m
+    else:  # bf16: "cublas" keeps F.linear (no kiln::dense_gemm in the trace; the env var is in the cache key)
+        dense_gemm.TRITON_MAX_M = 0 if fp8_path == "cublas" else dense_gemm_max_m
+        os.environ["KILN_BF16_TRITON_MAX_M"] = str(dense_gemm.TRITON_MAX_M)
     decode, tput = [], []
     try:
         rt, build_s = build(args, quantization)
@@ -236,6 +240,8 @@ def main() -> None:
     parser.add_argument("--kernel-budget-s", type=float, default=120.0,
                         help="kernel sweep: no new projection is started after this many seconds")
     parser.add_argument("--fp8-paths", nargs="+", default=["triton"], choices=["triton", "cublas"])
+    parser.add_argument("--bf16-paths", nargs="+", default=["triton"], choices=["triton", "cublas"],
+                        help="bf16 projections: kiln::dense_gemm's Triton kernel at small M, or cuBLAS only")
     parser.add_argument("--no-bf16", action="store_true", help="decode/throughput: FP8 runs only (no bf16 build)")
     parser.add_argument("--triton-max-m", type=int, default=fp8_gemm.TRITON_MAX_M)
     parser.add_argument("--json", default=None)
@@ -261,7 +267,7 @@ def main() -> None:
     if "decode" in args.parts or args.requests:
         if "decode" not in args.parts:
             args.batches = []
-        runs = ([] if args.no_bf16 else [(None, "triton")]) + [("fp8", p) for p in args.fp8_paths]
+        runs = ([] if args.no_bf16 else [(None, p) for p in args.bf16_paths]) + [("fp8", p) for p in args.fp8_paths]
         for quantization, path in runs:
             d, t = runtime_rows(args, quantization, errors, path)
             decode += d
@@ -278,13 +284,15 @@ def main() -> None:
                     [[r["proj"], r["K"], r["N"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["fp8_linear_us"],
                       r["fp8_floor_us"], r["x_fp8_floor"], r["speedup"]] for r in result["gemm"]]))
     if decode:
-        base = {w: {r["batch"]: r["tokens_per_s"] for r in decode if r["weights"] == w} for w in ("bf16", "fp8-cublas")}
-        print(table(["weights", "batch", "step ms", "tok/s", "x bf16 tok/s", "x fp8-cublas tok/s"],
+        base = {w: {r["batch"]: r["tokens_per_s"] for r in decode if r["weights"] == w}
+                for w in ("bf16-triton", "bf16-cublas", "fp8-cublas")}
+        print(table(["weights", "batch", "step ms", "tok/s", "x bf16 tok/s", "x bf16-cublas tok/s",
+                     "x fp8-cublas tok/s"],
                     [[r["weights"], r["batch"], r["step_ms"], r["tokens_per_s"],
                       *(r["tokens_per_s"] / b[r["batch"]] if r["batch"] in b else float("nan") for b in base.values())]
                      for r in decode]))
     if tput:
-        base = next((r["output_tokens_per_s"] for r in tput if r["weights"] == "bf16"), float("nan"))
+        base = next((r["output_tokens_per_s"] for r in tput if r["weights"].startswith("bf16")), float("nan"))
         print(table(["weights", "requests", "seconds", "output tok/s", "x bf16"],
                     [[r["weights"], r["requests"], r["seconds"], r["output_tokens_per_s"],
                       r["output_tokens_per_s"] / base] for r in tput]))

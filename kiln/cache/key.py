@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 import sys
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,9 @@ KEY_VERSION = 1  # bump when the layout or the artifact format changes meaning
 KILN_ROOT = Path(__file__).resolve().parent.parent
 # The code Dynamo traces or that shapes what is compiled: the model definitions, the compiler, the passes.
 TRACED_PACKAGES = ("models", "compiler", "passes")
+# Environment switches that change what Dynamo traces (kiln/models/dense_gemm.py: whether projections go
+# through kiln::dense_gemm at all).
+TRACED_ENVIRONMENT = ("KILN_BF16_TRITON_MAX_M",)
 # Resolved CompilationConfig fields that do not change compiled code (diagnostics, paths, compile workers).
 EXCLUDED_COMPILATION_FIELDS = frozenset({"debug_dump_path", "debug_check_graph_inputs", "compile_workers"})
 
@@ -37,7 +41,8 @@ def environment_factors(device: torch.device | str) -> dict[str, Any]:
     except ImportError:
         triton_version = None
     factors: dict[str, Any] = {"torch": torch.__version__, "triton": triton_version,
-                               "python": platform.python_version(), "machine": platform.machine()}
+                               "python": platform.python_version(), "machine": platform.machine(),
+                               "traced_environment": {name: os.environ.get(name) for name in TRACED_ENVIRONMENT}}
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         factors["device"] = torch.cuda.get_device_name(index)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.models import dense_gemm
 from kiln.models.parallel import all_reduce, tp_rank, tp_size
 from kiln.models.quant.fp8 import FP8_DTYPE, Fp8Scheme, fp8_linear, quantize_weight
 
@@ -57,6 +58,9 @@ class _ParallelLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is None:
+            if dense_gemm.applies(x, bias):  # CUDA, 16-bit: small M runs kiln's Triton kernel (dense_gemm.py)
+                y = torch.ops.kiln.dense_gemm(x.reshape(-1, x.shape[-1]), self.weight)
+                return y.reshape(*x.shape[:-1], y.shape[-1])
             return F.linear(x, self.weight, bias)
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
 

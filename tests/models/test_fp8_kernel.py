@@ -199,3 +199,23 @@ def test_cpu_fallback_without_rowwise_scaled_mm_matches_it(monkeypatch: pytest.M
     monkeypatch.setattr(fp8_gemm, "CPU_ROWWISE", False)
     got = fp8_gemm.scaled_mm(xq, wq, xs, ws, torch.float32)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 40])
+def test_dense_gemm_op_dispatches_on_m_and_matches_mm(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kiln::dense_gemm (the 16-bit projections' GEMM on CUDA): the Triton kernel up to TRITON_MAX_M tokens,
+    torch.mm above, the same product either way (fp16 here: the interpreter mis-loads bf16)."""
+    from kiln.models import dense_gemm
+    from kiln.models.quant import fp8_kernel
+
+    calls: list[int] = []
+    original = fp8_kernel.bf16_gemm_triton
+    monkeypatch.setattr(fp8_kernel, "bf16_gemm_triton", lambda x, w, *a: calls.append(x.shape[0]) or original(x, w, *a))
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 96, generator=g).to(torch.float16).to(DEVICE)
+    w = (torch.randn(72, 96, generator=g) * 0.05).to(torch.float16).to(DEVICE)
+    got = torch.ops.kiln.dense_gemm(x, w)
+    torch.testing.assert_close(got.float(), (x.double() @ w.double().t()).float(), rtol=2 ** -9, atol=2e-3)
+    assert dense_gemm.TRITON_MAX_M == 16  # the measured threshold the docstring states
+    assert calls == ([m] if m <= 16 else [])
+    torch.library.opcheck(torch.ops.kiln.dense_gemm.default, (x, w), test_utils=("test_faketensor",))
