@@ -115,3 +115,24 @@ def test_embedded_model_greedy_agreement_with_fp32_cache() -> None:
     assert sum(firsts) / len(firsts) >= 8, firsts
     assert min(errs) > 0 and max(errs) < 0.25 and sum(errs) / len(errs) < 0.08, errs  # fp8 in use, and close
     assert sum(same) >= 7, same
+
+
+@pytest.mark.slow
+def test_fused_rope_cache_write_honours_the_layer_scales(monkeypatch) -> None:
+    """-O2 with the rope_kv pass writes K/V from kiln::rope_attention (ForwardContext.kv_scales), -O0 from the
+    backend (write_kv): with scales other than 1.0 the two must still produce the same tokens."""
+    import kiln.passes.ops as ops
+
+    fused = []
+    real = ops.rope_and_cache
+    monkeypatch.setattr(ops, "rope_and_cache", lambda *a, **kw: fused.append(kw) or real(*a, **kw))
+    prompts = random_prompts([21, 45, 30, 7], 256, seed=8)
+    tokens = []
+    for level in (0, 2):
+        rt = Runtime("tiny-llama", load_format="dummy", device="cpu", dtype="fp32", level=level, kv_cache_dtype="fp8",
+                     max_num_batched_tokens=128, passes=("rope_kv",), enable_passes=True)
+        rt.engine.runner.kv_scales = tuple((0.5 + 0.1 * i, 2.0 - 0.1 * i) for i in range(len(rt.engine.kv_cache)))
+        outs = rt.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    assert fused  # the pass did rewrite attention at -O2
+    assert tokens[0] == tokens[1]
