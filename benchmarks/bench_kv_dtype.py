@@ -41,7 +41,11 @@ def build(args: argparse.Namespace, kv_cache_dtype: str, configs: list[tuple[int
                    max_num_seqs=max(b for b, _ in configs), max_num_batched_tokens=8192 if on_gpu else 512,
                    max_model_len=max(longest, args.prompt_len + args.new_tokens + 16),
                    gpu_memory_utilization=args.gpu_memory_utilization, level=args.level,
-                   kv_cache_bytes=None if on_gpu else 64 << 20)
+                   kv_cache_bytes=None if on_gpu else 64 << 20,
+                   # graphs only at the sizes this run decodes (the agreement batch, the configs' batches) and
+                   # no exact-size compiles: the range artifact serves every size, so start-up stays short
+                   cudagraph_capture_sizes=tuple(sorted({1, 2, 4, 8, args.prompts, *(b for b, _ in configs)})),
+                   compile_sizes=())
 
 
 def agreement_prompts(vocab: int, count: int, length: int) -> list[list[int]]:
