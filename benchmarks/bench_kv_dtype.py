@@ -6,6 +6,7 @@ the KV dtype is not part of the compile key, docs/cache.md). For each, on random
   - greedy tokens on a few seeded random prompts, compared across the two dtypes afterwards,
   - the mean decode step time for each BATCHxCONTEXT config (prefill first, untimed); a config whose
     tokens do not fit the dtype's KV capacity is recorded as such, not run (it would only preempt).
+First, on a GPU, the Triton decode attention alone at each config for a bf16 and an fp8 cache (seconds).
 Every part catches its own failure into the JSON. Run through bench_gpu:
 
     python -m benchmarks.bench_gpu kv-dtype --model llama3-8b --json kv_dtype.json      # H200: ~4-5 min
@@ -97,6 +98,38 @@ def measure(args: argparse.Namespace, kv_cache_dtype: str, configs: list[tuple[i
     return row
 
 
+def attention_only(configs: list[tuple[int, int]]) -> list[dict]:
+    """The Triton decode attention alone (KV write + attention, CUDA-graph replay, L2 flushed) at Llama-3-8B
+    heads for a bf16 and an fp8 copy of the same cache: the kernel's share of the step difference."""
+    from benchmarks.bench_attention import BS, DTYPE, HKV, HQ, D, make_step, time_step
+    from kiln.runtime.attention import AttentionLayout, select_backend
+
+    cuda = torch.device("cuda")
+    rows = []
+    for batch, context in configs:
+        row: dict = dict(config=f"{batch}x{context}")
+        try:
+            tensors, common = make_step([1] * batch, [context - 1] * batch)
+            q, k, v, out, cache = tensors
+            outs = {}
+            for name, kv_dtype in (("auto", None), ("fp8", torch.float8_e4m3fn)):
+                layout = AttentionLayout(HQ, HKV, D, D ** -0.5, BS, DTYPE, kv_dtype)
+                backend = select_backend("triton", layout, cuda)(layout, cuda)
+                kv = cache if kv_dtype is None else cache.clamp(-448, 448).to(kv_dtype)
+                row[f"{name}_us"] = time_step(backend, (q, k, v, out, kv), common, graph=True) * 1e3
+                outs[name] = out.float().clone()
+                del kv
+            row["fp8_rel_err"] = float((outs["fp8"] - outs["auto"]).norm() / outs["auto"].norm())
+            del tensors, cache, q, k, v, out
+        except Exception as exc:
+            row["error"] = repr(exc)
+            traceback.print_exc()
+        rows.append(row)
+        print(f"  attention {row}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -112,8 +145,9 @@ def agreement(base: list[list[int]], other: list[list[int]]) -> dict:
 
 def cmd_kv_dtype(args: argparse.Namespace) -> dict:
     configs = [parse_config(c) for c in args.configs]
+    attention = attention_only(configs) if args.device == "cuda" else []
     rows = {d: measure(args, d, configs) for d in KV_DTYPES}
-    result: dict = dict(model=args.model, device=args.device, configs=args.configs, runs=rows)
+    result: dict = dict(model=args.model, device=args.device, configs=args.configs, runs=rows, attention=attention)
     base, fp8 = rows["auto"], rows["fp8"]
     if "greedy" in base and "greedy" in fp8:
         result["agreement"] = agreement(base["greedy"], fp8["greedy"])
@@ -126,6 +160,11 @@ def cmd_kv_dtype(args: argparse.Namespace) -> dict:
         table_rows.append([key, ms_a if a.get("fits", True) else "no fit", ms_f if f.get("fits", True) else "no fit",
                            ms_f / ms_a if ms_a == ms_a and ms_f == ms_f else "-"])
     print(table(["batch x context", "auto ms/step", "fp8 ms/step", "fp8 / auto"], table_rows))
+    if attention:
+        print(table(["batch x context", "attention auto us", "attention fp8 us", "fp8 / auto", "fp8 rel err"],
+                    [[r["config"], r.get("auto_us", "-"), r.get("fp8_us", "-"),
+                      r["fp8_us"] / r["auto_us"] if "fp8_us" in r else "-", r.get("fp8_rel_err", "-")]
+                     for r in attention]))
     print(f"KV blocks: auto {base.get('kv_blocks')}, fp8 {fp8.get('kv_blocks')} "
           f"(x{result.get('fp8_blocks_x', float('nan')):.2f}); greedy agreement: {result.get('agreement')}")
     return result
