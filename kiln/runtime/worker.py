@@ -32,6 +32,18 @@ def resolve_max_model_len(config: RuntimeConfig, spec: ModelSpec) -> int:
     return asked or spec.max_position_embeddings
 
 
+def fp8_kv_scales(model: torch.nn.Module, num_layers: int) -> tuple[tuple[float, float], ...]:
+    """One (k_scale, v_scale) per layer for an fp8 cache: an FP8 checkpoint's calibrated scales where it has
+    them, else 1.0 (no calibration is done here; docs/runtime.md says why 1.0 serves)."""
+    found: dict[int, list[float]] = getattr(model, "kv_cache_scales", {})
+    for layer, (k_scale, v_scale) in found.items():
+        if not (k_scale > 0 and v_scale > 0) or layer >= num_layers:
+            raise ValueError(f"the checkpoint's KV-cache scales of layer {layer} are invalid: {k_scale}, {v_scale}")
+    if found:
+        logger.info("fp8 KV cache: k/v scales of %d of %d layers from the checkpoint", len(found), num_layers)
+    return tuple(tuple(found.get(i, (1.0, 1.0))) for i in range(num_layers))  # type: ignore[misc]
+
+
 class Worker:
     def __init__(self, config: RuntimeConfig, device: torch.device, loaded: LoadedModel | None = None,
                  agree_num_blocks=None, clock: StartupClock | None = None) -> None:
@@ -62,8 +74,7 @@ class Worker:
             self.num_blocks = num_blocks
             self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size,
                                         self.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=device)
-        # one (k_scale, v_scale) per layer for an fp8 cache: 1.0, as no calibration is done (docs/cache.md)
-        kv_scales = ((1.0, 1.0),) * spec.num_layers if is_fp8(kv_dtype) else None
+        kv_scales = fp8_kv_scales(self.model, spec.num_layers) if is_fp8(kv_dtype) else None
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
                                   device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [],

@@ -136,3 +136,27 @@ def test_fused_rope_cache_write_honours_the_layer_scales(monkeypatch) -> None:
         tokens.append([o.outputs[0].token_ids for o in outs])
     assert fused  # the pass did rewrite attention at -O2
     assert tokens[0] == tokens[1]
+
+
+def test_an_fp8_checkpoints_kv_scales_reach_the_fp8_cache(tiny_checkpoint, tmp_path) -> None:
+    """`k_scale`/`v_scale` (and the older single `kv_scale`) of an FP8 checkpoint become the layers' scales of
+    an fp8 cache; layers without them keep 1.0; a model-dtype cache ignores them."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.test_fp8 import compressed_tensors_config, write_fp8_checkpoint
+
+    _, hf = tiny_checkpoint("tiny-llama")
+    write_fp8_checkpoint(hf, tmp_path, compressed_tensors_config("channel", static=False), "channel")
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(2.0)
+    tensors["model.layers.1.self_attn.kv_scale"] = torch.tensor([0.25])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    fp8 = Runtime(str(tmp_path), level=0, device="cpu", dtype="fp32", kv_cache_dtype="fp8")
+    layers = hf.config.num_hidden_layers
+    expected = ((0.5, 2.0), (0.25, 0.25)) + ((1.0, 1.0),) * (layers - 2)
+    assert fp8.engine.runner.kv_scales == expected
+    auto = Runtime(str(tmp_path), level=0, device="cpu", dtype="fp32")
+    assert auto.engine.runner.kv_scales is None
+    prompt = random_prompts([30], 256, seed=4)[0]
+    assert len(fp8.generate([prompt], GREEDY)[0].outputs[0].token_ids) == 12
