@@ -90,6 +90,9 @@ class TritonAttentionBackend(AttentionBackend):
             return f"triton supports head_dim <= 256, not {layout.head_dim}"
         if layout.num_heads % layout.num_kv_heads:
             return "num_heads must be a multiple of num_kv_heads"
+        if (layout.cache_dtype == torch.float8_e4m3fn and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) < (8, 9)):
+            return "kv_cache_dtype='fp8' needs e4m3 conversions, which Triton has from compute capability 8.9 (Ada/Hopper)"
         return None
 
     def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
