@@ -92,7 +92,8 @@ class TritonAttentionBackend(AttentionBackend):
             return "num_heads must be a multiple of num_kv_heads"
         if (layout.cache_dtype == torch.float8_e4m3fn and device.type == "cuda"
                 and torch.cuda.get_device_capability(device) < (8, 9)):
-            return "kv_cache_dtype='fp8' needs e4m3 conversions, which Triton has from compute capability 8.9 (Ada/Hopper)"
+            return ("kv_cache_dtype='fp8' needs e4m3 conversions, which Triton has from compute capability 8.9 "
+                    "(Ada, Hopper)")
         return None
 
     def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
