@@ -9,6 +9,7 @@ transformers' eager `generate` on the same shapes.
     python -m benchmarks.bench_gpu throughput --defaults --backend triton --hf --hf-requests 64   # issue 16
     python benchmarks/bench_gpu.py matrix --model smollm2-135m      # every backend x graph mode
     python benchmarks/bench_gpu.py tp --model llama3-70b --tp 2     # tensor parallel decode (one config a run)
+    python -m benchmarks.bench_gpu kv-dtype --model llama3-8b --json kv.json   # fp8 vs auto KV (bench_kv_dtype.py)
 
 Writes a JSON of all rows to --json when given.
 """
@@ -377,7 +378,7 @@ def cmd_profile(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("decode", "matrix", "throughput", "profile", "tp"):
+    for name in ("decode", "matrix", "throughput", "profile", "tp", "kv-dtype"):
         p = sub.add_parser(name)
         p.add_argument("--level", type=int, default=2)
         p.add_argument("--backend", default="auto")
@@ -403,6 +404,10 @@ def main() -> None:
             p.add_argument("--tp", type=int, default=2)
             p.add_argument("--cudagraph-mode", default="default", help="default: the level's own (graphs on)")
             p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+        if name == "kv-dtype":
+            from benchmarks.bench_kv_dtype import add_arguments
+
+            add_arguments(p)
         if name == "profile":
             p.add_argument("--model", default="smollm2-135m")
             p.add_argument("--batch", type=int, default=1)
@@ -427,6 +432,16 @@ def main() -> None:
             p.add_argument("--hf-only", action="store_true", help="run only the transformers baseline")
             p.add_argument("--quantization", default=None, choices=["fp8"], help="with --defaults: an FP8 model")
     args = parser.parse_args()
+    if args.cmd == "kv-dtype":  # its own runtimes (CPU dry run included), no floors
+        from benchmarks.bench_kv_dtype import cmd_kv_dtype
+
+        if args.backend == "auto":
+            args.backend = "triton"
+        result = dict(stamp=stamp(), **cmd_kv_dtype(args))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     COMPILE_OPTIONS.update(cudagraph_capture_sizes=tuple(args.capture_sizes),
                            compile_sizes=tuple(args.compile_sizes or ()), enable_passes=args.passes)
     if args.cmd != "decode":  # decode measures both modes on one runtime (--async-scheduling off|on|both)

@@ -101,6 +101,16 @@ class SchedulerConfig:
             max_num_batched_tokens=self.max_num_batched_tokens or defaults["max_num_batched_tokens"])
 
 
+# the KV cache's element type: None is the model's own dtype
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -110,8 +120,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_hash: str = "sha256"  # or "xxhash"-style fast builtin: "fast"
     prefix_hash_seed: int | None = None
+    # "auto": the model's dtype; "fp8": float8_e4m3fn, half the bytes of bf16 per token (docs/cache.md)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

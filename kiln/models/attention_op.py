@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kiln.models.forward_context import get_forward_context
+from kiln.models.kv_quant import quantize_kv
 
 OP_NAME = "kiln::attention"
 
@@ -25,15 +26,17 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     return None
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter k/v [T, Hkv, D] into one layer's paged cache [num_blocks, 2, block_size, Hkv, D] at
-    slot_mapping[:T] (padded tokens land in the null block). The reference write: the torch backend and
-    the fused ops' fallback use it, the GPU backends and kernels have their own."""
+    slot_mapping[:T] (padded tokens land in the null block), quantized with the layer's scales when the
+    cache is fp8 (kiln/models/kv_quant.py). The reference write: the torch backend and the fused ops'
+    fallback use it, the GPU backends and kernels have their own."""
     block_size = kv_cache.shape[2]
     slots = slot_mapping[: k.shape[0]]
     block, offset = slots // block_size, slots % block_size
-    kv_cache[block, 0, offset] = k
-    kv_cache[block, 1, offset] = v
+    kv_cache[block, 0, offset] = quantize_kv(k, k_scale, kv_cache.dtype)
+    kv_cache[block, 1, offset] = quantize_kv(v, v_scale, kv_cache.dtype)
 
 
 # Other ops that, like attention, run between compiled pieces: fused variants that kiln/passes rewrites

@@ -33,6 +33,8 @@ class ForwardContext:
     kv_caches: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
     cache_only_attention: bool = False
+    # per layer (k_scale, v_scale) of an fp8 cache (kiln/models/kv_quant.py); None: every scale is 1.0
+    kv_scales: tuple[tuple[float, float], ...] | None = None
 
 
 _current: ForwardContext | None = None

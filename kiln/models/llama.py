@@ -111,6 +111,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # an FP8 checkpoint's calibrated KV-cache scales, layer -> [k_scale, v_scale]; used by an fp8 KV cache
+        # (kv_cache_dtype="fp8", kiln/runtime/worker.py), ignored by a cache in the model dtype
+        self.kv_cache_scales: dict[int, list[float]] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
@@ -122,6 +125,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def _record_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
+        """`layers.{i}.self_attn[.x_proj].k_scale | v_scale | kv_scale` (one scale for both) -> kv_cache_scales."""
+        parts = name.split(".")
+        if "layers" not in parts or tensor.numel() != 1:
+            raise ValueError(f"KV-cache scale {name!r} is not one per-tensor scale of a decoder layer")
+        layer = int(parts[parts.index("layers") + 1])
+        scales = self.kv_cache_scales.setdefault(layer, [1.0, 1.0])
+        value = float(tensor.float().item())
+        if name.endswith(".k_scale"):
+            scales[0] = value
+        elif name.endswith(".v_scale"):
+            scales[1] = value
+        else:
+            scales[:] = [value, value]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of our parameters that were filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -132,7 +150,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name or (self.spec.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             if self.spec.quantization is not None and name.endswith(KV_CACHE_SCALES):
-                continue  # an FP8 checkpoint's KV-cache scales: kiln's KV cache stays in the model dtype
+                self._record_kv_scale(name, tensor)
+                continue
             shard = None
             for ckpt, ours, shard_name in self.STACKED:
                 if f".{ckpt}." in name:

@@ -13,12 +13,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _fp8_units(x, scale):
+    """x -> clamp(x / scale, +-448) in fp32, ready for the cast to e4m3 (kiln/models/kv_quant.py)."""
+    return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+
+
+@triton.jit
 def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_ptr, slot_ptr, cache_ptr,
                       s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kot, s_koh, s_cs,
-                      s_cb, s_ckv, s_cp, s_ch, num_q_heads, eps,
+                      s_cb, s_ckv, s_cp, s_ch, num_q_heads, eps, k_scale, v_scale,
                       HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-                      NORM: tl.constexpr, TO_CACHE: tl.constexpr):
-    """One program per (token, head) over q heads then k heads: [norm,] rotate, store q' / (k', v) -> cache."""
+                      NORM: tl.constexpr, TO_CACHE: tl.constexpr, KV_FP8: tl.constexpr):
+    """One program per (token, head) over q heads then k heads: [norm,] rotate, store q' / (k', v) -> cache.
+
+    KV_FP8: the cache is e4m3; k' (rounded to the model dtype first, as the unfused path does) and v are
+    stored as clamp(x / scale, +-448) (kiln/models/kv_quant.py)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -54,11 +63,18 @@ def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_ou
             slot = tl.load(slot_ptr + t).to(tl.int64)
             if slot >= 0:  # a negative slot means "no write", as for the backends' own writes
                 dst = cache_ptr + (slot // PAGE) * s_cb + (slot % PAGE) * s_cp + kh * s_ch
+                vsrc = v_ptr + t * s_vt + kh * s_vh
+                v1 = tl.load(vsrc + offs, mask=mask)
+                v2 = tl.load(vsrc + HALF + offs, mask=mask)
+                if KV_FP8:
+                    o1 = _fp8_units(o1, k_scale)
+                    o2 = _fp8_units(o2, k_scale)
+                    v1 = _fp8_units(v1, v_scale)
+                    v2 = _fp8_units(v2, v_scale)
                 tl.store(dst + offs, o1.to(cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(dst + HALF + offs, o2.to(cache_ptr.dtype.element_ty), mask=mask)
-                vsrc = v_ptr + t * s_vt + kh * s_vh
-                tl.store(dst + s_ckv + offs, tl.load(vsrc + offs, mask=mask), mask=mask)
-                tl.store(dst + s_ckv + HALF + offs, tl.load(vsrc + HALF + offs, mask=mask), mask=mask)
+                tl.store(dst + s_ckv + offs, v1.to(cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + s_ckv + HALF + offs, v2.to(cache_ptr.dtype.element_ty), mask=mask)
         else:
             dst = k_out_ptr + t * s_kot + kh * s_koh
             tl.store(dst + offs, o1, mask=mask)
@@ -72,7 +88,8 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                      v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
-                     slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     slot_mapping: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [T, Hq, D], k [T, Hkv, D] -> (q', k'), or (q', None) with k' and v written to kv_cache at slots."""
     q, k = _unit_last(q), _unit_last(k)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -93,8 +110,9 @@ def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
         slot_mapping if to_cache else positions, cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         q_out.stride(0), q_out.stride(1), ko.stride(0), ko.stride(1), cos_sin_cache.stride(0), *kv_strides,
-        num_q_heads, eps, HEAD_DIM=head_dim, HALF=half, BLOCK=triton.next_power_of_2(half),
-        PAGE=cache.shape[2] if to_cache else 1, NORM=norm, TO_CACHE=to_cache, num_warps=1)
+        num_q_heads, eps, float(k_scale), float(v_scale), HEAD_DIM=head_dim, HALF=half,
+        BLOCK=triton.next_power_of_2(half), PAGE=cache.shape[2] if to_cache else 1, NORM=norm, TO_CACHE=to_cache,
+        KV_FP8=to_cache and cache.dtype == torch.float8_e4m3fn, num_warps=1)
     return q_out, k_out
 
 

@@ -59,8 +59,9 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     in one kernel when the backend can then attend from the cache alone; otherwise the plain path."""
     ctx = get_forward_context()
     if ctx.cache_only_attention and ctx.kv_caches is not None and ctx.slot_mapping is not None:
+        k_scale, v_scale = ctx.kv_scales[layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
         q_rot = rope_and_cache(q, k, v, positions, cos_sin_cache, ctx.kv_caches[layer_idx], ctx.slot_mapping,
-                               q_norm_weight, k_norm_weight, eps)
+                               q_norm_weight, k_norm_weight, eps, k_scale, v_scale)
         ctx.attention(layer_idx, q_rot, None, None, out)
         return
     q_rot, k_rot = norm_rope_ref(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
@@ -79,15 +80,16 @@ register_split_op(torch.ops.kiln.rope_attention)
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                   eps: float = 0.0) -> torch.Tensor:
-    """-> rotated q; rotated k and v land in kv_cache (one layer's) at slot_mapping."""
+                   eps: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """-> rotated q; rotated k and v land in kv_cache (one layer's) at slot_mapping, quantized with the
+    layer's scales if the cache is fp8."""
     if _use_triton(q):
         from kiln.passes.kernels import norm_rope_triton
 
         return norm_rope_triton(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
-                                slot_mapping=slot_mapping)[0]
+                                slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)[0]
     q_rot, k_rot = norm_rope_ref(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
-    write_kv(k_rot, v, kv_cache, slot_mapping)
+    write_kv(k_rot, v, kv_cache, slot_mapping, k_scale, v_scale)
     return q_rot
 
 

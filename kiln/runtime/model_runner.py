@@ -60,8 +60,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  device: torch.device, eos_token_ids: frozenset[int],
-                 block_ids_of: Callable[[Request], list[int]]) -> None:
+                 block_ids_of: Callable[[Request], list[int]],
+                 kv_scales: tuple[tuple[float, float], ...] | None = None) -> None:
         self.model = model
+        # per layer (k_scale, v_scale) of an fp8 cache (kiln/models/kv_quant.py); None: 1.0 everywhere
+        self.kv_scales = kv_scales
         self.block_ids_of = block_ids_of
         self._row_owner: list[list[int] | None] = [None] * max_num_seqs  # whose block ids each row holds
         self._row_blocks: list[int] = [0] * max_num_seqs  # how many of its block ids are written there
@@ -254,15 +257,18 @@ class ModelRunner:
     # -- forward -------------------------------------------------------------------------------------
     def forward_context(self, metadata: CommonAttentionMetadata, num_tokens: int) -> ForwardContext:
         backend_metadata = self.backend.build_metadata(metadata)
-        kv_cache, backend = self.kv_cache, self.backend
+        kv_cache, backend, kv_scales = self.kv_cache, self.backend, self.kv_scales
 
         def run_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                           out: torch.Tensor) -> None:
-            backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata)
+            if kv_scales is None:
+                backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata)
+            else:
+                backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata, *kv_scales[layer_idx])
 
         return ForwardContext(attention=run_attention, metadata=backend_metadata, num_tokens=num_tokens,
                               kv_caches=kv_cache, slot_mapping=metadata.slot_mapping,
-                              cache_only_attention=backend.supports_cache_only)
+                              cache_only_attention=backend.supports_cache_only, kv_scales=kv_scales)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:

@@ -11,8 +11,9 @@ import logging
 
 import torch
 
-from kiln.config import RuntimeConfig
+from kiln.config import RuntimeConfig, resolve_kv_cache_dtype
 from kiln.models.base import ModelSpec
+from kiln.models.kv_quant import is_fp8
 from kiln.models.loader.load import LoadedModel, load_model
 from kiln.models.parallel import tp_size
 from kiln.runtime.attention import AttentionLayout, select_backend
@@ -31,6 +32,18 @@ def resolve_max_model_len(config: RuntimeConfig, spec: ModelSpec) -> int:
     return asked or spec.max_position_embeddings
 
 
+def fp8_kv_scales(model: torch.nn.Module, num_layers: int) -> tuple[tuple[float, float], ...]:
+    """One (k_scale, v_scale) per layer for an fp8 cache: an FP8 checkpoint's calibrated scales where it has
+    them, else 1.0 (no calibration is done here; docs/runtime.md says why 1.0 serves)."""
+    found: dict[int, list[float]] = getattr(model, "kv_cache_scales", {})
+    for layer, (k_scale, v_scale) in found.items():
+        if not (k_scale > 0 and v_scale > 0) or layer >= num_layers:
+            raise ValueError(f"the checkpoint's KV-cache scales of layer {layer} are invalid: {k_scale}, {v_scale}")
+    if found:
+        logger.info("fp8 KV cache: k/v scales of %d of %d layers from the checkpoint", len(found), num_layers)
+    return tuple(tuple(found.get(i, (1.0, 1.0))) for i in range(num_layers))  # type: ignore[misc]
+
+
 class Worker:
     def __init__(self, config: RuntimeConfig, device: torch.device, loaded: LoadedModel | None = None,
                  agree_num_blocks=None, clock: StartupClock | None = None) -> None:
@@ -46,8 +59,9 @@ class Worker:
         self.max_model_len = resolve_max_model_len(config, spec)
         world = tp_size()
         self.num_heads, self.num_kv_heads = spec.num_heads // world, max(1, spec.num_kv_heads // world)
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.dtype)
         layout = AttentionLayout(self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5,
-                                 config.cache.block_size, self.loaded.dtype)
+                                 config.cache.block_size, self.loaded.dtype, kv_dtype)
         backend_cls = select_backend(config.attention_backend, layout, device)
         self.backend = backend_cls(layout, device)
         sched = config.scheduler
@@ -59,10 +73,12 @@ class Worker:
                 num_blocks = agree_num_blocks(num_blocks)
             self.num_blocks = num_blocks
             self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size,
-                                        self.num_kv_heads, spec.head_dim, dtype=self.loaded.dtype, device=device)
+                                        self.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=device)
+        kv_scales = fp8_kv_scales(self.model, spec.num_layers) if is_fp8(kv_dtype) else None
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
-                                  device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [])
+                                  device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [],
+                                  kv_scales=kv_scales)
 
     def warm_up(self) -> None:
         """Start-up work every rank does identically before serving (compilation, graph capture)."""

@@ -167,3 +167,27 @@ def test_bf16_logits_close_to_torch(name: str, llama_d64: str) -> None:
             break
     print(f"{name}: {compared} steps compared; greedy tokens equal: {tokens == ref_tokens}")
     assert compared >= 1
+
+
+def test_triton_fp8_cache_write_rounds_like_torch() -> None:
+    """On a GPU (unlike the CPU interpreter) the Triton kernels' float -> e4m3 store rounds like torch's cast:
+    arbitrary keys/values give the same cache bytes as the torch backend, for prefill and fused decode, and
+    outputs within bf16 rounding of it (tests/runtime/attention/test_fp8_kv.py runs the exact-value cases)."""
+    from kiln.runtime.attention.torch_backend import TorchAttentionBackend
+    from kiln.runtime.attention.triton_backend import TritonAttentionBackend
+    from tests.runtime.attention.test_fp8_kv import CASES, fp8_batch, run_fp8
+
+    for q_lens, contexts in CASES:
+        batch = fp8_batch(q_lens, contexts, 16, 4, 128, torch.bfloat16, seed=len(q_lens))
+        out, cache = run_fp8(TritonAttentionBackend(batch.layout, CUDA), batch)
+        ref_out, ref_cache = run_fp8(TorchAttentionBackend(batch.layout, CUDA), batch)
+        assert rel_err(out, ref_out) <= 1e-2
+        assert torch.equal(cache[1:].view(torch.uint8), ref_cache[1:].view(torch.uint8))
+
+
+def test_flashinfer_refuses_an_fp8_cache() -> None:
+    pytest.importorskip("flashinfer")
+    layout = AttentionLayout(32, 8, 128, 1.0, 16, torch.bfloat16, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        select_backend("flashinfer", layout, CUDA)
+    assert select_backend("auto", layout, CUDA).name == "triton"  # auto falls through to a backend that can

@@ -46,6 +46,8 @@ def check_kernels(device: str) -> None:
             write_kv(ref_k, v, ref_cache, slots)
             torch.testing.assert_close(got_q.float(), ref_q.float(), atol=tol, rtol=0)
             torch.testing.assert_close(cache.float(), ref_cache.float(), atol=tol, rtol=0)
+            if device != "cpu":  # the interpreter's float -> e4m3 cast is wrong (tests/runtime/attention/test_fp8_kv)
+                check_fp8_cache_write(q, k, v, positions, cos_sin, qw, kw, slots, ref_cache)
         x, r, w = rand(6, 40), rand(6, 40), rand(40)
         normed, summed = K.add_rms_norm_triton(x, r, w, 1e-5)
         torch.testing.assert_close(summed.float(), (x + r).float(), atol=tol, rtol=0)
@@ -54,6 +56,22 @@ def check_kernels(device: str) -> None:
         gate, up = gate_up.chunk(2, -1)
         torch.testing.assert_close(K.silu_and_mul_triton(gate_up).float(),
                                    (torch.nn.functional.silu(gate) * up).float(), atol=tol, rtol=0)
+
+
+def check_fp8_cache_write(q, k, v, positions, cos_sin, qw, kw, slots, ref_cache) -> None:
+    """The fused RoPE + write into an e4m3 cache stores clamp(x / scale) (kiln/models/kv_quant.py): read back
+    times the scale, within e4m3's rounding (half an ulp: 2^-4 relative, or the subnormal step) of the
+    unquantized write."""
+    from kiln.models.kv_quant import FP8_KV_DTYPE
+    from kiln.passes import kernels as K
+
+    k_scale, v_scale = 0.25, 2.0
+    cache = torch.zeros(ref_cache.shape, dtype=FP8_KV_DTYPE, device=ref_cache.device)
+    K.norm_rope_triton(q, k, positions, cos_sin, qw, kw, 1e-6, v=v, kv_cache=cache, slot_mapping=slots,
+                       k_scale=k_scale, v_scale=v_scale)
+    for which, scale in ((0, k_scale), (1, v_scale)):
+        got, ref = cache[:, which].float() * scale, ref_cache[:, which].float()
+        torch.testing.assert_close(got, ref, rtol=2.0 ** -4 + 2.0 ** -7, atol=2.0 ** -9 * scale)
 
 
 def test_kernels_match_reference_under_the_interpreter() -> None:

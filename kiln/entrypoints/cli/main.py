@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from kiln.config import CUDAGraphMode
+from kiln.config import KV_CACHE_DTYPES, CUDAGraphMode
 from kiln.passes.config import ALL_PASSES
 
 # subcommand -> module with `add_parser(subparsers)`; each sets `func` on its parser
@@ -46,6 +46,9 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
+                        help="KV cache element type: auto (the model dtype, default) or fp8 (e4m3, per-layer "
+                             "scale 1.0: about twice the tokens in the same memory)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="overlap each step's scheduling and token processing with the previous forward "
                              "(default: on with one GPU, off on the CPU and under tensor parallelism)")
@@ -78,7 +81,7 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["tokenizer"] = args.tokenizer
     for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n", "kv_cache_bytes",
                  "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode", "compile_workers",
-                 "quantization"):
+                 "quantization", "kv_cache_dtype"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     for name in ("cudagraph_capture_sizes", "compile_sizes", "background_compile_sizes"):

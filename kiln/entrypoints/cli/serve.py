@@ -78,7 +78,7 @@ def summary(engine: Engine, names: list[str], startup_seconds: float) -> str:
                        f"{engine.config.scheduler.max_num_batched_tokens} tokens a step, "
                        f"async {'on' if engine.async_scheduling else 'off'}"),
         ("KV cache", f"{engine.pool.num_usable} blocks x {engine.config.cache.block_size} tokens "
-                     f"= {engine.kv_capacity_tokens} tokens"),
+                     f"= {engine.kv_capacity_tokens} tokens of {str(engine.kv_cache.dtype).removeprefix('torch.')}"),
         ("load / compile seconds", f"{loaded.load_seconds:.1f} / {compile_s:.1f}"),
         ("compiled", f"{compile_stat(engine, 'dynamo_traces'):.0f} trace(s), "
                      f"{compile_stat(engine, 'inductor_compiles'):.0f} Inductor compile(s)"),

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from kiln.config import GraphSupport  # re-exported: backends declare it here
+from kiln.models.kv_quant import is_fp8
 
 
 @dataclass
@@ -40,7 +41,12 @@ class AttentionLayout:
     head_dim: int
     scale: float
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype: q, k, v and the output
+    kv_dtype: torch.dtype | None = None  # the cache's element type; None: `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
 
 class AttentionBackend(ABC):
@@ -52,6 +58,8 @@ class AttentionBackend(ABC):
     # forward() accepts k = v = None, meaning this step's K/V are already in the cache (a fused RoPE + cache
     # write ran before it: kiln/passes/rope_kv.py), and then only reads the cache
     supports_cache_only: ClassVar[bool] = False
+    # reads and writes a float8_e4m3fn cache with per-layer scales (kiln/models/kv_quant.py)
+    supports_fp8_kv: ClassVar[bool] = False
 
     def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
         self.layout = layout
@@ -66,6 +74,9 @@ class AttentionBackend(ABC):
             return f"{cls.name} does not support dtype {layout.dtype}"
         if cls.supported_head_dims is not None and layout.head_dim not in cls.supported_head_dims:
             return f"{cls.name} does not support head_dim {layout.head_dim}"
+        if layout.cache_dtype != layout.dtype and not (is_fp8(layout.cache_dtype) and cls.supports_fp8_kv):
+            return (f"{cls.name} does not support kv_cache_dtype {layout.cache_dtype} (kv_cache_dtype='fp8' runs on "
+                    "the triton and torch attention backends)")
         return None
 
     @abstractmethod
@@ -74,7 +85,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: Any) -> None:
+                kv_cache: torch.Tensor, metadata: Any, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Write k/v at metadata's slots in kv_cache ([num_blocks, 2, block_size, Hkv, D]) and fill out.
 
-        k/v may be strided views (last-dim stride 1); None only where `supports_cache_only` says so."""
+        k/v may be strided views (last-dim stride 1); None only where `supports_cache_only` says so.
+        k_scale/v_scale: the layer's scales, used only when kv_cache is fp8 (kiln/models/kv_quant.py)."""

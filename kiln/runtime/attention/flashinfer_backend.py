@@ -11,6 +11,10 @@ the next plan() wrote there. Everything else (prefill, chunks, mixed batches) us
 wrapper, eagerly: GraphSupport.UNIFORM_DECODE. Decode uses tensor cores (the FA2 prefill kernel with
 one query row per request), which is faster for GQA and shares its JIT module with prefill, so one
 module is compiled per (dtype, head_dim).
+
+kv_cache_dtype='fp8' is refused (supports_fp8_kv False, so `auto` falls through to Triton): FlashInfer reads
+e4m3 caches, but kiln has not yet validated its fp8 plan/run path (a q/kv dtype pair is a separate JIT module,
+and the scales go to run()) against the torch reference on a GPU.
 """
 
 from __future__ import annotations
@@ -130,7 +134,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         return FlashInferMetadata(common, wrapper, common.num_tokens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: FlashInferMetadata) -> None:
+                kv_cache: torch.Tensor, metadata: FlashInferMetadata, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> None:  # the scales only apply to an fp8 cache, which is refused
         if k is not None and v is not None:
             reshape_and_cache(k, v, kv_cache, metadata.common.slot_mapping)
         rows = metadata.num_rows

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.models.attention_op import write_kv
+from kiln.models.kv_quant import dequantize_kv
 from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata, GraphSupport
 
 
@@ -50,6 +51,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     graph_support = GraphSupport.NEVER  # groups requests by CPU-side lengths read every step
     supports_cache_only = True
+    supports_fp8_kv = True  # an fp8 cache is dequantized as it is gathered (kiln/models/kv_quant.py)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         starts = common.query_start_loc_cpu.tolist()
@@ -117,13 +119,15 @@ class TorchAttentionBackend(AttentionBackend):
         return AttentionCall(*keys_values, len(rows), key_len, tokens, mask[:, None], tokens[real], real)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> None:
+                kv_cache: torch.Tensor, metadata: TorchAttentionMetadata, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> None:
         if k is not None and v is not None:  # None: already written by a fused RoPE + cache write
-            write_kv(k, v, kv_cache, metadata.common.slot_mapping)
+            write_kv(k, v, kv_cache, metadata.common.slot_mapping, k_scale, v_scale)
         for call in metadata.calls:
-            self._run(q, out, kv_cache, call)
+            self._run(q, out, kv_cache, call, k_scale, v_scale)
 
-    def _run(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, call: AttentionCall) -> None:
+    def _run(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, call: AttentionCall,
+             k_scale: float, v_scale: float) -> None:
         layout = self.layout
         num_reqs, hkv, d = call.num_reqs, layout.num_kv_heads, layout.head_dim
 
@@ -134,7 +138,9 @@ class TorchAttentionBackend(AttentionBackend):
             x = kv_cache.view(-1, hkv, d).index_select(0, index)  # [R * L, Hkv, D]
             return x.view(num_reqs, call.key_len, hkv, d).transpose(1, 2)
 
-        keys, values = gather(0, call.index), gather(1, call.value_index)
+        # an fp8 cache is read back in q's dtype (only the gathered context is converted)
+        keys = dequantize_kv(gather(0, call.index), k_scale, q.dtype)
+        values = dequantize_kv(gather(1, call.value_index), v_scale, q.dtype)
         if call.real is None and num_reqs == 1:  # [q_len, H, D] -> [H, q_len, D]
             query = q[call.queries].transpose(0, 1)
         elif call.real is None:  # one decode per request, consecutive: [R, H, 1, D]

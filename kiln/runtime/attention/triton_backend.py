@@ -6,6 +6,9 @@ prefix hits, mixed batches) runs the reshape-and-cache kernel and one varlen ker
 offset by the context already in the cache. Grids depend only on host sizes fixed by the batch descriptor
 (padded tokens, requests), lengths are read on device, and the split workspace is persistent, so the
 backend can be captured in CUDA graphs for any batch: GraphSupport.ALWAYS.
+
+An fp8 cache (kv_cache_dtype='fp8') is a constexpr of every kernel (KV_FP8, from the cache's dtype), with
+the layer's k/v scales passed as scalars: a graph captured for a layer replays with that layer's scales.
 """
 
 from __future__ import annotations
@@ -32,8 +35,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write k/v ([T, Hkv, D]) at slot_mapping[:T] of kv_cache ([num_blocks, 2, block_size, Hkv, D])."""
+def _is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype == torch.float8_e4m3fn
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write k/v ([T, Hkv, D]) at slot_mapping[:T] of kv_cache ([num_blocks, 2, block_size, Hkv, D]), quantized
+    with the layer's scales if the cache is fp8."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -42,8 +51,9 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
     K.reshape_and_cache_kernel[(num_tokens,)](
         k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads,
-        HEAD_DIM=head_dim, PAGE=kv_cache.shape[2], BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+        float(k_scale), float(v_scale), HEAD_DIM=head_dim, PAGE=kv_cache.shape[2],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        KV_FP8=_is_fp8(kv_cache), num_warps=4)
 
 
 def build_page_indices(block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
@@ -69,6 +79,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     graph_support = GraphSupport.ALWAYS
     supported_devices = ("cuda",)
+    supports_fp8_kv = True
 
     @classmethod
     def unsupported_reason(cls, layout: AttentionLayout, device: torch.device) -> str | None:
@@ -79,6 +90,10 @@ class TritonAttentionBackend(AttentionBackend):
             return f"triton supports head_dim <= 256, not {layout.head_dim}"
         if layout.num_heads % layout.num_kv_heads:
             return "num_heads must be a multiple of num_kv_heads"
+        if (layout.cache_dtype == torch.float8_e4m3fn and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) < (8, 9)):
+            return ("kv_cache_dtype='fp8' needs e4m3 conversions, which Triton has from compute capability 8.9 "
+                    "(Ada, Hopper)")
         return None
 
     def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
@@ -138,36 +153,37 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonMetadata(common, splits, self._part_out, self._part_lse, self._counters)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: TritonMetadata) -> None:
+                kv_cache: torch.Tensor, metadata: TritonMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         common = metadata.common
         assert out.stride(-1) == 1
         q = q if q.stride(-1) == 1 else q.contiguous()
+        scales = (float(k_scale), float(v_scale)) if _is_fp8(kv_cache) else (1.0, 1.0)
         if common.uniform_decode and common.num_reqs > 0:
             k = k if k.stride(-1) == 1 else k.contiguous()
             v = v if v.stride(-1) == 1 else v.contiguous()
-            self._decode(q, k, v, out, kv_cache, metadata)  # writes the new K/V itself
+            self._decode(q, k, v, out, kv_cache, metadata, *scales)  # writes the new K/V itself
             return
-        reshape_and_cache(k, v, kv_cache, common.slot_mapping)
+        reshape_and_cache(k, v, kv_cache, common.slot_mapping, *scales)
         if common.num_reqs > 0:
-            self._varlen(q, out, kv_cache, common)
+            self._varlen(q, out, kv_cache, common, *scales)
 
     def _common_args(self, kv_cache: torch.Tensor, common: CommonAttentionMetadata) -> tuple:
         return (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                 common.block_tables.stride(0))
 
     def _varlen(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                common: CommonAttentionMetadata) -> None:
+                common: CommonAttentionMetadata, k_scale: float, v_scale: float) -> None:
         layout, cfg = self.layout, self._prefill_cfg
         # q.shape[0] is the padded token count: a graph-stable bound on every request's q-blocks
         grid = (q.shape[0] // cfg["BLOCK_Q"] + common.num_reqs, layout.num_kv_heads)
         K.varlen_attention_kernel[grid](
             q, out, kv_cache, common.block_tables, common.seq_lens, common.query_start_loc, common.num_reqs,
-            layout.scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            *self._common_args(kv_cache, common), GROUP=self.group, HEAD_DIM=layout.head_dim, BLOCK_D=self.block_d,
-            PAGE=layout.block_size, IEEE=self.ieee, **cfg)
+            layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *self._common_args(kv_cache, common), v_scale, GROUP=self.group, HEAD_DIM=layout.head_dim,
+            BLOCK_D=self.block_d, PAGE=layout.block_size, IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache), **cfg)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TritonMetadata) -> None:
+                metadata: TritonMetadata, k_scale: float, v_scale: float) -> None:
         # padded tokens past num_reqs get no K/V write: theirs would only land in the null block
         layout, common, splits, cfg = self.layout, metadata.common, metadata.num_splits, self.decode_cfg
         part_out = metadata.part_out if metadata.part_out is not None else out
@@ -175,9 +191,11 @@ class TritonAttentionBackend(AttentionBackend):
         counters = metadata.counters if metadata.counters is not None else common.seq_lens
         K.decode_attention_kernel[(common.num_reqs, layout.num_kv_heads, splits)](
             q, k, v, out, part_out, part_lse, counters, kv_cache, common.block_tables, common.seq_lens,
-            common.slot_mapping, layout.scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            common.slot_mapping, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
-            GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), HEAD_DIM=layout.head_dim,
+            k_scale, v_scale, GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)),
+            HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), IEEE=self.ieee, num_warps=cfg["num_warps"],
+            BLOCK_S=triton.next_power_of_2(splits), IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache),
+            num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])

@@ -5,6 +5,11 @@ Every launch grid depends only on host-side sizes that are fixed for a CUDA-grap
 inside the kernels. That is what makes the whole backend capturable. GQA is handled by packing the
 query heads that share a KV head into the rows of one tile, so each K/V tile is loaded once per group.
 Scores are kept in the log2 domain (scale pre-multiplied by log2(e)) so the softmax uses exp2.
+
+An fp8 (e4m3) cache (KV_FP8) stores clamp(x / scale, +-448) (kiln/models/kv_quant.py). Reads convert a tile
+to q's dtype (exact: every e4m3 value is a bf16/fp16/fp32 value) so both tl.dot operands share a dtype, and
+the layer's scales are applied outside the dots: k_scale is folded into qk_scale by the host, and v_scale
+multiplies the output once (attention is linear in V), so a tile costs one conversion and no multiply.
 """
 
 from __future__ import annotations
@@ -14,10 +19,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _fp8_units(x, scale):
+    """x -> clamp(x / scale, +-448) in fp32: what an e4m3 cache stores, before the cast."""
+    return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+
+
+@triton.jit
 def reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                             stride_cb, stride_ckv, stride_cs, stride_ch, num_kv_heads,
+                             stride_cb, stride_ckv, stride_cs, stride_ch, num_kv_heads, k_scale, v_scale,
                              HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # explicit "no write" marker; the runner normally sends padding to the null block
@@ -27,6 +38,9 @@ def reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, strid
     mask = (h < num_kv_heads) & (d < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    if KV_FP8:
+        k = _fp8_units(k, k_scale)
+        v = _fp8_units(v, v_scale)
     dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -35,16 +49,19 @@ def reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, strid
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q_pos, d, d_mask, stride_cb,
                  stride_cs, stride_ckv, qk_scale, MASK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """One online-softmax step over keys [n0, n0 + BLOCK_N) gathered through the block table.
 
     MASK applies the end bound and causality (key position <= query position); interior tiles skip it.
+    KV_FP8: the tiles are e4m3, converted to q's dtype; qk_scale carries k_scale, the caller applies v_scale.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
     tok = kv_base + block * stride_cb + (offs_n % PAGE) * stride_cs  # [BLOCK_N]
     k = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
     if IEEE:
         s = tl.dot(q, k, input_precision="ieee")
     else:
@@ -59,6 +76,8 @@ def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q
     alpha = tl.exp2(m_i - m_new)
     v = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
                 other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -71,9 +90,9 @@ def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q
 @triton.jit(do_not_specialize=["num_reqs"])
 def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, num_reqs, qk_scale,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch,
-                            stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            stride_bt, v_scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            PAGE: tl.constexpr, IEEE: tl.constexpr):
+                            PAGE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """Causal attention for any mix of requests; program (q_block, kv_head).
 
     Request i owns q-blocks [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): an upper bound on its
@@ -119,11 +138,15 @@ def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl
     full_end = ((context + q_off) // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row, q_pos, d, d_mask,
-                                     stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE)
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE,
+                                     KV_FP8)
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row, q_pos, d, d_mask,
-                                     stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE)
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE,
+                                     KV_FP8)
     acc = acc / l_i[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     o_ptrs = out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -132,9 +155,10 @@ def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl
 def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, cache_ptr, bt_ptr,
                             seq_lens_ptr, slot_ptr, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                             stride_vh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
-                            GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                            BLOCK_S: tl.constexpr, IEEE: tl.constexpr):
+                            k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                            NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+                            KV_FP8: tl.constexpr):
     """One new token per request, the whole decode step in one launch; program (request, kv_head, split).
 
     At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
@@ -142,6 +166,8 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     split of a (request, kv_head) to finish (an atomic ticket) merges the partials and resets the
     counter. The split count is fixed per request count (not per context length) so a CUDA graph
     captured for a batch size stays valid as contexts grow; each split sizes its slice from seq_len.
+    KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
+    them from the cache), so a step's output does not depend on which path a key came through.
     """
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -153,6 +179,9 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     d_mask = d < HEAD_DIM
     k_new = tl.load(k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh + d, mask=d_mask, other=0.0)
     v_new = tl.load(v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + d, mask=d_mask, other=0.0)
+    if KV_FP8:  # to e4m3 and back: the values the cache holds, in units of the scales
+        k_new = _fp8_units(k_new, k_scale).to(cache_ptr.dtype.element_ty).to(tl.float32)
+        v_new = _fp8_units(v_new, v_scale).to(cache_ptr.dtype.element_ty).to(tl.float32)
     if split == 0:
         slot = tl.load(slot_ptr + req).to(tl.int64)
         if slot >= 0:
@@ -181,10 +210,12 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     plain_end = start + tl.maximum(cache_end - start, 0) // BLOCK_N * BLOCK_N
     for n0 in range(start, plain_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, cache_end, bt_row, q_pos, d, d_mask,
-                                     stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE)
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE,
+                                     KV_FP8)
     for n0 in range(plain_end, cache_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, cache_end, bt_row, q_pos, d, d_mask,
-                                     stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE)
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE,
+                                     KV_FP8)
     if (new_pos >= start) & (new_pos < end):
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
         m_new = tl.maximum(m_i, s_new)
@@ -195,6 +226,8 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]  # an empty split leaves acc == 0, so o == 0
+    if KV_FP8:
+        o = o * v_scale
     out_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
     out_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:

@@ -27,7 +27,8 @@ def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.devic
     the positions of the profiling forward."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_block = bytes_per_block(spec, layout.dtype, cache.block_size, layout.num_kv_heads)
+    # the cache's own element type: an fp8 cache fits twice the blocks of a bf16 one in the same bytes
+    per_block = bytes_per_block(spec, layout.cache_dtype, cache.block_size, layout.num_kv_heads)
     if cache.kv_cache_bytes is not None:
         budget = cache.kv_cache_bytes
     elif device.type == "cpu":
