@@ -124,12 +124,28 @@ def test_mismatched_k_is_named() -> None:
 
 @pytest.mark.parametrize("proj", sorted(LLAMA3_8B))
 @pytest.mark.parametrize("m", [1, 8, 64])
-def test_heuristic_fills_an_h200_without_tiny_splits(proj: str, m: int) -> None:
+def test_heuristic_fills_an_h200_without_tiny_splits(proj: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback rule (shapes the measured TUNED table does not list; emptied here to reach the rule)."""
+    from kiln.models.quant import fp8_kernel
+
+    monkeypatch.setattr(fp8_kernel, "TUNED", {})
     n, k = LLAMA3_8B[proj]
     config = pick_config(m, n, k, num_sms=132)
     tiles = -(-n // config.block_n) * -(-m // block_m_for(m))
     assert tiles * config.split_k >= 132, (proj, m, config)  # at least one program per SM
     assert k // config.split_k >= 4 * config.block_k  # every split pipelines over a few K steps
+
+
+def test_measured_table_wins_over_the_rule_for_fp8_only() -> None:
+    """A shape in TUNED takes its measured config at every M up to the entry's M (the next larger entry's
+    otherwise); 16-bit operands always take the rule (the table was measured for e4m3)."""
+    from kiln.models.quant.fp8_kernel import TUNED
+
+    (n, k, _), _ = next(iter(TUNED.items()))
+    entries = sorted((max_m, cfg) for (tn, tk, max_m), cfg in TUNED.items() if (tn, tk) == (n, k))
+    for m in (1, 3, 64):
+        assert pick_config(m, n, k, num_sms=132) == next(cfg for max_m, cfg in entries if m <= max_m)
+    assert pick_config(1, n, k, num_sms=132, element_bytes=2).block_k == 128
 
 
 def test_op_on_cpu_is_scaled_mm() -> None:

@@ -43,7 +43,36 @@ class Fp8GemmConfig:
 
 # (N, K, largest M) -> config, measured on an H200 (benchmarks/bench_fp8.py --parts kernels). The first
 # entry whose N, K match and whose largest M is >= M wins; shapes not listed fall back to the rule below.
-TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {}
+TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {  # H200, 2026-11-30 (docs/BENCHMARKS.md)
+    (4096, 4096, 1): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 4096, 2): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 4096, 4): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 4096, 8): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (4096, 4096, 16): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (4096, 4096, 32): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (4096, 4096, 64): Fp8GemmConfig(64, 128, 2, 4, 6),
+    (4096, 14336, 1): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 14336, 2): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 14336, 4): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 14336, 8): Fp8GemmConfig(64, 256, 4, 4, 4),
+    (4096, 14336, 16): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 14336, 32): Fp8GemmConfig(64, 256, 2, 4, 4),
+    (4096, 14336, 64): Fp8GemmConfig(64, 256, 2, 4, 4),
+    (6144, 4096, 1): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (6144, 4096, 2): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (6144, 4096, 4): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (6144, 4096, 8): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (6144, 4096, 16): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (6144, 4096, 32): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (6144, 4096, 64): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (28672, 4096, 1): Fp8GemmConfig(128, 128, 1, 8, 4),
+    (28672, 4096, 2): Fp8GemmConfig(128, 128, 1, 8, 4),
+    (28672, 4096, 4): Fp8GemmConfig(128, 128, 1, 8, 4),
+    (28672, 4096, 8): Fp8GemmConfig(128, 128, 1, 8, 4),
+    (28672, 4096, 16): Fp8GemmConfig(128, 128, 1, 8, 4),
+    (28672, 4096, 32): Fp8GemmConfig(128, 128, 1, 8, 4),
+    (28672, 4096, 64): Fp8GemmConfig(128, 128, 1, 8, 4),
+}
 
 # Programs per SM the rule aims for: two resident programs each keep several weight tiles in flight.
 _PROGRAMS_PER_SM = 2
