@@ -110,6 +110,10 @@ def time_projection(k: int, n: int, m: int, device: str) -> dict[str, float]:
 
 def build(args: argparse.Namespace, quantization: str | None) -> tuple[Runtime, float]:
     start = time.perf_counter()
+    if args.defaults:  # what a user gets: only the model, dummy weights, the backend and the quantization
+        rt = Runtime(args.preset, device=args.device, load_format="dummy", attention_backend=args.backend,
+                     quantization=quantization)
+        return rt, time.perf_counter() - start
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= args.max_num_seqs)
     rt = Runtime(args.preset, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
                  load_format="dummy", level=args.level, attention_backend=args.backend, quantization=quantization,
@@ -232,6 +236,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--requests", type=int, default=256, help="offline throughput requests (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--defaults", action="store_true",
+                        help="decode/throughput runtimes at default settings (ignores the sizing flags)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--parts", nargs="+", default=["gemm", "decode", "throughput"],
                         choices=["kernels", "gemm", "decode", "throughput"])
