@@ -24,9 +24,10 @@ TRITON_MAX_M = int(os.environ.get("KILN_FP8_TRITON_MAX_M", "64"))
 
 def _cpu_takes_rowwise_scales() -> bool:
     """torch 2.13's CPU _scaled_mm takes row-wise scales; 2.11's takes per-tensor scales only."""
-    one = torch.ones(1, 16).to(torch.float8_e4m3fn)
+    # two rows and columns: [1, 1] scales would pass as per-tensor ones (the H200's torch 2.11 took them)
+    two = torch.ones(2, 16).to(torch.float8_e4m3fn)
     try:
-        torch._scaled_mm(one, one.t(), scale_a=torch.ones(1, 1), scale_b=torch.ones(1, 1), out_dtype=torch.float32)
+        torch._scaled_mm(two, two.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.float32)
     except RuntimeError:
         return False
     return True
