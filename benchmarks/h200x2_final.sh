@@ -6,22 +6,7 @@
 #   GPU 1: the FP8 kernel and FP8 KV GPU tests, then the FP8 KV cache benchmark (bench_gpu kv-dtype);
 # (tensor parallelism: benchmarks/h200x2_tp.sh)
 set -u
-T0=$(date +%s)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-bounded() {  # bounded SECONDS CMD...: run CMD in its own process group, kill the group after SECONDS
-  local t=$1; shift
-  [ "$t" -lt 20 ] && { echo "skip (no time): $*"; return 124; }
-  echo "[$(( $(date +%s) - T0 ))s] start ($t s): $*"
-  setsid "$@" & local pid=$!
-  ( sleep "$t"; kill -TERM -"$pid" 2>/dev/null; sleep 5; kill -KILL -"$pid" 2>/dev/null ) & local w=$!
-  wait "$pid"; local rc=$?
-  kill "$w" 2>/dev/null; kill -KILL -"$pid" 2>/dev/null
-  echo "[$(( $(date +%s) - T0 ))s] rc=$rc"
-  return $rc
-}
+source benchmarks/gpu_call.sh
 (
   export CUDA_VISIBLE_DEVICES=0
   bounded "$(left 285)" python3 -m benchmarks.bench_fp8 --defaults --parts decode --bf16-paths triton cublas \

@@ -4,22 +4,7 @@
 #        then FP8 decode on the Triton path (the rule's configs, before TUNED is filled);
 # GPU 1: the FP8 kernel tests on the GPU, then start-up with the pinned staging loader (cold, warm).
 set -u
-T0=$(date +%s)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-bounded() {  # bounded SECONDS CMD...: run CMD in its own process group, kill the group after SECONDS
-  local t=$1; shift
-  [ "$t" -lt 20 ] && { echo "skip (no time): $*"; return 124; }
-  echo "[$(( $(date +%s) - T0 ))s] start ($t s): $*"
-  setsid "$@" & local pid=$!
-  ( sleep "$t"; kill -TERM -"$pid" 2>/dev/null; sleep 5; kill -KILL -"$pid" 2>/dev/null ) & local w=$!
-  wait "$pid"; local rc=$?
-  kill "$w" 2>/dev/null; kill -KILL -"$pid" 2>/dev/null
-  echo "[$(( $(date +%s) - T0 ))s] rc=$rc"
-  return $rc
-}
+source benchmarks/gpu_call.sh
 (
   export CUDA_VISIBLE_DEVICES=0
   bounded "$(left 215)" python3 -m benchmarks.bench_fp8 --parts kernels --kernel-tp 2 --kernel-budget-s 170 \

@@ -5,25 +5,7 @@
 # GPU 1: the online serving table owed since 2026-11-30 (bench_serve), then the FP8 decode profile;
 # both: the TP=2 decode profile (rank 0). JSON and logs (with the start-up profiles) come back in $OUT.
 set -u
-T0=$(date +%s)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=$PWD:/tmp/site
-OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-bounded() {  # bounded SECONDS CMD...: run CMD in its own process group, kill the group after SECONDS
-  local t=$1; shift
-  [ "$t" -lt 20 ] && { echo "skip (no time): $*"; return 124; }
-  echo "[$(( $(date +%s) - T0 ))s] start ($t s): $*"
-  setsid "$@" & local pid=$!
-  ( sleep "$t"; kill -TERM -"$pid" 2>/dev/null; sleep 5; kill -KILL -"$pid" 2>/dev/null ) & local w=$!
-  wait "$pid"; local rc=$?
-  kill "$w" 2>/dev/null; kill -KILL -"$pid" 2>/dev/null
-  echo "[$(( $(date +%s) - T0 ))s] rc=$rc"
-  return $rc
-}
+source benchmarks/gpu_call.sh
 nvidia-smi --query-gpu=name,memory.used --format=csv
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 (

@@ -3,22 +3,7 @@
 # the shared-memory step channel (tests/gpu/test_tensor_parallel_gpu.py), then the TP=2 decode profile at
 # default settings (rank 0's busy/idle per step), Llama-3-8B then Llama-3-70B, batch 1 and 64.
 set -u
-T0=$(date +%s)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-bounded() {  # bounded SECONDS CMD...: run CMD in its own process group, kill the group after SECONDS
-  local t=$1; shift
-  [ "$t" -lt 20 ] && { echo "skip (no time): $*"; return 124; }
-  echo "[$(( $(date +%s) - T0 ))s] start ($t s): $*"
-  setsid "$@" & local pid=$!
-  ( sleep "$t"; kill -TERM -"$pid" 2>/dev/null; sleep 5; kill -KILL -"$pid" 2>/dev/null ) & local w=$!
-  wait "$pid"; local rc=$?
-  kill "$w" 2>/dev/null; kill -KILL -"$pid" 2>/dev/null
-  echo "[$(( $(date +%s) - T0 ))s] rc=$rc"
-  return $rc
-}
+source benchmarks/gpu_call.sh
 bounded "$(left 250)" python3 -m pytest -x -q -p no:cacheprovider -rfE --durations=5 \
    tests/gpu/test_tensor_parallel_gpu.py > $L/tp_test.log 2>&1
 bounded "$(left 530)" python3 -m benchmarks.bench_profile --configs llama3-8b:2:bf16 llama3-70b:2:bf16 \

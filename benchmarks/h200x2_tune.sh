@@ -5,22 +5,7 @@
 # GPU 1: start-up re-timed with Python allowed to write bytecode (the image sets no .pyc cache otherwise?
 #        printed first), cold then warm.
 set -u
-T0=$(date +%s)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-bounded() {  # bounded SECONDS CMD...: run CMD in its own process group, kill the group after SECONDS
-  local t=$1; shift
-  [ "$t" -lt 20 ] && { echo "skip (no time): $*"; return 124; }
-  echo "[$(( $(date +%s) - T0 ))s] start ($t s): $*"
-  setsid "$@" & local pid=$!
-  ( sleep "$t"; kill -TERM -"$pid" 2>/dev/null; sleep 5; kill -KILL -"$pid" 2>/dev/null ) & local w=$!
-  wait "$pid"; local rc=$?
-  kill "$w" 2>/dev/null; kill -KILL -"$pid" 2>/dev/null
-  echo "[$(( $(date +%s) - T0 ))s] rc=$rc"
-  return $rc
-}
+source benchmarks/gpu_call.sh
 env | grep -i '^python' ; python3 -c "import sys, sysconfig, os; p=sysconfig.get_paths()['purelib']; print('dont_write_bytecode', sys.dont_write_bytecode, p, 'writable', os.access(p, os.W_OK))"
 (
   export CUDA_VISIBLE_DEVICES=0

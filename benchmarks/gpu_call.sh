@@ -1,0 +1,23 @@
+# Sourced by the benchmarks/h200*.sh call scripts: one GPU call = several bounded steps, results under $OUT.
+# Sets the multicast-off variables every multi-GPU program needs, PYTHONPATH, $OUT / $R (results) / $L (logs),
+# and two helpers: `left N` (seconds until N seconds after the script started) and `bounded SECONDS CMD...`
+# (CMD in its own process group, the whole group killed after SECONDS, so one hung step cannot eat the call).
+T0=$(date +%s)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # packages the device image lacks, carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=$PWD:/tmp/site
+OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
+left() { echo $(( $1 - ($(date +%s) - T0) )); }
+bounded() {
+  local t=$1; shift
+  [ "$t" -lt 20 ] && { echo "skip (no time): $*"; return 124; }
+  echo "[$(( $(date +%s) - T0 ))s] start ($t s): $*"
+  setsid "$@" & local pid=$!
+  ( sleep "$t"; kill -TERM -"$pid" 2>/dev/null; sleep 5; kill -KILL -"$pid" 2>/dev/null ) & local w=$!
+  wait "$pid"; local rc=$?
+  kill "$w" 2>/dev/null; kill -KILL -"$pid" 2>/dev/null
+  echo "[$(( $(date +%s) - T0 ))s] rc=$rc"
+  return $rc
+}
