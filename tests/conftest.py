@@ -110,3 +110,26 @@ def add_mixed_requests(engine, count: int, seed: int, *, stop_tokens: bool = Fal
             kwargs["stop_token_ids"] = rng.choice([[], [rng.randint(3, 255)]])
         ids.append(engine.add_request(prompt, SamplingParams(**kwargs)))
     return ids, rng
+
+
+def define_interpreted(*modules: str) -> None:
+    """Import (or re-import, if another test compiled them for a GPU) Triton kernel modules with
+    TRITON_INTERPRET=1 set only meanwhile: the flag is read when a kernel is decorated (and again while it
+    runs, which the callers' fixtures cover), so the rest of the session, Inductor included, never sees it."""
+    import importlib
+    import os
+    import sys
+
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for name in modules:
+            if name in sys.modules:
+                importlib.reload(sys.modules[name])
+            else:
+                importlib.import_module(name)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous

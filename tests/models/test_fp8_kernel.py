@@ -4,7 +4,6 @@ interpreter (TRITON_INTERPRET=1), which executes float8 tl.dot; on a GPU the sam
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -16,24 +15,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from tests.conftest import define_interpreted  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _KERNEL_MODULE = "kiln.models.quant.fp8_kernel"
 
-if DEVICE == "cpu":
-    # the flag is read when a kernel is decorated and while it runs: define the kernels interpreted here, and
-    # set it during each test only (see the fixture), so the rest of the session never sees it
-    _previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if _KERNEL_MODULE in sys.modules:
-            importlib.reload(sys.modules[_KERNEL_MODULE])
-        else:
-            importlib.import_module(_KERNEL_MODULE)
-    finally:
-        if _previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _previous
+if DEVICE == "cpu":  # the kernels defined interpreted; the fixture below sets the flag during each test
+    define_interpreted(_KERNEL_MODULE)
 
 from kiln.models.quant.fp8 import quantize_per_token, quantize_weight  # noqa: E402
 from kiln.models.quant.fp8_gemm import scaled_mm  # noqa: E402

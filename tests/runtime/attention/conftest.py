@@ -6,31 +6,16 @@ session (Inductor included) never sees it.
 """
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
+from tests.conftest import define_interpreted
+
 INTERPRET = not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
-if INTERPRET:
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import importlib
-        import sys
-
-        # another test may have imported the kernels already, compiled for a GPU: define them again, interpreted
-        for name in ("kiln.runtime.attention.triton_kernels", "kiln.runtime.attention.triton_backend"):
-            if name in sys.modules:
-                importlib.reload(sys.modules[name])
-            else:
-                importlib.import_module(name)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+if INTERPRET:  # another test may have imported the kernels already, compiled for a GPU
+    define_interpreted("kiln.runtime.attention.triton_kernels", "kiln.runtime.attention.triton_backend")
 
 
 @pytest.fixture(autouse=True)
