@@ -23,8 +23,8 @@ from triton.testing import do_bench
 
 from benchmarks.bench_gpu import measure_ceilings
 from benchmarks.common import stamp, table
-from kiln.runtime.attention import AttentionLayout, select_backend
-from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata, GraphSupport
+from kiln.attention import AttentionLayout, select_backend
+from kiln.attention.base import AttentionBackend, CommonAttentionMetadata, GraphSupport
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -102,7 +102,7 @@ def attention_only(configs: list[tuple[int, int]]) -> list[dict]:
     """The Triton decode attention alone (KV write + attention, CUDA-graph replay, L2 flushed) at Llama-3-8B
     heads for a bf16 and an fp8 copy of the same cache: the kernel's share of the step difference."""
     from benchmarks.bench_attention import BS, DTYPE, HKV, HQ, D, make_step, time_step
-    from kiln.runtime.attention import AttentionLayout, select_backend
+    from kiln.attention import AttentionLayout, select_backend
 
     cuda = torch.device("cuda")
     rows = []

@@ -129,9 +129,9 @@ def _time_rope_kv(hq: int, hkv: int, dim: int, qk_norm: bool, tokens: int) -> tu
     """-> (unfused, fused) microseconds."""
     from triton.testing import do_bench_cudagraph
 
+    from kiln.attention.triton_backend import reshape_and_cache
     from kiln.passes.kernels import norm_rope_triton
     from kiln.passes.ops import norm_rope_ref
-    from kiln.runtime.attention.triton_backend import reshape_and_cache
 
     dev, bf16 = "cuda", torch.bfloat16
     qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, device=dev, dtype=bf16)

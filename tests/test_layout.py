@@ -2,6 +2,7 @@
 
     entrypoints (cli, server, bench) -> runtime -> compiler -> passes -> models -> config
                                                  \\-> cache -> config
+                                      runtime -> attention -> models (the paged-attention backends)
 
 Every `import` in every module is read with `ast`, including those inside functions and under
 TYPE_CHECKING: a lazy import upward is still a cycle in the design.
@@ -18,7 +19,8 @@ import kiln
 ROOT = Path(kiln.__file__).parent
 
 # higher imports lower; equal ranks may not import each other
-RANK = {"entrypoints": 6, "runtime": 5, "compiler": 4, "passes": 3, "cache": 2, "models": 2, "config": 1}
+RANK = {"entrypoints": 6, "runtime": 5, "compiler": 4, "passes": 3, "cache": 2, "models": 2, "attention": 3,
+        "config": 1}
 # kiln.config validates pass names against a leaf module that holds only those names (no torch, no imports)
 EXCEPTIONS = {("config", "kiln.passes.config")}
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.attention.base import AttentionBackend, CommonAttentionMetadata
 from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, GraphedCallable, RunMode, piecewise_graphs
 from kiln.models.forward_context import ForwardContext, set_forward_context
 from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
-from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import Sampler, SamplingBatch
 from kiln.runtime.scheduler import SchedulerOutput

@@ -11,12 +11,12 @@ import logging
 
 import torch
 
+from kiln.attention import AttentionLayout, select_backend
 from kiln.config import RuntimeConfig, resolve_kv_cache_dtype
 from kiln.models.base import ModelSpec
 from kiln.models.kv_quant import is_fp8
 from kiln.models.loader.load import LoadedModel, load_model
 from kiln.models.parallel import tp_size
-from kiln.runtime.attention import AttentionLayout, select_backend
 from kiln.runtime.kv.sizing import kv_cache_num_blocks
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.startup import StartupClock

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
-from kiln.runtime.attention import AttentionLayout, select_backend
-from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata
+from kiln.attention import AttentionLayout, select_backend
+from kiln.attention.base import AttentionBackend, CommonAttentionMetadata
+from tests.attention.paged_batch import PagedBatch, make_batch, reference, rel_err, run_backend
 from tests.conftest import random_prompts
-from tests.runtime.attention.paged_batch import PagedBatch, make_batch, reference, rel_err, run_backend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -172,10 +172,10 @@ def test_bf16_logits_close_to_torch(name: str, llama_d64: str) -> None:
 def test_triton_fp8_cache_write_rounds_like_torch() -> None:
     """On a GPU (unlike the CPU interpreter) the Triton kernels' float -> e4m3 store rounds like torch's cast:
     arbitrary keys/values give the same cache bytes as the torch backend, for prefill and fused decode, and
-    outputs within bf16 rounding of it (tests/runtime/attention/test_fp8_kv.py runs the exact-value cases)."""
-    from kiln.runtime.attention.torch_backend import TorchAttentionBackend
-    from kiln.runtime.attention.triton_backend import TritonAttentionBackend
-    from tests.runtime.attention.test_fp8_kv import CASES, fp8_batch, run_fp8
+    outputs within bf16 rounding of it (tests/attention/test_fp8_kv.py runs the exact-value cases)."""
+    from kiln.attention.torch_backend import TorchAttentionBackend
+    from kiln.attention.triton_backend import TritonAttentionBackend
+    from tests.attention.test_fp8_kv import CASES, fp8_batch, run_fp8
 
     for q_lens, contexts in CASES:
         batch = fp8_batch(q_lens, contexts, 16, 4, 128, torch.bfloat16, seed=len(q_lens))

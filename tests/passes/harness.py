@@ -5,7 +5,7 @@ Numbers are checked by running graphs eagerly on real inputs: the captured graph
 graph-level passes, and each piece's post-grad graph before/after the post-grad passes.
 
 Dynamo and Inductor are imported inside the functions: importing them while pytest collects would
-precede tests/runtime/attention's conftest, which must decorate its Triton kernels first.
+precede tests/attention's conftest, which must decorate its Triton kernels first.
 """
 
 from __future__ import annotations

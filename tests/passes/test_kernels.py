@@ -46,7 +46,7 @@ def check_kernels(device: str) -> None:
             write_kv(ref_k, v, ref_cache, slots)
             torch.testing.assert_close(got_q.float(), ref_q.float(), atol=tol, rtol=0)
             torch.testing.assert_close(cache.float(), ref_cache.float(), atol=tol, rtol=0)
-            if device != "cpu":  # the interpreter's float -> e4m3 cast is wrong (tests/runtime/attention/test_fp8_kv)
+            if device != "cpu":  # the interpreter's float -> e4m3 cast is wrong (tests/attention/test_fp8_kv)
                 check_fp8_cache_write(q, k, v, positions, cos_sin, qw, kw, slots, ref_cache)
         x, r, w = rand(6, 40), rand(6, 40), rand(40)
         normed, summed = K.add_rms_norm_triton(x, r, w, 1e-5)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
+from kiln.attention import AttentionLayout, select_backend
+from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.config import CacheConfig
-from kiln.runtime.attention import AttentionLayout, select_backend
-from kiln.runtime.attention.torch_backend import TorchAttentionBackend
 from tests.conftest import assert_pool_clean, prompt_logits, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

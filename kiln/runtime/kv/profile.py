@@ -7,9 +7,9 @@ from itertools import accumulate
 
 import torch
 
+from kiln.attention.base import AttentionLayout, CommonAttentionMetadata
+from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.models.forward_context import ForwardContext, set_forward_context
-from kiln.runtime.attention.base import AttentionLayout, CommonAttentionMetadata
-from kiln.runtime.attention.torch_backend import TorchAttentionBackend
 
 
 def profiling_batch(num_tokens: int, max_model_len: int) -> tuple[list[int], torch.Tensor]:

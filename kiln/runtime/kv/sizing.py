@@ -7,9 +7,9 @@ import logging
 
 import torch
 
+from kiln.attention.base import AttentionLayout
 from kiln.config import CacheConfig
 from kiln.models.base import ModelSpec
-from kiln.runtime.attention.base import AttentionLayout
 
 logger = logging.getLogger("kiln")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.attention.base import AttentionLayout
 from kiln.models.loader.load import load_model
-from kiln.runtime.attention.base import AttentionLayout
 from kiln.runtime.kv.profile import profile_activation_peak, profiling_batch
 
 

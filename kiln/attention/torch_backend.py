@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kiln.attention.base import AttentionBackend, CommonAttentionMetadata, GraphSupport
 from kiln.models.attention_op import write_kv
 from kiln.models.kv_quant import dequantize_kv
-from kiln.runtime.attention.base import AttentionBackend, CommonAttentionMetadata, GraphSupport
 
 
 @dataclass(frozen=True)

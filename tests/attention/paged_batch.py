@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.runtime.attention.base import AttentionBackend, AttentionLayout, CommonAttentionMetadata
+from kiln.attention.base import AttentionBackend, AttentionLayout, CommonAttentionMetadata
 
 
 @dataclass
@@ -82,7 +82,7 @@ def run_backend(backend: AttentionBackend, batch: PagedBatch) -> tuple[torch.Ten
 
 def reference(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch backend on fp32 copies: the oracle for every dtype."""
-    from kiln.runtime.attention.torch_backend import TorchAttentionBackend
+    from kiln.attention.torch_backend import TorchAttentionBackend
 
     layout = AttentionLayout(batch.layout.num_heads, batch.layout.num_kv_heads, batch.layout.head_dim,
                              batch.layout.scale, batch.layout.block_size, torch.float32)

@@ -26,8 +26,8 @@ from typing import Any
 import flashinfer
 import torch
 
-from kiln.runtime.attention.base import AttentionBackend, AttentionLayout, CommonAttentionMetadata, GraphSupport
-from kiln.runtime.attention.triton_backend import build_page_indices, reshape_and_cache
+from kiln.attention.base import AttentionBackend, AttentionLayout, CommonAttentionMetadata, GraphSupport
+from kiln.attention.triton_backend import build_page_indices, reshape_and_cache
 
 _FLOAT_WORKSPACE_BYTES = 128 << 20  # split-KV partials; FlashInfer's recommended size
 _INT_WORKSPACE_BYTES = 8 << 20  # plan info; the size FlashInfer's wrappers allocate themselves

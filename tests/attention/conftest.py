@@ -15,7 +15,7 @@ from tests.conftest import define_interpreted
 INTERPRET = not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 if INTERPRET:  # another test may have imported the kernels already, compiled for a GPU
-    define_interpreted("kiln.runtime.attention.triton_kernels", "kiln.runtime.attention.triton_backend")
+    define_interpreted("kiln.attention.triton_kernels", "kiln.attention.triton_backend")
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.attention.base import AttentionLayout
+from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.models.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv
-from kiln.runtime.attention.base import AttentionLayout
-from kiln.runtime.attention.torch_backend import TorchAttentionBackend
-from tests.runtime.attention.paged_batch import PagedBatch, make_batch, reference, rel_err
+from tests.attention.paged_batch import PagedBatch, make_batch, reference, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 K_SCALE, V_SCALE = 0.5, 2.0  # not 1.0, so a scale applied twice, or not at all, shows
@@ -91,7 +91,7 @@ def test_torch_backend_reads_what_it_stored(q_lens: list[int], contexts: list[in
 @pytest.mark.parametrize("q_lens,contexts", CASES)
 def test_triton_kernels_match_torch_backend(q_lens: list[int], contexts: list[int], dtype: torch.dtype) -> None:
     pytest.importorskip("triton")
-    from kiln.runtime.attention.triton_backend import TritonAttentionBackend
+    from kiln.attention.triton_backend import TritonAttentionBackend
 
     batch = fp8_batch(q_lens, contexts, 8, 2, 64, dtype, seed=3 + len(q_lens))
     if DEVICE == "cpu":

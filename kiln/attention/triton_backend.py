@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kiln.runtime.attention import triton_kernels as K
-from kiln.runtime.attention.base import (
+from kiln.attention import triton_kernels as K
+from kiln.attention.base import (
     AttentionBackend,
     AttentionLayout,
     CommonAttentionMetadata,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.runtime.attention.torch_backend import TorchAttentionBackend
-from tests.runtime.attention.paged_batch import PagedBatch, make_batch, run_backend
+from kiln.attention.torch_backend import TorchAttentionBackend
+from tests.attention.paged_batch import PagedBatch, make_batch, run_backend
 
 
 def naive(batch: PagedBatch) -> torch.Tensor:

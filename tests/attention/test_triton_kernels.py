@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln.runtime.attention.triton_backend import TritonAttentionBackend, build_page_indices  # noqa: E402
-from tests.runtime.attention.paged_batch import make_batch, reference, rel_err, run_backend  # noqa: E402
+from kiln.attention.triton_backend import TritonAttentionBackend, build_page_indices  # noqa: E402
+from tests.attention.paged_batch import make_batch, reference, rel_err, run_backend  # noqa: E402
 
 # on a CPU machine conftest.py imported the kernels under Triton's interpreter; they then take CPU tensors
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

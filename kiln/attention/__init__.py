@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kiln.runtime.attention.base import AttentionBackend, AttentionLayout, GraphSupport
-from kiln.runtime.attention.torch_backend import TorchAttentionBackend
+from kiln.attention.base import AttentionBackend, AttentionLayout, GraphSupport
+from kiln.attention.torch_backend import TorchAttentionBackend
 
 # Preference order for `auto` on CUDA; GPU backends register themselves lazily (optional deps).
 _BACKENDS: dict[str, str] = {
-    "flashinfer": "kiln.runtime.attention.flashinfer_backend:FlashInferAttentionBackend",
-    "triton": "kiln.runtime.attention.triton_backend:TritonAttentionBackend",
-    "torch": "kiln.runtime.attention.torch_backend:TorchAttentionBackend",
+    "flashinfer": "kiln.attention.flashinfer_backend:FlashInferAttentionBackend",
+    "triton": "kiln.attention.triton_backend:TritonAttentionBackend",
+    "torch": "kiln.attention.torch_backend:TorchAttentionBackend",
 }
 
 
