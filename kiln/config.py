@@ -105,12 +105,6 @@ class SchedulerConfig:
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
-    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
-
-
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -135,6 +129,10 @@ class CacheConfig:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
         if self.prefix_hash not in ("sha256", "fast"):
             raise ValueError(f"prefix_hash must be 'sha256' or 'fast', got {self.prefix_hash!r}")
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type (kv_cache_dtype was checked at construction)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
 
 class GraphSupport(enum.IntEnum):

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from kiln.attention import AttentionLayout, select_backend
-from kiln.config import RuntimeConfig, resolve_kv_cache_dtype
+from kiln.config import RuntimeConfig
 from kiln.models.base import ModelSpec
 from kiln.models.kv_quant import is_fp8
 from kiln.models.loader.load import LoadedModel, load_model
@@ -59,7 +59,7 @@ class Worker:
         self.max_model_len = resolve_max_model_len(config, spec)
         world = tp_size()
         self.num_heads, self.num_kv_heads = spec.num_heads // world, max(1, spec.num_kv_heads // world)
-        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.dtype)
+        kv_dtype = config.cache.kv_dtype(self.loaded.dtype)
         layout = AttentionLayout(self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5,
                                  config.cache.block_size, self.loaded.dtype, kv_dtype)
         backend_cls = select_backend(config.attention_backend, layout, device)

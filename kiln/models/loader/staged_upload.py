@@ -29,7 +29,7 @@ class StagedUploader:
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         if host.numel() == 0:
             return out
-        flat_in, flat_out = host.reshape(-1) if host.is_contiguous() else host.contiguous().reshape(-1), out.view(-1)
+        flat_in, flat_out = host.reshape(-1), out.view(-1)  # reshape copies a non-contiguous tensor
         per_chunk = max(1, self.buffers[0].numel() // host.element_size())
         for start in range(0, flat_in.numel(), per_chunk):
             chunk = flat_in[start:start + per_chunk]

@@ -13,6 +13,7 @@ their batch size. fp8_linear only routes CUDA tensors here: CPU graphs keep trac
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -45,17 +46,23 @@ def scaled_mm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weig
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype)
 
 
-def use_triton_kernel(q: torch.Tensor) -> bool:
-    """Decode-sized M on an sm89+ GPU (FP8 MMAs) with Triton importable."""
-    if q.device.type != "cuda" or q.shape[0] > TRITON_MAX_M:
-        return False
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
+@functools.lru_cache(maxsize=16)
+def _triton_fp8_capable(device_index: int) -> bool:
+    """An sm89+ GPU (FP8 MMAs) with Triton importable: asked once per device, not on every GEMM."""
+    if torch.cuda.get_device_capability(device_index) < (8, 9):
         return False
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def use_triton_kernel(q: torch.Tensor) -> bool:
+    """Decode-sized M on an sm89+ GPU with Triton importable."""
+    if q.device.type != "cuda" or q.shape[0] > TRITON_MAX_M:
+        return False
+    return _triton_fp8_capable(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
 @torch.library.custom_op("kiln::fp8_gemm", mutates_args=())
