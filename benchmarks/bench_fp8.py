@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import fp8_kernel_sweep
-from benchmarks.bench_gpu import throughput_workload
+from benchmarks.bench_gpu import offline_requests, throughput_workload, timed_generate
 from benchmarks.common import decode_step_seconds, stamp, table
-from kiln import Runtime, SamplingParams
+from kiln import Runtime
 from kiln.models import dense_gemm
 from kiln.models.loader.presets import PRESETS
 from kiln.models.quant import fp8_gemm
@@ -123,18 +123,15 @@ def build(args: argparse.Namespace, quantization: str | None) -> tuple[Runtime, 
     return rt, time.perf_counter() - start
 
 
-def throughput(rt: Runtime, requests: int) -> dict[str, float]:
+def throughput(rt: Runtime, requests: int) -> dict:
     rng, lens = throughput_workload(requests)
     half = rt.engine.max_model_len // 2  # only binds for tiny presets (the CPU dry run)
     lens = [(min(i, half), min(o, half - 1)) for i, o in lens]
-    vocab = rt.engine.loaded.spec.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in lens]
-    start = time.perf_counter()
-    outs = rt.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(seconds=seconds, output_tokens=out_tokens, output_tokens_per_s=out_tokens / seconds)
+    prompts, params = offline_requests(rt, lens, rng)
+    timeline: dict = {}
+    seconds, out_tokens = timed_generate(rt, prompts, params, timeline)
+    return dict(seconds=seconds, output_tokens=out_tokens, output_tokens_per_s=out_tokens / seconds,
+                timeline=timeline)
 
 
 def weight_gb(rt: Runtime) -> float:

@@ -28,6 +28,7 @@ import torch
 
 from benchmarks.common import decode_step_seconds as common_decode_step_seconds
 from benchmarks.common import stamp, table
+from benchmarks.step_timeline import StepTimeline
 from kiln import Runtime, SamplingParams
 
 PROMPT_LEN = 128
@@ -245,12 +246,28 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(rt: Runtime, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
-    """(seconds, output tokens) of one Runtime.generate over every request at once."""
+def offline_requests(rt: Runtime, lens: list[tuple[int, int]], rng: random.Random,
+                     ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The workload's prompts (random token ids) and greedy, EOS-ignoring sampling params."""
+    vocab = rt.engine.loaded.spec.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
+    return prompts, [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in lens]
+
+
+def timed_generate(rt: Runtime, prompts: list[list[int]], params: list[SamplingParams],
+                   timeline: dict | None = None) -> tuple[float, int]:
+    """(seconds, output tokens) of one Runtime.generate over every request at once; `timeline`, when
+    given, receives the run's per-step-kind breakdown (step_timeline.py)."""
     sync()
     start = time.perf_counter()
-    outs = rt.generate(prompts, params)
-    sync()
+    with StepTimeline(rt.engine) as steps:
+        outs = rt.generate(prompts, params)
+        sync()
+    if timeline is not None:
+        timeline.update(steps.summary())
+        print(table(["steps", "count", "seconds", "ms/step", "prefill tokens", "decode tokens"],
+                    [[k, v["steps"], v["seconds"], v["ms_per_step"], v["prefill_tokens"], v["decode_tokens"]]
+                     for k, v in timeline.items()]), flush=True)
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -276,15 +293,14 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
                    async_scheduling=rt.engine.async_scheduling, level=rt.engine.config.compilation.level,
                    backend=rt.engine.backend.name)
         print(f"built in {build:.1f}s: {row}", flush=True)
-        vocab = rt.engine.loaded.spec.vocab_size
-        prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
-        params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in lens]
+        prompts, params = offline_requests(rt, lens, rng)
         rt.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * 4)  # first-step costs
         steps_before = rt.stats()["steps"]
-        seconds, out_tokens = timed_generate(rt, prompts, params)
+        timeline: dict = {}
+        seconds, out_tokens = timed_generate(rt, prompts, params, timeline)
         steps = rt.stats()["steps"] - steps_before
         row.update(seconds=seconds, output_tokens=out_tokens, output_tokens_per_s=out_tokens / seconds, steps=steps,
-                   preemptions=rt.engine.scheduler.num_preemptions)
+                   preemptions=rt.engine.scheduler.num_preemptions, timeline=timeline)
         if ceil.copy_bytes_per_s == ceil.copy_bytes_per_s:  # a roofline needs the GPU's measured ceilings
             row.update(roofline(rt, lens, steps, ceil, seconds))
         print(row, flush=True)  # before the (slow) baseline, so a time-out still leaves kiln's number

@@ -73,15 +73,45 @@ def test_weights_stream_one_tensor_at_a_time(sharded_tiny: Path, monkeypatch: py
     assert reads == [first, *rest] and len(rest) > 1
 
 
-def test_staged_upload_is_exact_for_chunked_and_odd_tensors():
-    """The uploader's chunking (a tensor larger than a staging buffer goes up in pieces) and dtype views
-    reproduce every tensor exactly; on the CPU the same code runs without pinning or events."""
+def test_staged_upload_reads_every_tensor_exactly(tmp_path: Path):
+    """The GPU read path (header parsed here, tensors grouped up to a staging buffer, each span read by
+    several threads with preadv) returns what safetensors itself reads: a tensor larger than a buffer goes
+    up in pieces, an fp32 tensor packed after an odd-sized fp8 one is realigned, empty and scalar tensors
+    survive. On the CPU the same code runs without pinning or events."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.models.loader import staged_upload
     from kiln.models.loader.staged_upload import StagedUploader
 
-    uploader = StagedUploader(torch.device("cpu"), buffer_bytes=64)
-    cases = [torch.randn(37, 5), torch.randn(3, 4).to(torch.bfloat16), torch.arange(100, dtype=torch.int64),
-             torch.randn(8, 6).t(), torch.empty(0, 3), torch.randn(2, 9).to(torch.float8_e4m3fn)]
-    for host in cases:
-        out = uploader.upload(host)
-        assert out.dtype == host.dtype and out.shape == host.shape
-        assert torch.equal(out.view(torch.uint8), host.contiguous().view(torch.uint8))
+    tensors = {"a_big": torch.randn(37, 50), "b_bf16": torch.randn(3, 4).to(torch.bfloat16),
+               "c_fp8": torch.randn(3, 3).to(torch.float8_e4m3fn), "d_scale": torch.randn(5),
+               "e_int": torch.arange(100, dtype=torch.int64), "f_empty": torch.empty(0, 3),
+               "g_scalar": torch.tensor(2.5)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    reference = load_file(str(path))
+    # a 1 KiB buffer splits a_big (7.4 kB) into pieces; 64-byte thread pieces split every span
+    for threads, piece in ((1, 1 << 20), (3, 64)):
+        staged_upload._MIN_PIECE_BYTES, saved = piece, staged_upload._MIN_PIECE_BYTES
+        uploader = StagedUploader(torch.device("cpu"), buffer_bytes=1024, threads=threads)
+        try:
+            got = dict(uploader.tensors(path))
+        finally:
+            uploader.close()
+            staged_upload._MIN_PIECE_BYTES = saved
+        assert set(got) == set(reference)
+        for name, ref in reference.items():
+            assert got[name].dtype == ref.dtype and got[name].shape == ref.shape, name
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), name
+
+
+def test_staged_upload_names_an_unsupported_dtype(tmp_path: Path):
+    from kiln.models.loader.staged_upload import read_header
+
+    header = json.dumps({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0")
+    with pytest.raises(ValueError, match="'w' has dtype F4"):
+        read_header(path)
+
+

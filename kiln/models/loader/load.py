@@ -84,13 +84,18 @@ def safetensors_weights(model_dir: Path, device: torch.device) -> Iterator[tuple
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no .safetensors files in {model_dir}")
-    # on a GPU: read on the host (memory map) and upload through pinned buffers (staged_upload.py)
-    uploader = StagedUploader(device) if device.type == "cuda" else None
+    if device.type == "cuda":  # parallel reads into pinned buffers, then async uploads (staged_upload.py)
+        uploader = StagedUploader(device)
+        try:
+            for name in files:
+                yield from uploader.tensors(model_dir / name)
+        finally:
+            uploader.close()
+        return
     for name in files:
-        with safe_open(str(model_dir / name), framework="pt", device="cpu" if uploader else str(device)) as f:
+        with safe_open(str(model_dir / name), framework="pt", device=str(device)) as f:
             for key in f.keys():
-                tensor = f.get_tensor(key)
-                yield key, uploader.upload(tensor) if uploader else tensor
+                yield key, f.get_tensor(key)
 
 
 def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dtype = "auto",
