@@ -43,6 +43,10 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 5
     assert torch.equal(logits, original)  # the caller's logits are left alone
+    # ties: plain greedy takes the argmax of the model-dtype logits, which must pick the fp32 path's index
+    tied = torch.randint(0, 3, (5, VOCAB)).to(dtype)
+    assert Sampler()(tied, make_batch([SamplingParams(temperature=0.0)] * 5)).token_ids == \
+        tied.float().argmax(dim=-1).tolist()
 
 
 def test_empty_batch() -> None:
