@@ -17,6 +17,7 @@ import argparse
 import itertools
 import json
 import math
+import random
 
 import torch
 from triton.testing import do_bench
@@ -72,45 +73,57 @@ def time_step(backend: AttentionBackend, tensors: tuple[torch.Tensor, ...], comm
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(2, 8))
+SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(2, 8),
+             longest_first=(True, False))
 
 
-def sweep(layout: AttentionLayout, batches: list[int], contexts: list[int], ceil, json_path: str | None) -> None:
-    """Every Triton decode launch configuration in SWEEP at each (batch, context), graph-replayed, checked
-    against the default configuration's output; the best per shape and its gain over the default."""
+Shape = tuple[int, str, list[int]]  # (batch, label, each request's context)
+
+
+def decode_shapes(batches: list[int], contexts: list[int], varlen: list[int] | None) -> list[Shape]:
+    """(batch, label, each request's context): uniform contexts, or with --varlen LOW HIGH one seeded
+    uniform draw per request (an offline run's mix of lengths)."""
+    if varlen:
+        return [(b, f"U({varlen[0]},{varlen[1]})", [random.Random(b).randint(*varlen) for _ in range(b)])
+                for b in batches]
+    return [(b, str(c), [c] * b) for b in batches for c in contexts]
+
+
+def sweep(layout: AttentionLayout, shapes: list[Shape], ceil, json_path: str | None) -> None:
+    """Every Triton decode launch configuration in SWEEP at each shape, graph-replayed, checked against
+    the default configuration's output; the best per shape and its gain over the default."""
     backend = select_backend("triton", layout, torch.device("cuda"))(layout, torch.device("cuda"))
     default = dict(backend.decode_cfg)
     configs = [dict(zip(SWEEP, values)) for values in itertools.product(*SWEEP.values())]
     elt = torch.finfo(DTYPE).bits // 8
     results, rows = [], []
-    for batch in batches:
-        for ctx in contexts:
-            tensors, common = make_step([1] * batch, [ctx - 1] * batch)
-            bytes_moved = elt * D * (batch * ctx * HKV * 2 + batch * HQ * 2 + batch * HKV * 2)
-            out, cache = tensors[3], tensors[4]
-            snapshot = cache.clone()
-            timed, reference = [], out
-            for cfg in [default] + configs:
-                backend.decode_cfg = cfg
-                cache.copy_(snapshot)
-                try:
-                    ms = time_step(backend, tensors, common, graph=True)
-                    err = float((out.float() - reference.float()).abs().max())
-                except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
-                    print(f"{cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                    continue
-                if not timed:  # the default configuration's output is the reference of the others
-                    reference = out.clone()
-                timed.append((ms, cfg, err))
-                results.append(dict(batch=batch, ctx=ctx, us=ms * 1e3, err=err, **cfg,
-                                    of_ceiling=bytes_moved / (ms / 1e3) / ceil.copy_bytes_per_s))
-            base = timed[0][0]
-            ok = [t for t in timed[1:] if t[2] < 2e-2]
-            best = min(ok, key=lambda t: t[0])
-            rows.append([batch, ctx, base * 1e3, best[0] * 1e3, base / best[0], str(best[1]),
-                         f"{100 * bytes_moved / (best[0] / 1e3) / ceil.copy_bytes_per_s:.0f}%",
-                         max(t[2] for t in timed)])
-            print(rows[-1], flush=True)
+    for batch, ctx, lens in shapes:
+        tensors, common = make_step([1] * batch, [n - 1 for n in lens])
+        bytes_moved = elt * D * (sum(lens) * HKV * 2 + batch * HQ * 2 + batch * HKV * 2)
+        out, cache = tensors[3], tensors[4]
+        snapshot = cache.clone()
+        timed, reference = [], out
+        for cfg in [default] + configs:
+            backend.decode_cfg = cfg
+            cache.copy_(snapshot)
+            try:
+                ms = time_step(backend, tensors, common, graph=True)
+                err = float((out.float() - reference.float()).abs().max())
+            except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
+                print(f"{cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            if not timed:  # the default configuration's output is the reference of the others
+                reference = out.clone()
+            timed.append((ms, cfg, err))
+            results.append(dict(batch=batch, ctx=ctx, us=ms * 1e3, err=err, **cfg,
+                                of_ceiling=bytes_moved / (ms / 1e3) / ceil.copy_bytes_per_s))
+        base = timed[0][0]
+        ok = [t for t in timed[1:] if t[2] < 2e-2]
+        best = min(ok, key=lambda t: t[0])
+        rows.append([batch, ctx, base * 1e3, best[0] * 1e3, base / best[0], str(best[1]),
+                     f"{100 * bytes_moved / (best[0] / 1e3) / ceil.copy_bytes_per_s:.0f}%",
+                     max(t[2] for t in timed)])
+        print(rows[-1], flush=True)
     backend.decode_cfg = default
     print(table(["batch", "ctx", "default us", "best us", "gain", "best config", "of ceiling", "max err"], rows))
     if json_path:
@@ -124,12 +137,14 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--sweep", action="store_true", help="sweep the Triton decode launch configurations")
+    parser.add_argument("--varlen", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                        help="decode: each request's context uniform in [LOW, HIGH] instead of --contexts")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     ceil = measure_ceilings()
     layout = AttentionLayout(HQ, HKV, D, D ** -0.5, BS, DTYPE)
     if args.sweep:
-        sweep(layout, args.batches, args.contexts, ceil, args.json)
+        sweep(layout, decode_shapes(args.batches, args.contexts, args.varlen), ceil, args.json)
         return
     backends: dict[str, AttentionBackend] = {}
     for name in args.backends:
@@ -139,18 +154,17 @@ def main() -> None:
             print(f"skipping {name}: {e}")
     elt = torch.finfo(DTYPE).bits // 8
     rows = []
-    for batch in args.batches:
-        for ctx in args.contexts:
-            tensors, common = make_step([1] * batch, [ctx - 1] * batch)
-            bytes_moved = elt * D * (batch * ctx * HKV * 2 + batch * HQ * 2 + batch * HKV * 2)
-            for name, backend in backends.items():
-                eager = time_step(backend, tensors, common, graph=False)
-                graphed = (time_step(backend, tensors, common, graph=True)
-                           if backend.graph_support >= GraphSupport.UNIFORM_DECODE else float("nan"))
-                best = eager if math.isnan(graphed) else min(eager, graphed)
-                bw = bytes_moved / (best / 1e3)
-                rows.append([name, "decode", batch, ctx, eager * 1e3, graphed * 1e3, f"{bw / 1e9:.0f} GB/s",
-                             f"{100 * bw / ceil.copy_bytes_per_s:.0f}%"])
+    for batch, ctx, lens in decode_shapes(args.batches, args.contexts, args.varlen):
+        tensors, common = make_step([1] * batch, [n - 1 for n in lens])
+        bytes_moved = elt * D * (sum(lens) * HKV * 2 + batch * HQ * 2 + batch * HKV * 2)
+        for name, backend in backends.items():
+            eager = time_step(backend, tensors, common, graph=False)
+            graphed = (time_step(backend, tensors, common, graph=True)
+                       if backend.graph_support >= GraphSupport.UNIFORM_DECODE else float("nan"))
+            best = eager if math.isnan(graphed) else min(eager, graphed)
+            bw = bytes_moved / (best / 1e3)
+            rows.append([name, "decode", batch, ctx, eager * 1e3, graphed * 1e3, f"{bw / 1e9:.0f} GB/s",
+                         f"{100 * bw / ceil.copy_bytes_per_s:.0f}%"])
     for batch in [b for b in args.batches if b <= 8]:
         for length in args.contexts:
             tensors, common = make_step([length] * batch, [0] * batch)
