@@ -48,9 +48,34 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None) -> dict[str, Any]:
+def host_profile(engine: Any, steps: int, sync: Any) -> dict[str, list[dict[str, Any]]]:
+    """cProfile of `steps` engine steps on rank 0's host: the functions with the most own time, and kiln's
+    functions with the most time including callees, per step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    prof.disable()
+    entries = pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
+
+    def rows(items: list, n: int) -> list[dict[str, Any]]:
+        return [{"fn": f"{os.path.basename(path)}:{line}:{name}", "calls": calls / steps,
+                 "own_ms": own / steps * 1e3, "cum_ms": cum / steps * 1e3}
+                for (path, line, name), (_, calls, own, cum, _) in items[:n]]
+
+    own = sorted(entries, key=lambda kv: -kv[1][2])
+    cum = sorted((kv for kv in entries if "/kiln/" in kv[0][0]), key=lambda kv: -kv[1][3])
+    return {"by_own_time": rows(own, 25), "kiln_by_cumulative": rows(cum, 25)}
+
+
+def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None, host: bool = False) -> dict[str, Any]:
     """Wall time of `steps` engine steps, then the same number again under the profiler: rank 0's kernel time
-    by kind and by name, and how much of the step its GPU was busy."""
+    by kind and by name, and how much of the step its GPU was busy; with `host`, a cProfile of rank 0's host
+    over another `steps` steps."""
     from torch.profiler import ProfilerActivity, profile
 
     sync()
@@ -59,6 +84,7 @@ def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None) ->
         engine.step()
     sync()
     step_ms = (time.perf_counter() - start) / steps * 1e3
+    host_rows = host_profile(engine, steps, sync) if host else None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
@@ -79,14 +105,14 @@ def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None) ->
         with open(trace_path, "rb") as src, gzip.open(trace_path + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         os.remove(trace_path)
-    return {"step_ms": step_ms, "gpu_busy_ms": busy, "idle_ms": step_ms - busy,
+    return {"step_ms": step_ms, "gpu_busy_ms": busy, "idle_ms": step_ms - busy, "host": host_rows,
             "kernels_per_step": len(kernels) / steps,
             "by_kind_ms": {k: v / steps / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top": [{"name": n[:90], "ms_per_step": t / steps / 1e3, "per_step": c / steps} for n, (t, c) in top]}
 
 
 def profile_config(model: str, tp: int, quant: str, batches: list[int], steps: int, trace_dir: str | None,
-                   device: str = "cuda", offline_requests: int = 0) -> dict:
+                   device: str = "cuda", offline_requests: int = 0, host: bool = False) -> dict:
     """With `offline_requests`, the offline workload (lengths U(100, 1024)) profiled mid-run, at the runtime's
     default capture sizes; then decode at each batch size (graphs captured at exactly those sizes when there
     is no offline part)."""
@@ -121,9 +147,9 @@ def profile_config(model: str, tp: int, quant: str, batches: list[int], steps: i
         result["rows"].append(row)
         print(json.dumps(row, indent=1), flush=True)
     for batch in batches:
-        start_decoding(engine, batch, 128, max_tokens=2 * steps + 12)
-        row = {"batch": batch,
-               **profile_steps(engine, steps, sync, trace_dir and os.path.join(trace_dir, f"{slug}-b{batch}.json"))}
+        start_decoding(engine, batch, 128, max_tokens=(3 if host else 2) * steps + 12)
+        trace = trace_dir and os.path.join(trace_dir, f"{slug}-b{batch}.json")
+        row = {"batch": batch, **profile_steps(engine, steps, sync, trace, host)}
         while engine.has_unfinished():
             engine.step()
         result["rows"].append(row)
@@ -142,6 +168,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (no kernels to attribute)")
     parser.add_argument("--offline-requests", type=int, default=0,
                         help="profile the offline workload of this many requests instead of decode batches")
+    parser.add_argument("--host", action="store_true", help="also cProfile rank 0's host over the decode steps")
     args = parser.parse_args()
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
@@ -150,7 +177,7 @@ def main() -> None:
         model, tp, quant = spec.split(":")
         try:
             results.append(profile_config(model, int(tp), quant, args.batches, args.steps, args.trace_dir,
-                                          args.device, args.offline_requests))
+                                          args.device, args.offline_requests, args.host))
         except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others
             results.append({"config": spec, "error": f"{type(exc).__name__}: {exc}"[:400]})
             print(results[-1], flush=True)
