@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 
@@ -74,7 +73,6 @@ class TritonMetadata:
     part_out: torch.Tensor | None  # [num_reqs, Hq, num_splits, D] fp32 partials (decode with splits)
     part_lse: torch.Tensor | None  # [num_reqs, Hq, num_splits] fp32
     counters: torch.Tensor | None  # [num_reqs, Hkv] int32 split tickets, zero between launches
-    order: torch.Tensor | None = None  # [num_reqs] int32 request rows, longest context first (one-split decode)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -110,15 +108,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._part_out = torch.empty(0, dtype=torch.float32, device=device)
         self._part_lse = torch.empty(0, dtype=torch.float32, device=device)
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
-        self._order = torch.empty(0, dtype=torch.int32, device=device)
-        self._order_host = torch.empty(0, dtype=torch.int32)
         self._retired: list[torch.Tensor] = []
         self._prefill_cfg = self._prefill_config()
-        # decode launch: BLOCK_N keys per tile, warps, pipeline stages, the program waves the split count
-        # aims for, and whether one-split launches start the longest contexts first
-        # (benchmarks/bench_attention.py --sweep measures the alternatives)
+        # decode launch: BLOCK_N keys per tile, warps, pipeline stages, and the program waves the split
+        # count aims for (benchmarks/bench_attention.py --sweep measures the alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
-                               waves=2, longest_first=True)
+                               waves=2)
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -145,9 +140,7 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
         splits = self.num_splits(common.num_reqs) if common.uniform_decode else 1
         if splits == 1:
-            order = (self._longest_first(common) if common.uniform_decode and common.num_reqs > 1
-                     and self.decode_cfg["longest_first"] else None)
-            return TritonMetadata(common, 1, None, None, None, order)
+            return TritonMetadata(common, 1, None, None, None)
         rows = common.num_reqs * self.layout.num_heads * splits
         if self._part_lse.numel() < rows:
             self._retired += [self._part_out, self._part_lse]
@@ -158,19 +151,6 @@ class TritonAttentionBackend(AttentionBackend):
             self._counters = torch.zeros(common.num_reqs * self.layout.num_kv_heads, dtype=torch.int32,
                                          device=self.device)
         return TritonMetadata(common, splits, self._part_out, self._part_lse, self._counters)
-
-    def _longest_first(self, common: CommonAttentionMetadata) -> torch.Tensor:
-        """Request rows by descending context, sorted on the host and uploaded into a persistent buffer (a
-        captured graph reads it). The pinned source is rewritten only after the runner's next fill has
-        waited for this step's uploads, which include this copy."""
-        n = common.num_reqs
-        if self._order.numel() < n:  # grown outside graphs; the old buffer stays alive for captured ones
-            self._retired.append(self._order)
-            self._order = torch.empty(n, dtype=torch.int32, device=self.device)
-            self._order_host = torch.empty(n, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        host = self._order_host[:n]
-        host.numpy()[:] = np.argsort(-common.seq_lens_cpu.numpy(), kind="stable")
-        return self._order[:n].copy_(host, non_blocking=self.device.type == "cuda")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TritonMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -209,14 +189,13 @@ class TritonAttentionBackend(AttentionBackend):
         part_out = metadata.part_out if metadata.part_out is not None else out
         part_lse = metadata.part_lse if metadata.part_lse is not None else out
         counters = metadata.counters if metadata.counters is not None else common.seq_lens
-        order = metadata.order if metadata.order is not None else common.seq_lens
         K.decode_attention_kernel[(common.num_reqs, layout.num_kv_heads, splits)](
             q, k, v, out, part_out, part_lse, counters, kv_cache, common.block_tables, common.seq_lens,
-            common.slot_mapping, order, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
+            common.slot_mapping, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
             k_scale, v_scale, GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)),
             HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache),
-            ORDERED=metadata.order is not None, num_warps=cfg["num_warps"],
+            num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])

@@ -153,12 +153,12 @@ def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl
 
 @triton.jit
 def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, cache_ptr, bt_ptr,
-                            seq_lens_ptr, slot_ptr, order_ptr, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh,
-                            stride_vt, stride_vh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch,
-                            stride_bt, k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                            seq_lens_ptr, slot_ptr, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                            stride_vh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
+                            k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
-                            KV_FP8: tl.constexpr, ORDERED: tl.constexpr):
+                            KV_FP8: tl.constexpr):
     """One new token per request, the whole decode step in one launch; program (request, kv_head, split).
 
     At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
@@ -168,19 +168,11 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     captured for a batch size stays valid as contexts grow; each split sizes its slice from seq_len.
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
-    ORDERED (one split): programs start in launch order, so the i-th group of num_kv_heads programs takes
-    request order_ptr[i] (longest context first): the long requests do not start last and leave the GPU
-    waiting on a few programs at the end of a batch of mixed lengths.
     """
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
-    if ORDERED:
-        launched = tl.program_id(0) + tl.num_programs(0) * tl.program_id(1)
-        req = tl.load(order_ptr + launched // num_kv_heads)
-        kv_head = launched % num_kv_heads
-    else:
-        req = tl.program_id(0)
-        kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
     new_pos = seq_len - 1
     d = tl.arange(0, BLOCK_D)

@@ -37,10 +37,9 @@ class ArtifactStore(Protocol):
 
 def inductor_config_patches(config: CompilationConfig, pass_hook: PostGradPassHook | None) -> dict[str, Any]:
     """Inductor config for a resolved CompilationConfig; the same dict goes into cache keys."""
-    # Round where the eager model rounds: fused kernels otherwise keep a bf16 op's fp32 result and skip the
-    # downcast, so e.g. an FP8 activation scale came from the unrounded RMSNorm output and -O2 tokens left
-    # -O0's (3 of 6 prompts on SmolLM2 in FP8, CPU, 2026-11-30; all 6 agree with this on)
-    patches: dict[str, Any] = {"emulate_precision_casts": True}
+    patches: dict[str, Any] = {}
+    if config.emulate_precision_casts:
+        patches["emulate_precision_casts"] = True
     if config.enable_passes and pass_hook is not None:
         patches["post_grad_custom_post_pass"] = pass_hook
     if config.max_autotune:

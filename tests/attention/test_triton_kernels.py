@@ -64,24 +64,6 @@ def test_decode_without_splits_and_odd_shapes() -> None:
     assert rel_err(out, reference(mixed)[0]) <= 1e-4
 
 
-def test_one_split_decode_starts_the_longest_contexts_first() -> None:
-    """The launch order (longest context first) changes which program serves which request, never the
-    result: ordered and unordered launches agree bit for bit, and the order is the descending sort."""
-    ctx = [(37 * i) % 90 for i in range(24)]
-    batch = make_batch([1] * 24, ctx, 8, 2, 64, torch.float32, DEVICE, seed=6)
-    backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
-    backend.num_splits = lambda n: 1  # type: ignore[method-assign]
-    order = backend.build_metadata(batch.common).order
-    lens = batch.common.seq_lens_cpu.tolist()
-    assert order is not None and order.tolist() == sorted(range(24), key=lambda i: (-lens[i], i))
-    ordered, _ = run_backend(backend, batch)
-    backend.decode_cfg = {**backend.decode_cfg, "longest_first": False}
-    assert backend.build_metadata(batch.common).order is None
-    unordered, _ = run_backend(backend, batch)
-    assert torch.equal(ordered, unordered)
-    assert rel_err(ordered, reference(batch)[0]) <= 1e-4
-
-
 def test_single_request_and_block_size_8() -> None:
     batch = make_batch([50], [70], 4, 2, 64, torch.float32, DEVICE, block_size=8, seed=5)
     out, _ = run_backend(TritonAttentionBackend(batch.layout, torch.device(DEVICE)), batch)
