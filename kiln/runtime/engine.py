@@ -244,8 +244,12 @@ class Engine:
         return self.tokenizer(prompt)["input_ids"]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Validate and queue a request; raises ValueError (naming the problem) without touching others."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    final_only: bool = False) -> str:
+        """Validate and queue a request; raises ValueError (naming the problem) without touching others.
+
+        `final_only`: step() reports the request once, when it finishes (offline generate needs no
+        per-token outputs, and building them costs the host ~10 us per request per step)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -291,7 +295,7 @@ class Engine:
             raise
         self.stats.prompt_tokens += len(token_ids) * params.n
         self.parents[request_id] = ParentRequest(request_id, text, token_ids, children, detoks,
-                                                 [0] * params.n, [0] * params.n)
+                                                 [0] * params.n, [0] * params.n, final_only)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -367,10 +371,13 @@ class Engine:
             parent = self.parents[req.request_id.partition("#")[0]]
             self._process_token(parent, req)
             touched[parent.request_id] = parent
-        outputs = [p.make_output() for p in touched.values()]
+        outputs = []
         for parent in touched.values():
             if parent.finished:
                 del self.parents[parent.request_id]
+                outputs.append(parent.make_output())
+            elif not parent.final_only:
+                outputs.append(parent.make_output())
         return outputs
 
     def _process_token(self, parent: ParentRequest, req: Request) -> None:

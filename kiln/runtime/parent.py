@@ -20,6 +20,7 @@ class ParentRequest:
     detokenizers: list[IncrementalDetokenizer | None]
     reported_tokens: list[int] = field(default_factory=list)
     reported_logprobs: list[int] = field(default_factory=list)
+    final_only: bool = False  # reported once, when finished (Engine.add_request)
 
     @property
     def finished(self) -> bool:

@@ -95,7 +95,7 @@ class Runtime:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+                ids.append(self.engine.add_request(prompt, p, final_only=True))
         except ValueError:
             for request_id in ids:
                 self.engine.abort(request_id)

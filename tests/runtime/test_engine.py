@@ -200,3 +200,21 @@ def test_unknown_fields_and_bad_prompts_are_rejected(runtime) -> None:
         runtime.generate([[5, 6, 7], []], GREEDY)
     assert_pool_clean(runtime)
     assert len(runtime.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 12
+
+
+def test_final_only_requests_are_reported_once_with_everything(runtime) -> None:
+    """Runtime.generate's requests (final_only) produce one output, at the end, equal to a streamed request's
+    final output; a streamed request in the same batch still reports every step."""
+    engine = runtime.engine
+    prompts = [[5, 9, 2, 7], [11, 3]]
+    final_id = engine.add_request(prompts[0], GREEDY, final_only=True)
+    streamed_id = engine.add_request(prompts[1], GREEDY)
+    seen: dict[str, list] = {final_id: [], streamed_id: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen[final_id]) == 1 and seen[final_id][0].finished
+    assert len(seen[streamed_id]) == GREEDY.max_tokens and seen[streamed_id][-1].finished
+    final = seen[final_id][0].outputs[0]
+    assert final.token_ids == final.delta_token_ids and len(final.token_ids) == GREEDY.max_tokens
+    assert final.token_ids == runtime.generate([prompts[0]], GREEDY)[0].outputs[0].token_ids
