@@ -5,6 +5,9 @@ Reads every tensor of a safetensors checkpoint onto the device and reports GB/s 
   before the parallel reads; kept here as the baseline);
 - `preadv-N`: `kiln.models.loader.staged_upload` with N reader threads (the default is 8).
 Each loader runs `--repeats` times, round-robin, so page-cache warmth is shared fairly after the first pass.
+First, the rest of the load phase on a fresh process: CUDA context creation, then materialising the
+meta-built model on the device three ways (`Module.to_empty`, one `torch.empty` per parameter, one flat
+allocation for all of them).
 
     python -m benchmarks.bench_load /tmp/kiln-bench-startup/llama3-8b-bf16 --json load.json
 """
@@ -60,13 +63,55 @@ def preadv(files: list[Path], device: torch.device, threads: int) -> int:
     return total
 
 
+def allocation_times(preset: str) -> dict[str, float]:
+    """Seconds for: the CUDA context, and materialising `preset`'s parameters on the GPU three ways."""
+    from kiln.models.base import ModelSpec
+    from kiln.models.loader.presets import preset_config
+    from kiln.models.registry import model_class
+
+    start = time.perf_counter()
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    times = {"cuda_init_s": time.perf_counter() - start}
+    config = preset_config(preset)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+
+    def meta_model() -> torch.nn.Module:
+        with torch.device("meta"):
+            return model_class(config)(ModelSpec.from_hf(config))
+
+    def timed(name: str, materialise) -> None:
+        net = meta_model()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        keep = materialise(net)
+        torch.cuda.synchronize()
+        times[name] = time.perf_counter() - start
+        del keep, net
+        torch.cuda.empty_cache()
+
+    try:
+        timed("to_empty_s", lambda net: net.to_empty(device="cuda"))
+        timed("empty_per_param_s", lambda net: [torch.empty(p.shape, dtype=p.dtype, device="cuda")
+                                                for p in net.parameters()])
+        timed("one_flat_buffer_s", lambda net: torch.empty(sum(p.numel() for p in net.parameters()),
+                                                           dtype=torch.bfloat16, device="cuda"))
+    finally:
+        torch.set_default_dtype(previous)
+    print(times, flush=True)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json")
+    parser.add_argument("--preset", default="llama3-8b", help="the model materialised for the allocation times")
     args = parser.parse_args()
+    allocation = allocation_times(args.preset)
     device = torch.device("cuda")
     files = sorted(Path(args.checkpoint).glob("*.safetensors"))
     loaders = {"mmap": lambda: mmap_pinned(files, device)}
@@ -84,7 +129,8 @@ def main() -> None:
     print(table(["loader", *[f"pass {i + 1} GB/s" for i in range(args.repeats)]],
                 [[name, *rates] for name, rates in rows.items()]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"stamp": stamp(), "rates_gb_s": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"stamp": stamp(), "allocation": allocation, "rates_gb_s": rows},
+                                              indent=1))
 
 
 if __name__ == "__main__":

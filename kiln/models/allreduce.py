@@ -132,13 +132,27 @@ def nccl_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 _communicators: dict[str, P2PAllReduce] = {}
 
 
+# group names this process has built symmetric memory for. torch 2.11 registers a group name once per process
+# and keeps the first group's store under it; a re-created group gets the same name ("0" for WORLD after
+# destroy_process_group), so a second tensor-parallel runtime in one process would rendezvous through the
+# dead group's store and hang (seen on the H200: a TP=2 test after another in the same pytest process).
+_registered: set[str] = set()
+
+
 def setup_p2p_all_reduce(group: torch.distributed.ProcessGroup, device: torch.device,
                          policy: AllReducePolicy | None = None) -> P2PAllReduce | None:
     """Collective: build the group's P2P all-reduce when it can serve (CUDA, NCCL group, symmetric memory
-    with P2P), else None and the model keeps NCCL. Every rank must call it at the same point."""
+    with P2P), else None and the model keeps NCCL. Every rank must call it at the same point; the ranks
+    agree first, so one rank that cannot (its process already used the group's name) moves all to NCCL."""
     policy = policy or AllReducePolicy.from_env()
     if device.type != "cuda" or policy.buffer_bytes == 0 or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
         return None
+    fresh = group.group_name not in _registered
+    if not all_ranks_agree(fresh, group, device):
+        logger.warning("tensor-parallel all-reduce: NCCL (a rank's process built symmetric memory for process "
+                       "group %r before, and torch cannot register the name again)", group.group_name)
+        return None
+    _registered.add(group.group_name)
     try:
         comm = P2PAllReduce(group, policy, device)
     except Exception as exc:  # noqa: BLE001 - no P2P, old driver, ...: NCCL still works
@@ -147,6 +161,12 @@ def setup_p2p_all_reduce(group: torch.distributed.ProcessGroup, device: torch.de
     _communicators[comm.group_name] = comm
     logger.info("tensor-parallel all-reduce: %s", policy)
     return comm
+
+
+def all_ranks_agree(ok: bool, group: torch.distributed.ProcessGroup, device: torch.device) -> bool:
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def teardown_p2p_all_reduce() -> None:
