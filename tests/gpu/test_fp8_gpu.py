@@ -111,23 +111,35 @@ def test_fp8_linear_dispatches_on_m(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_greedy_tokens_match_between_triton_and_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled, CUDA-graphed FP8 model with the Triton small-M GEMM against the same model on _scaled_mm only."""
+    """The compiled, CUDA-graphed FP8 model with the Triton small-M GEMM against the same model on _scaled_mm only,
+    teacher-forced: at each of the reference's first 8 greedy positions both runtimes see the same tokens, and their
+    choices must agree wherever the reference's top two logprobs are more than NEAR_TIE apart. Random weights give
+    runs of near-tied logits, where the two GEMMs' different summation orders may flip a token without either being
+    wrong (free-running, one flip changes every later token: 4 of 6 prompts agreed on 8 tokens, H200, 2026-11-30);
+    a wrong scale, tile or reduction moves logits by far more than NEAR_TIE and fails here."""
     from kiln.models.quant import fp8_gemm
 
+    near_tie = 0.05  # nats: ~10 bf16 ulps of this model's logits (|logit| ~ 1)
     calls = count_triton_calls(monkeypatch)
     prompts = random_prompts([1, 5, 17, 40, 9, 26], 49152, seed=7)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     common = dict(device="cuda", dtype="bf16", load_format="dummy", quantization="fp8", level=2,
                   cudagraph_capture_sizes=(1, 2, 4, 8), gpu_memory_utilization=0.3, attention_backend="triton")
+    step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2)
     monkeypatch.setattr(fp8_gemm, "TRITON_MAX_M", 0)
     cublas = Runtime("smollm2-135m", **common)
-    expected = [o.outputs[0].token_ids for o in cublas.generate(prompts, params)]
+    greedy = [o.outputs[0].token_ids for o in cublas.generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
+    contexts = [p + g[:j] for p, g in zip(prompts, greedy) for j in range(8)]
+    expected = [o.outputs[0].logprobs[0] for o in cublas.generate(contexts, step)]
     del cublas
     assert not calls
     monkeypatch.setattr(fp8_gemm, "TRITON_MAX_M", 64)
     triton_rt = Runtime("smollm2-135m", **common)
-    got = [o.outputs[0].token_ids for o in triton_rt.generate(prompts, params)]
+    got = [o.outputs[0].logprobs[0] for o in triton_rt.generate(contexts, step)]
     assert calls and max(calls) <= 64  # the kernel ran (decode steps, short prefills) and only for small M
-    # both paths round the same fp32 products to bf16 after summing in different orders, so a last-bit
-    # difference may flip a near-tie late in a random-weight model; the opening tokens must agree
-    assert sum(a[:8] == b[:8] for a, b in zip(got, expected)) >= len(prompts) - 1, (got, expected)
+    decisive = [(e, g) for e, g in zip(expected, got) if e.top[0].logprob - e.top[1].logprob > near_tie]
+    assert len(decisive) >= len(contexts) // 2, "too few decisive positions for the check to mean anything"
+    assert all(g.sampled.token_id == e.sampled.token_id for e, g in decisive), \
+        [(e.sampled.token_id, g.sampled.token_id) for e, g in decisive if g.sampled.token_id != e.sampled.token_id]
+    # the chosen token's logprob itself: the same up to the FP8 GEMMs' rounding
+    assert max(abs(g.sampled.logprob - e.sampled.logprob) for e, g in decisive) < near_tie
