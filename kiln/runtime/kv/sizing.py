@@ -3,6 +3,7 @@ weights and the activation peak of a profiling forward at the full token budget.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -47,7 +48,11 @@ def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module
     """Budget = total * utilisation - (what is in use now + the activation peak of one forward)."""
     from kiln.runtime.kv.profile import profile_activation_peak
 
+    # A runtime the caller dropped may still sit in a reference cycle, and its freed blocks in torch's cache:
+    # both would count as "in use" below (a second runtime in one process got a budget of 0 on the H200)
+    gc.collect()
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     peak = profile_activation_peak(model, device, num_tokens, layout, max_model_len)
     used = total - free
