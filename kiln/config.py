@@ -173,7 +173,7 @@ class CompilationConfig:
     background_compile_sizes: tuple[int, ...] | None = None
     # worker processes for Inductor compiles; None: from the host's cores (kiln/compiler/parallel.py)
     compile_workers: int | None = None
-    # Inductor rounds where eager rounds (docs/compiler.md): set for quantized models by the worker
+    # Inductor rounds where eager rounds (docs/models.md, FP8 numerics): set for quantized models by the worker
     emulate_precision_casts: bool = False
     debug_dump_path: str | None = None
     debug_check_graph_inputs: bool = False

@@ -61,7 +61,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {len(params)} rows")
         if all(_plain_greedy(p) for p in params):
             # argmax of the model-dtype logits is the argmax of their fp32 copy (the cast is exact and
-            # monotone); skipping the copy saves two passes over [rows, vocab] (0.15 ms a step at 256 rows)
+            # monotone); the copy kernel alone was 0.10 ms of an 8B step at 256 rows on the H200
             return logits.argmax(dim=-1), [None] * len(params)
         # A copy even when already fp32: everything below edits in place and must not touch the caller's.
         logits = logits.to(torch.float32, copy=True)

@@ -2,15 +2,16 @@
 
 safetensors' own `device="cuda"` path copies each tensor from its memory map with a pageable, blocking
 host-to-device copy; on the H200 that streamed an 8B checkpoint at ~1.6 GB/s (10 s of a warm start,
-2026-11-30). Copying from the memory map into pinned buffers instead lifted that to ~2.4 GB/s, and then the
-single host thread faulting the map in page by page bounded it. So the shard is not mapped at all: its
-header is parsed here (8-byte length, JSON), consecutive tensors are grouped up to one buffer's size, and
-each group's byte span is read with `os.preadv` straight into a pinned buffer by several threads at once
-(preadv releases the GIL; the kernel copies out of the page cache), then uploaded without blocking, so the
-next group's read overlaps this one's upload. A buffer is reused only once its previous upload has finished.
-Each group lands in one device allocation and its tensors are views of it (a tensor larger than a buffer
-goes up in pieces). The tensors are ordered on the current stream, so a weight loader that copies them into
-parameters on that stream needs no synchronisation. On the CPU the same code runs unpinned (for tests).
+2026-11-30). A copy from the memory map into pinned buffers reads 25-34 GB/s on a quiet H200 host but 8 GB/s
+while other processes use its cores (benchmarks/bench_load.py), as compile workers do at start-up. So the
+shard is not mapped: its header is parsed here (8-byte length, JSON), consecutive tensors are grouped up to
+one buffer's size, and each group's byte span is read with `os.preadv` straight into a pinned buffer by 8
+threads at once (preadv releases the GIL; the kernel copies out of the page cache: 21-25 GB/s, busy host or
+not), then uploaded without blocking, so the next group's read overlaps this one's upload. A buffer is
+reused only once its previous upload has finished. Each group lands in one device allocation and its tensors
+are views of it (a tensor larger than a buffer goes up in pieces). The tensors are ordered on the current
+stream, so a weight loader that copies them into parameters on that stream needs no synchronisation. On the
+CPU the same code runs unpinned (for tests).
 """
 
 from __future__ import annotations
