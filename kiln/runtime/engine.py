@@ -279,8 +279,10 @@ class Engine:
             generator = None
             if seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(seed)
-            children.append(Request(child_id, token_ids, params, self.eos_token_ids, self.max_model_len,
-                                    generator, arrival_time))
+            child = Request(child_id, token_ids, params, self.eos_token_ids, self.max_model_len, generator,
+                            arrival_time)
+            child.parent_id, child.child_index = request_id, i
+            children.append(child)
             detoks.append(None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output))
@@ -368,7 +370,7 @@ class Engine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             self.stats.generation_tokens += 1
-            parent = self.parents[req.request_id.partition("#")[0]]
+            parent = self.parents[req.parent_id]
             self._process_token(parent, req)
             touched[parent.request_id] = parent
         outputs = []
@@ -382,7 +384,7 @@ class Engine:
 
     def _process_token(self, parent: ParentRequest, req: Request) -> None:
         status = req.check_stop_token()
-        detok = parent.detokenizers[parent.children.index(req)]
+        detok = parent.detokenizers[req.child_index]
         if detok is not None:
             stop = detok.update(req.output_token_ids[-1:])
             if stop is not None and status is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Hashable
-from typing import Any
 
 import torch
 
@@ -20,10 +19,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+    def __init__(self, value: str) -> None:
+        # a plain attribute, set once per member: the engine asks every request every step
+        self.finished = value in ("stop", "length", "abort")
 
 
 class Request:
@@ -53,7 +51,9 @@ class Request:
         wanted = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
         self.max_total_tokens = min(wanted, max_model_len)
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
-        self.user_data: Any = None  # the engine's per-request companions (detokenizer, ...)
+        # which user request this is a sample of (Engine.add_request sets both for n > 1)
+        self.parent_id = request_id
+        self.child_index = 0
 
     @property
     def num_tokens(self) -> int:

@@ -226,9 +226,9 @@ class EngineLoop:
         self.num_step_failures += 1
         logger.error("engine step failed; failing the requests in that batch", exc_info=exc)
         scheduler = self.engine.scheduler
-        ids = {req.request_id.partition("#")[0] for req in list(scheduler.running)}
+        ids = {req.parent_id for req in list(scheduler.running)}
         if not ids and scheduler.waiting:
-            ids = {scheduler.waiting[0].request_id.partition("#")[0]}
+            ids = {scheduler.waiting[0].parent_id}
         if not ids:
             ids = set(self._streams)
         error = EngineStepError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
