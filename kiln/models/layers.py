@@ -211,6 +211,20 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of compute_logits(hidden) on every rank, without gathering the logits: each rank's best
+        (value, id) of its vocabulary range, then the best of those. Ties go to the lowest id on a rank
+        (torch's max) and to the lowest rank across them: the gathered argmax's choice."""
+        logits = F.linear(hidden, self.weight)
+        if self.start + self.per_rank > self.vocab_size:  # padding rows of the last rank never win
+            logits[..., max(self.vocab_size - self.start, 0):] = float("-inf")
+        value, index = logits.max(dim=-1)
+        if tp_size() == 1:
+            return index
+        from kiln.models.parallel import argmax_across_ranks
+
+        return argmax_across_ranks(value, index + self.start)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float) -> None:

@@ -125,6 +125,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.greedy_tokens(hidden)
+
     def _record_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
         """`layers.{i}.self_attn[.x_proj].k_scale | v_scale | kv_scale` (one scale for both) -> kv_cache_scales."""
         parts = name.split(".")

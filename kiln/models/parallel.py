@@ -69,6 +69,20 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return funcol.all_reduce(x, "sum", _group.group)
 
 
+def argmax_across_ranks(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[T] best value and its global id on each rank -> [T] the id of the best value over all ranks (the
+    lowest rank on ties), the same on every rank. One all-gather of [T, 2] fp32 (ids below 2^24 are exact)."""
+    import torch.distributed as dist
+
+    mine = torch.stack([value.float(), index.float()], dim=-1)
+    gathered = mine.new_empty((_group.size * mine.shape[0], 2))  # the layout every backend accepts
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, mine, group=_group.group)
+    gathered = gathered.view(_group.size, *mine.shape)
+    best = gathered[..., 0].argmax(dim=0, keepdim=True)  # [1, T]; argmax takes the first (lowest rank) maximum
+    return gathered[..., 1].gather(0, best).squeeze(0).long()
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """[T, V/size] on each rank -> [T, V], rank-major along the last dim. Runs eagerly every step (the
     vocab-parallel logits), so it calls c10d directly: the functional collective's wrapper and wait cost

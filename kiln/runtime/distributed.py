@@ -149,9 +149,10 @@ def worker_main(config: RuntimeConfig, rank: int, world: int) -> bool:
     channel = open_step_channel(rank, group, runner, device)
     try:
         while (header := channel.recv(runner)) is not None:
-            runner.execute_replica(header.shape, header.num_pending)
+            tokens = runner.execute_replica(header.shape, header.num_pending, header.local_greedy)
             share = header.share_samples and header.shape.num_sampling > 0
-            runner.last_sampled = channel.recv_samples(header.shape.num_sampling, device) if share else None
+            runner.last_sampled = tokens if header.local_greedy else (
+                channel.recv_samples(header.shape.num_sampling, device) if share else None)
     except EngineDeadError as exc:  # rank 0 is gone: its groups cannot be torn down with it
         logger.error("%s", exc)
         return False

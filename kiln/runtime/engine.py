@@ -144,11 +144,13 @@ class Engine:
         group = self._tp_group = tp.init_tensor_parallel(0, world, self.device)
         return lambda n: tp.agree_min(n, group)
 
-    def _broadcast(self, shape, num_pending: int) -> None:
+    def _broadcast(self, shape, num_pending: int, local_greedy: bool) -> None:
         from kiln.runtime.step_channel import StepHeader
 
         tp_processes.check_workers(self._tp_procs)
-        self._channel.send(self.runner, StepHeader(shape, num_pending, self.async_scheduling))
+        # greedy ids computed on every rank need no broadcast; otherwise async workers need rank 0's
+        share = self.async_scheduling and not local_greedy
+        self._channel.send(self.runner, StepHeader(shape, num_pending, share, local_greedy))
 
     def _share_samples(self, tokens: torch.Tensor) -> None:
         if self.async_scheduling:  # the workers expect them exactly when the step's header said so

@@ -21,9 +21,10 @@ import torch
 from kiln.attention.base import AttentionBackend, CommonAttentionMetadata
 from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, GraphedCallable, RunMode, piecewise_graphs
 from kiln.models.forward_context import ForwardContext, set_forward_context
+from kiln.models.parallel import tp_size
 from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
 from kiln.runtime.request import Request
-from kiln.runtime.sampler import Sampler, SamplingBatch
+from kiln.runtime.sampler import Sampler, SamplingBatch, plain_greedy
 from kiln.runtime.scheduler import SchedulerOutput
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -50,6 +51,9 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # [num sampling requests], device
     sampling_rows: list[int]  # scheduler indices of the requests that sample
     context: ForwardContext | None = None  # built ahead of the forward by `execute`
+    # tensor parallel, every sampling row plain greedy: each rank takes the argmax of its own vocabulary shard
+    # and one tiny all-gather picks the winners (no logits gather to rank 0, no broadcast of its tokens)
+    local_greedy: bool = False
 
     @property
     def num_padded_tokens(self) -> int:
@@ -81,7 +85,7 @@ class ModelRunner:
         self.full_graph: GraphedCallable | None = None
         # tensor parallel (rank 0): send each step's batch (and its pending-token count) to the workers, and
         # hand them the sampled ids on the device (async scheduling)
-        self.on_batch: Callable[[BatchShape, int], None] | None = None
+        self.on_batch: Callable[[BatchShape, int, bool], None] | None = None
         self.on_sampled: Callable[[torch.Tensor], None] | None = None
         self.sampler = Sampler()
         pin = device.type == "cuda"
@@ -112,9 +116,12 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> PreparedBatch:
         """Host buffers filled (and sent to tensor-parallel workers), copied to the device, pending tokens in."""
         shape, sampling_rows, num_pending = self.fill_host(sched)
+        local_greedy = tp_size() > 1 and bool(sampling_rows) and all(
+            plain_greedy(sched.requests[i].params) for i in sampling_rows)
         if self.on_batch is not None:
-            self.on_batch(shape, num_pending)
+            self.on_batch(shape, num_pending, local_greedy)
         batch = self.to_device(shape, sampling_rows)
+        batch.local_greedy = local_greedy
         if num_pending:
             self._copy_pending_tokens(num_pending)
         return batch
@@ -299,34 +306,44 @@ class ModelRunner:
         # planning (flashinfer copies query_start_loc_cpu non-blocking), and the next fill must wait for that too.
         batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
         self._inputs_consumed.record()
-        logits = self.forward(batch)
+        if batch.local_greedy:
+            tokens = self.model.greedy_tokens(self.run_model(batch)[batch.logits_indices])
+        else:
+            logits = self.forward(batch)
         reqs = [sched.requests[i] for i in batch.sampling_rows]
         self._last_rows = {r.request_id: j for j, r in enumerate(reqs)}
         if not reqs:
             self.last_sampled = None
             return LaunchedStep(sched, [], [])
-        tokens, logprobs = self.sampler.sample(logits, SamplingBatch(
-            params=[r.params for r in reqs],
-            generators=[r.generator for r in reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
-            eos_token_ids=self.eos_token_ids,
-            num_pending_tokens=[r.num_pending_tokens for r in reqs],
-        ))
+        if batch.local_greedy:
+            logprobs: list = [None] * len(reqs)
+        else:
+            tokens, logprobs = self.sampler.sample(logits, SamplingBatch(
+                params=[r.params for r in reqs],
+                generators=[r.generator for r in reqs],
+                prompt_token_ids=[r.prompt_token_ids for r in reqs],
+                output_token_ids=[r.output_token_ids for r in reqs],
+                eos_token_ids=self.eos_token_ids,
+                num_pending_tokens=[r.num_pending_tokens for r in reqs],
+            ))
+            if self.on_sampled is not None:
+                self.on_sampled(tokens)
         self.last_sampled = tokens
-        if self.on_sampled is not None:
-            self.on_sampled(tokens)
         host, landed = self._readback.start(tokens)
         return LaunchedStep(sched, batch.sampling_rows, logprobs, host, landed)
 
     @torch.inference_mode()
-    def execute_replica(self, shape: BatchShape, num_pending: int) -> None:
+    def execute_replica(self, shape: BatchShape, num_pending: int, local_greedy: bool = False) -> torch.Tensor | None:
         """A tensor-parallel worker's step: the host buffers hold rank 0's batch; run the same forward (its
-        collectives pair with rank 0's) and discard the logits. Pending input tokens come from `last_sampled`,
-        the copy of rank 0's previous samples this rank received."""
+        collectives pair with rank 0's) and discard the logits, or, `local_greedy`, return the greedy tokens
+        every rank computes alike. Pending input tokens come from `last_sampled`, this rank's copy of the
+        previous step's samples."""
         batch = self.to_device(shape, [])
         if num_pending:
             self._copy_pending_tokens(num_pending)
         batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
         self._inputs_consumed.record()
+        if local_greedy:
+            return self.model.greedy_tokens(self.run_model(batch)[batch.logits_indices])
         self.forward(batch)
+        return None

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from kiln.runtime.model_runner import BatchShape, ModelRunner
 
 CMD_STOP, CMD_STEP = 0, 1
-HEADER_LEN = 3 + len(dataclasses.fields(BatchShape))  # command, pending tokens, samples shared, the shape
+HEADER_LEN = 4 + len(dataclasses.fields(BatchShape))  # command, pending tokens, samples shared, local greedy, shape
 # the host buffers a step sends, in order (their slices are given by `host_views`)
 HOST_BUFFERS = ("input_ids_cpu", "positions_cpu", "slot_mapping_cpu", "query_start_loc_cpu", "seq_lens_cpu",
                 "block_tables_cpu", "logits_indices_cpu", "pending_dst_cpu", "pending_src_cpu")
@@ -33,6 +33,7 @@ class StepHeader:
     shape: BatchShape
     num_pending: int  # input tokens the previous step sampled (async scheduling): filled on the device
     share_samples: bool  # rank 0 broadcasts this step's sampled ids after its forward
+    local_greedy: bool = False  # every rank computes the greedy ids itself (ModelRunner.execute_replica)
 
 
 _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(BatchShape))
@@ -40,7 +41,8 @@ _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(BatchShape))
 
 def encode_header(header: StepHeader) -> list[int]:
     shape = header.shape  # not dataclasses.astuple: it deep-copies, and this runs every step
-    return [CMD_STEP, header.num_pending, int(header.share_samples), *[int(getattr(shape, f)) for f in _SHAPE_FIELDS]]
+    return [CMD_STEP, header.num_pending, int(header.share_samples), int(header.local_greedy),
+            *[int(getattr(shape, f)) for f in _SHAPE_FIELDS]]
 
 
 def decode_header(values: list[int]) -> StepHeader | None:
@@ -48,8 +50,8 @@ def decode_header(values: list[int]) -> StepHeader | None:
     if values[0] == CMD_STOP:
         return None
     shape = BatchShape(*[bool(v) if f.type in (bool, "bool") else int(v)
-                         for v, f in zip(values[3:], dataclasses.fields(BatchShape))])
-    return StepHeader(shape, int(values[1]), bool(values[2]))
+                         for v, f in zip(values[4:], dataclasses.fields(BatchShape))])
+    return StepHeader(shape, int(values[1]), bool(values[2]), bool(values[3]))
 
 
 def step_slices(buffers: Sequence[Any], shape: BatchShape, num_pending: int) -> list[Any]:

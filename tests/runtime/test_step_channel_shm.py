@@ -42,7 +42,7 @@ def random_step(runner: SimpleNamespace, gen: torch.Generator) -> tuple[StepHead
         if isinstance(buf, torch.Tensor):
             buf.copy_(torch.randint(0, 1 << 30, buf.shape, generator=gen))
     shape = BatchShape(tokens, tokens, reqs, reqs, tokens, tokens + 3, bool(tokens % 2), blocks)
-    header = StepHeader(shape, pending, bool(reqs % 2))
+    header = StepHeader(shape, pending, bool(reqs % 2), bool(blocks % 2))
     return header, [v.clone() for v in host_views(runner, shape, pending)]
 
 

@@ -133,14 +133,29 @@ def test_worker_exits_when_rank0_is_killed(tmp_path: Path) -> None:
         pytest.fail(f"worker {pid} still running 60 s after rank 0 was killed")
 
 
-def test_tp2_async_scheduling_matches_tp1(reference) -> None:
-    """Overlapped steps: each step's pending input tokens reach the worker as rank 0's sampled ids, broadcast
-    over the device group, and are put into its input_ids in place exactly as on rank 0."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_greedy_ids_per_rank_and_gathered_logits_agree(reference, async_scheduling: bool) -> None:
+    """Two ways to a step's tokens under TP, both equal to TP=1. All-greedy batches: each rank takes the argmax
+    of its own vocabulary shard and one all-gather of (value, id) picks the winner on every rank (no logits
+    gather, no broadcast). A batch with a request that wants logprobs: the logits are gathered to rank 0,
+    which samples and (overlapped steps) broadcasts the ids; each step's pending input tokens reach the worker
+    either way and are put into its input_ids in place exactly as on rank 0."""
     runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32,
-                      async_scheduling=True)
+                      async_scheduling=async_scheduling)
+    model = runtime.engine.runner.model
+    calls: list[int] = []
+    greedy_tokens = model.greedy_tokens
+    model.greedy_tokens = lambda hidden: calls.append(hidden.shape[0]) or greedy_tokens(hidden)
     try:
         assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
-        assert runtime.engine.stats.overlapped_steps > 0
+        assert calls  # the per-rank argmax served those steps
+        calls.clear()
+        wants_logprobs = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+        outs = runtime.generate(PROMPTS, [wants_logprobs] + [PARAMS] * (len(PROMPTS) - 1))
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert len(outs[0].outputs[0].logprobs) == 8 and not calls  # every step held the logprobs request
+        if async_scheduling:
+            assert runtime.engine.stats.overlapped_steps > 0
     finally:
         runtime.engine.shutdown()
 
