@@ -72,15 +72,20 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 def argmax_across_ranks(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """[T] best value and its global id on each rank -> [T] the id of the best value over all ranks (the
     lowest rank on ties), the same on every rank. One all-gather of [T, 2] fp32 (ids below 2^24 are exact)."""
-    import torch.distributed as dist
-
-    mine = torch.stack([value.float(), index.float()], dim=-1)
-    gathered = mine.new_empty((_group.size * mine.shape[0], 2))  # the layout every backend accepts
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, mine, group=_group.group)
-    gathered = gathered.view(_group.size, *mine.shape)
+    gathered = _gather_by_rank(torch.stack([value.float(), index.float()], dim=-1))  # [size, T, 2]
     best = gathered[..., 0].argmax(dim=0, keepdim=True)  # [1, T]; argmax takes the first (lowest rank) maximum
     return gathered[..., 1].gather(0, best).squeeze(0).long()
+
+
+def _gather_by_rank(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's x stacked in rank order, [size, *x.shape], by one eager c10d all-gather."""
+    import torch.distributed as dist
+
+    gathered = x.new_empty((_group.size * x.shape[0], *x.shape[1:]))  # the layout every backend accepts
+    # all_gather_single is torch 2.13's name for all_gather_into_tensor (deprecated there; 2.11 has only it)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, x.contiguous(), group=_group.group)
+    return gathered.view(_group.size, *x.shape)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -94,11 +99,4 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
         gathered = funcol.all_gather_tensor(x.contiguous(), 0, _group.group)  # [size * T, V/size]
         return torch.cat(gathered.chunk(_group.size, dim=0), dim=-1)
-    import torch.distributed as dist
-
-    gathered = x.new_empty((_group.size * x.shape[0], *x.shape[1:]))  # the layout every backend accepts
-    # all_gather_single is torch 2.13's name for all_gather_into_tensor (deprecated there; 2.11 has only it)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, x.contiguous(), group=_group.group)
-    by_rank = gathered.view(_group.size, *x.shape)
-    return by_rank.movedim(0, -2).reshape(*x.shape[:-1], _group.size * x.shape[-1])
+    return _gather_by_rank(x).movedim(0, -2).reshape(*x.shape[:-1], _group.size * x.shape[-1])
