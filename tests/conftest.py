@@ -18,6 +18,15 @@ if not torch.cuda.is_available():
 os.environ.setdefault("KILN_DISABLE_COMPILE_CACHE", "1")
 
 
+def cpu_runtime(checkpoint: tuple[Path, torch.nn.Module], **kwargs):
+    """A Runtime on the CPU over a `tiny_checkpoint` entry: eager (-O0) and fp32 unless kwargs say otherwise."""
+    from kiln import Runtime
+
+    kwargs.setdefault("level", 0)
+    kwargs.setdefault("dtype", "fp32")
+    return Runtime(str(checkpoint[0]), device="cpu", **kwargs)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """preset name -> (HF directory, the transformers model with the same weights), built once each."""

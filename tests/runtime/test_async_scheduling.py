@@ -16,7 +16,7 @@ import pytest
 from kiln import Runtime, SamplingParams
 from kiln.entrypoints.cli.main import add_runtime_args, runtime_kwargs
 from kiln.runtime.runtime import build_config
-from tests.conftest import add_mixed_requests, assert_pool_clean, hf_greedy, random_prompts
+from tests.conftest import add_mixed_requests, assert_pool_clean, cpu_runtime, hf_greedy, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,7 @@ def checkpoint(tiny_checkpoint):
 
 
 def make(checkpoint, **kwargs) -> Runtime:
-    kwargs.setdefault("level", 0)
-    return Runtime(str(checkpoint[0]), device="cpu", dtype="fp32", async_scheduling=True, **kwargs)
+    return cpu_runtime(checkpoint, async_scheduling=True, **kwargs)
 
 
 @pytest.fixture(scope="module")

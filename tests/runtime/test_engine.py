@@ -7,6 +7,7 @@ import torch
 
 from kiln import Runtime, SamplingParams
 from tests.conftest import add_mixed_requests, assert_pool_clean, hf_greedy, random_prompts
+from tests.conftest import cpu_runtime as make
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -14,11 +15,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint):
     return tiny_checkpoint("tiny-llama")
-
-
-def make(checkpoint, **kwargs) -> Runtime:
-    kwargs.setdefault("level", 0)
-    return Runtime(str(checkpoint[0]), device="cpu", dtype="fp32", **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from kiln.attention import AttentionLayout, select_backend
 from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.config import CacheConfig
 from tests.conftest import assert_pool_clean, prompt_logits, random_prompts
+from tests.conftest import cpu_runtime as make
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -18,12 +19,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint):
     return tiny_checkpoint("tiny-llama")
-
-
-def make(checkpoint, **kwargs) -> Runtime:
-    kwargs.setdefault("level", 0)
-    kwargs.setdefault("dtype", "fp32")
-    return Runtime(str(checkpoint[0]), device="cpu", **kwargs)
 
 
 def test_unknown_kv_cache_dtype_is_a_value_error_naming_the_field() -> None:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kiln import Runtime, SamplingParams
-from tests.conftest import random_prompts
+from tests.conftest import cpu_runtime, random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -18,8 +18,7 @@ def checkpoint(tiny_checkpoint):
 
 
 def make(checkpoint, caching: bool, **kwargs) -> Runtime:
-    kwargs.setdefault("level", 0)
-    return Runtime(str(checkpoint[0]), device="cpu", dtype="fp32", enable_prefix_caching=caching, **kwargs)
+    return cpu_runtime(checkpoint, enable_prefix_caching=caching, **kwargs)
 
 
 def shared_prefix_prompts(n: int, prefix_len: int, seed: int) -> list[list[int]]:
