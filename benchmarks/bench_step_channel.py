@@ -31,14 +31,16 @@ TOKENS, SEQS, BLOCKS_PER_SEQ = 8192, 256, math.ceil(8192 / 16)
 CONTEXT_BLOCKS = 64  # block-table columns in use: a 1k-token context
 
 
-def host_buffers() -> SimpleNamespace:
+def host_buffers(tokens: int = TOKENS, seqs: int = SEQS, blocks_per_seq: int = BLOCKS_PER_SEQ) -> SimpleNamespace:
+    """The host buffers a ModelRunner has, at its dtypes (what a step channel reads and writes); the step
+    channel tests use it too, at small sizes."""
     i64, i32 = torch.int64, torch.int32
     return SimpleNamespace(
-        input_ids_cpu=torch.zeros(TOKENS, dtype=i64), positions_cpu=torch.zeros(TOKENS, dtype=i64),
-        slot_mapping_cpu=torch.zeros(TOKENS, dtype=i64), query_start_loc_cpu=torch.zeros(SEQS + 1, dtype=i32),
-        seq_lens_cpu=torch.zeros(SEQS, dtype=i32), block_tables_cpu=torch.zeros(SEQS, BLOCKS_PER_SEQ, dtype=i32),
-        logits_indices_cpu=torch.zeros(SEQS, dtype=i64), pending_dst_cpu=torch.zeros(SEQS, dtype=i64),
-        pending_src_cpu=torch.zeros(SEQS, dtype=i64), wait_host_buffers_free=lambda: None)
+        input_ids_cpu=torch.zeros(tokens, dtype=i64), positions_cpu=torch.zeros(tokens, dtype=i64),
+        slot_mapping_cpu=torch.zeros(tokens, dtype=i64), query_start_loc_cpu=torch.zeros(seqs + 1, dtype=i32),
+        seq_lens_cpu=torch.zeros(seqs, dtype=i32), block_tables_cpu=torch.zeros(seqs, blocks_per_seq, dtype=i32),
+        logits_indices_cpu=torch.zeros(seqs, dtype=i64), pending_dst_cpu=torch.zeros(seqs, dtype=i64),
+        pending_src_cpu=torch.zeros(seqs, dtype=i64), wait_host_buffers_free=lambda: None)
 
 
 def decode_header(batch: int):
