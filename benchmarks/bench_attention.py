@@ -9,6 +9,8 @@ measured in the same run.
     python -m benchmarks.bench_attention [--backends torch triton flashinfer] [--batches 1 8 64]
     # the Triton decode kernel's launch configurations (tile, warps, stages, split waves), ~2 min:
     python -m benchmarks.bench_attention --sweep --batches 1 8 64 256 --contexts 160 600 2048 --json sweep.json
+    # only some knobs, the others at the default; a tensor-parallel rank's heads (70B at TP=2: 32 q / 4 kv):
+    python -m benchmarks.bench_attention --sweep --vary min_tiles waves --heads 32 4 --batches 1 8
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def time_step(backend: AttentionBackend, tensors: tuple[torch.Tensor, ...], comm
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(2, 8))
+SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(2, 8), min_tiles=(1, 2, 4))
 
 
 Shape = tuple[int, str, list[int]]  # (batch, label, each request's context)
@@ -88,12 +90,15 @@ def decode_shapes(batches: list[int], contexts: list[int], varlen: list[int] | N
     return [(b, str(c), [c] * b) for b in batches for c in contexts]
 
 
-def sweep(layout: AttentionLayout, shapes: list[Shape], ceil, json_path: str | None) -> None:
-    """Every Triton decode launch configuration in SWEEP at each shape, graph-replayed, checked against
-    the default configuration's output; the best per shape and its gain over the default."""
+def sweep(layout: AttentionLayout, shapes: list[Shape], ceil, json_path: str | None,
+          vary: list[str] | None = None) -> None:
+    """Every Triton decode launch configuration in SWEEP (only the `vary` knobs, the rest at the default) at
+    each shape, graph-replayed, checked against the default configuration's output; the best per shape and
+    its gain over the default."""
     backend = select_backend("triton", layout, torch.device("cuda"))(layout, torch.device("cuda"))
     default = dict(backend.decode_cfg)
-    configs = [dict(zip(SWEEP, values)) for values in itertools.product(*SWEEP.values())]
+    grid = {k: (v if not vary or k in vary else (default[k],)) for k, v in SWEEP.items()}
+    configs = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     elt = torch.finfo(DTYPE).bits // 8
     results, rows = [], []
     for batch, ctx, lens in shapes:
@@ -114,7 +119,7 @@ def sweep(layout: AttentionLayout, shapes: list[Shape], ceil, json_path: str | N
             if not timed:  # the default configuration's output is the reference of the others
                 reference = out.clone()
             timed.append((ms, cfg, err))
-            results.append(dict(batch=batch, ctx=ctx, us=ms * 1e3, err=err, **cfg,
+            results.append(dict(batch=batch, ctx=ctx, heads=[HQ, HKV], us=ms * 1e3, err=err, **cfg,
                                 of_ceiling=bytes_moved / (ms / 1e3) / ceil.copy_bytes_per_s))
         base = timed[0][0]
         ok = [t for t in timed[1:] if t[2] < 2e-2]
@@ -138,12 +143,16 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="sweep the Triton decode launch configurations")
     parser.add_argument("--varlen", type=int, nargs=2, metavar=("LOW", "HIGH"),
                         help="decode: each request's context uniform in [LOW, HIGH] instead of --contexts")
+    parser.add_argument("--vary", nargs="+", choices=list(SWEEP), help="sweep only these knobs")
+    parser.add_argument("--heads", type=int, nargs=2, metavar=("HQ", "HKV"), default=[HQ, HKV],
+                        help="query and KV heads (one tensor-parallel rank's share)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    globals().update(HQ=args.heads[0], HKV=args.heads[1])  # make_step and the byte counts read them
     ceil = measure_ceilings()
     layout = AttentionLayout(HQ, HKV, D, D ** -0.5, BS, DTYPE)
     if args.sweep:
-        sweep(layout, decode_shapes(args.batches, args.contexts, args.varlen), ceil, args.json)
+        sweep(layout, decode_shapes(args.batches, args.contexts, args.varlen), ceil, args.json, args.vary)
         return
     backends: dict[str, AttentionBackend] = {}
     for name in args.backends:
@@ -174,7 +183,7 @@ def main() -> None:
                 rows.append([name, "prefill", batch, length, ms * 1e3, float("nan"), f"{rate / 1e12:.0f} TFLOP/s",
                              f"{100 * rate / ceil.matmul_flops_per_s:.0f}%"])
     print(f"{stamp()}\ncopy bandwidth {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
-          f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s; Llama-3-8B heads ({HQ} q / {HKV} kv, D={D}), bf16")
+          f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s; {HQ} q / {HKV} kv heads, D={D}, bf16")
     print(table(["backend", "phase", "batch", "ctx", "eager us", "graph us", "achieved", "of ceiling"], rows))
 
 

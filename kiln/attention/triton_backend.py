@@ -110,10 +110,11 @@ class TritonAttentionBackend(AttentionBackend):
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
         self._retired: list[torch.Tensor] = []
         self._prefill_cfg = self._prefill_config()
-        # decode launch: BLOCK_N keys per tile, warps, pipeline stages, and the program waves the split
-        # count aims for (benchmarks/bench_attention.py --sweep measures the alternatives)
+        # decode launch: BLOCK_N keys per tile, warps, pipeline stages, the program waves the split count
+        # aims for, and the fewest tiles a split takes (benchmarks/bench_attention.py --sweep measures the
+        # alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
-                               waves=2)
+                               waves=2, min_tiles=1)
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -196,6 +197,6 @@ class TritonAttentionBackend(AttentionBackend):
             k_scale, v_scale, GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)),
             HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache),
-            num_warps=cfg["num_warps"],
+            BLOCK_S=triton.next_power_of_2(splits), MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
+            KV_FP8=_is_fp8(kv_cache), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])

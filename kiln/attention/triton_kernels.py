@@ -157,15 +157,18 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             stride_vh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
                             k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                            NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
-                            KV_FP8: tl.constexpr):
+                            NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_TILES: tl.constexpr,
+                            IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """One new token per request, the whole decode step in one launch; program (request, kv_head, split).
 
     At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
     split 0 writes the new key/value, every split takes that position from k/v directly, and the last
     split of a (request, kv_head) to finish (an atomic ticket) merges the partials and resets the
     counter. The split count is fixed per request count (not per context length) so a CUDA graph
-    captured for a batch size stays valid as contexts grow; each split sizes its slice from seq_len.
+    captured for a batch size stays valid as contexts grow; each split sizes its slice from seq_len, at
+    least MIN_TILES tiles, so a short context occupies only its first `active` splits: the rest find no keys
+    and the merge reads only the active splits' partials (a short context's merge is then a few rows,
+    not NUM_SPLITS of them per head).
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
     """
@@ -189,7 +192,9 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
             tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
             tl.store(dst + stride_ckv, v_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
 
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
+    active = tl.cdiv(num_tiles, tiles_per_split)  # splits holding keys; those after it stay empty
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     h = tl.arange(0, BLOCK_H)
@@ -242,7 +247,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
         if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # acq_rel: all other splits' partials are visible
             # one [splits, D] tile per head (a loop over splits would pay an L2 round trip per split)
             sp = tl.arange(0, BLOCK_S)
-            sp_mask = sp < NUM_SPLITS
+            sp_mask = sp < active  # an empty split's partial (o = 0, lse = -inf) would weigh 0 anyway
             for hh in range(GROUP):
                 row = (req * (GROUP * num_kv_heads) + kv_head * GROUP + hh) * NUM_SPLITS + sp
                 lse_h = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")

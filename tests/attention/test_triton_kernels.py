@@ -16,9 +16,10 @@ HEADS = 8
 
 
 def check(q_lens: list[int], contexts: list[int], group: int, head_dim: int, dtype: torch.dtype = torch.float32,
-          tol: float = 1e-4, seed: int = 0) -> None:
+          tol: float = 1e-4, seed: int = 0, **decode_cfg: int) -> None:
     batch = make_batch(q_lens, contexts, HEADS, HEADS // group, head_dim, dtype, DEVICE, seed=seed)
     backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+    backend.decode_cfg.update(decode_cfg)
     out, cache = run_backend(backend, batch)
     ref_out, ref_cache = reference(batch)
     assert rel_err(out, ref_out) <= tol, (q_lens, contexts, group, head_dim, rel_err(out, ref_out))
@@ -39,6 +40,13 @@ def test_mixed_batch_prefill_chunks_and_decodes(group: int, head_dim: int) -> No
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_uniform_decode_with_splits(group: int, head_dim: int) -> None:
     check([1, 1, 1], [0, 95, 300], group, head_dim, seed=7 + group)
+
+
+@pytest.mark.parametrize("min_tiles", [2, 5])
+def test_uniform_decode_with_a_floor_on_tiles_per_split(min_tiles: int) -> None:
+    # contexts of 1, 6 and 19 tiles (16 keys each in fp32) over 32 splits of >= min_tiles tiles: the later
+    # splits of a short context are empty and the merge must read only the active ones
+    check([1, 1, 1], [0, 95, 300], 4, 64, seed=min_tiles, min_tiles=min_tiles)
 
 
 def test_decode_state_is_clean_between_steps() -> None:
