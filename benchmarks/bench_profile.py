@@ -78,6 +78,8 @@ def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None, ho
     over another `steps` steps."""
     from torch.profiler import ProfilerActivity, profile
 
+    for _ in range(2):  # not timed: a batch's first steps pay one-off costs (the first replay of its graph)
+        engine.step()
     sync()
     start = time.perf_counter()
     for _ in range(steps):

@@ -95,6 +95,11 @@ class P2PAllReduce:
                 symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(policy.buffer_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        # the fused add + norm kernel (p2p_norm.py) takes its flags from the upper half of the signal pad;
+        # torch's kernels use the lower (one flag per block and rank, at most 32 blocks)
+        slots = getattr(self.handle, "signal_pad_size", 2048) // 4
+        self.norm_first_slot = slots // 2
+        self.norm_max_rows = (slots - self.norm_first_slot) // self.handle.world_size
 
     def view(self, like: torch.Tensor) -> torch.Tensor:
         """The start of this rank's buffer as a tensor shaped like `like`."""
@@ -110,6 +115,17 @@ class P2PAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x, self.kind_for(x))
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(all_reduce(x) + residual), all_reduce(x) + residual) in one kernel (p2p_norm.py) for a
+        one-shot-sized [T, N] message of at most `norm_max_rows` rows; None elsewhere (two steps then)."""
+        if (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype
+                or self.kind_for(x) != "one_shot" or x.shape[0] > self.norm_max_rows):
+            return None
+        from kiln.models.p2p_norm import p2p_add_rms_norm
+
+        return p2p_add_rms_norm(x, residual, weight, eps, self.handle, self.norm_first_slot)
 
     def run(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """The all-reduce of one kind (benchmarks call each directly)."""
@@ -171,6 +187,11 @@ def all_ranks_agree(ok: bool, group: torch.distributed.ProcessGroup, device: tor
 
 def teardown_p2p_all_reduce() -> None:
     _communicators.clear()
+
+
+def communicator(group_name: str) -> P2PAllReduce | None:
+    """The group's P2P all-reduce, if this process built one (CUDA, NCCL group, symmetric memory)."""
+    return _communicators.get(group_name)
 
 
 def all_reduce_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:

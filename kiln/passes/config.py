@@ -16,16 +16,18 @@ from typing import Any
 # allreduce_rmsnorm precedes add_rmsnorm, which would otherwise take its norms alone.
 ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "allreduce_rmsnorm", "add_rmsnorm", "silu_mul")
 
-# -O2/-O3 defaults. Only passes with a measured gain belong here, and none has one yet (docs/passes.md;
-# allreduce_rmsnorm: no gain at 8B/70B TP=2 on 2x H200, benchmarks/bench_tp.py):
-# on the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
+# -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
+# allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
+# residual add and norm at decode sizes (kiln/models/p2p_norm.py), PENDING its 2x H200 A/B
+# (benchmarks/bench_tp.py); its earlier form (torch's all-reduce, then a Triton add + norm) gained nothing.
+# On the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
 # as it was, noop changes nothing; on CPU rope_kv and noop are slower. rope_kv's GPU measurement needs
 # the flashinfer backend (`bench_passes --backend flashinfer`, and `--kernels` for the kernel alone).
 LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
     0: (),
     1: (),
-    2: (),
-    3: (),
+    2: ("allreduce_rmsnorm",),
+    3: ("allreduce_rmsnorm",),
 }
 
 

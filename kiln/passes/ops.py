@@ -174,9 +174,14 @@ def _silu_and_mul_fake(x):
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                             group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(all_reduce(x) + residual), all_reduce(x) + residual). The sum is rounded to x's dtype
-    before the add, as the unfused graph's all-reduce output is."""
-    from kiln.models.allreduce import all_reduce_impl
+    before the add, as the unfused graph's all-reduce output is. On a P2P group at decode sizes all of it is
+    one kernel (kiln/models/p2p_norm.py); otherwise the all-reduce, then the add + norm."""
+    from kiln.models.allreduce import all_reduce_impl, communicator
 
+    comm = communicator(group_name) if x.is_cuda else None
+    fused = comm.add_rms_norm(x, residual, weight, eps) if comm is not None else None
+    if fused is not None:
+        return fused
     return _add_rms_norm(all_reduce_impl(x, group_name), residual, weight, eps)
 
 

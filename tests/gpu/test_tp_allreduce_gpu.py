@@ -73,10 +73,61 @@ def _rank(rank: int, port: int, results: dict) -> None:
         expected_sum = nccl_all_reduce(partial, name) + residual
         torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0)
         torch.testing.assert_close(normed, rms_norm_ref(expected_sum, weight, 1e-5), atol=2e-2, rtol=2e-2)
+        _check_fused_kernel(comm, name, device)
         results[rank] = "ok"
     except Exception:  # noqa: BLE001 - reported to the parent
         results[rank] = traceback.format_exc()
     os._exit(0)
+
+
+def _fused_chain(comm, xs: list[torch.Tensor], start: torch.Tensor,
+                 weight: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """20 dependent fused calls (each reuses the buffer rows and flags of the one before), torch's one-shot
+    kernel (which shares the signal pad) between them."""
+    outs, h = [], start
+    for i in range(20):
+        fused = comm.add_rms_norm(xs[i % 3], h, weight, 1e-5)
+        assert fused is not None, tuple(start.shape)
+        comm.run(xs[(i + 1) % 3], "one_shot")
+        outs.append(fused)
+        h = fused[1]
+    return outs
+
+
+def _check_chain(outs: list[tuple[torch.Tensor, torch.Tensor]], xs: list[torch.Tensor], start: torch.Tensor,
+                 weight: torch.Tensor, name: str) -> None:
+    from kiln.models.allreduce import nccl_all_reduce
+    from kiln.passes.ops import rms_norm_ref
+
+    h = start
+    for i, (normed, summed) in enumerate(outs):
+        h = nccl_all_reduce(xs[i % 3], name) + h
+        torch.testing.assert_close(summed, h, atol=0, rtol=0)
+        torch.testing.assert_close(normed, rms_norm_ref(h, weight, 1e-5), atol=2e-2, rtol=2e-2)
+
+
+def _check_fused_kernel(comm, name: str, device: torch.device) -> None:
+    """The one-kernel all-reduce + add + norm (kiln/models/p2p_norm.py), eagerly and replayed from a CUDA
+    graph with new inputs: sums exact, norms as the reference's."""
+    for rows, n in ((1, 8192), (8, 4096), (32, 4096)):
+        xs = [torch.randn(rows, n, device=device, dtype=torch.bfloat16) for _ in range(3)]
+        start = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
+        weight = torch.rand(n, device=device, dtype=torch.bfloat16) + 0.5
+        _check_chain(_fused_chain(comm, xs, start, weight), xs, start, weight, name)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            _fused_chain(comm, xs, start, weight)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = _fused_chain(comm, xs, start, weight)
+        for _ in range(2):
+            for x in xs:
+                x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            _check_chain(outs, xs, start, weight, name)
 
 
 def test_p2p_all_reduce_equals_nccl_eager_and_in_graphs() -> None:
