@@ -295,12 +295,18 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
         print(f"built in {build:.1f}s: {row}", flush=True)
         prompts, params = offline_requests(rt, lens, rng)
         rt.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * 4)  # first-step costs
-        steps_before = rt.stats()["steps"]
-        timeline: dict = {}
-        seconds, out_tokens = timed_generate(rt, prompts, params, timeline)
-        steps = rt.stats()["steps"] - steps_before
-        row.update(seconds=seconds, output_tokens=out_tokens, output_tokens_per_s=out_tokens / seconds, steps=steps,
-                   preemptions=rt.engine.scheduler.num_preemptions, timeline=timeline)
+        runs = []
+        for _ in range(args.repeats):  # the same workload again on the same runtime: the spread between runs
+            steps_before = rt.stats()["steps"]
+            timeline: dict = {}
+            seconds, out_tokens = timed_generate(rt, prompts, params, timeline)
+            runs.append((out_tokens / seconds, seconds, rt.stats()["steps"] - steps_before, timeline))
+            print(f"run {len(runs)}: {runs[-1][0]:.0f} output tok/s", flush=True)
+        # the headline is the median run (of two, the slower)
+        tok_s, seconds, steps, timeline = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
+        row.update(seconds=seconds, output_tokens=out_tokens, output_tokens_per_s=tok_s, steps=steps,
+                   preemptions=rt.engine.scheduler.num_preemptions, timeline=timeline,
+                   runs_output_tokens_per_s=[round(r[0], 1) for r in runs])
         if ceil.copy_bytes_per_s == ceil.copy_bytes_per_s:  # a roofline needs the GPU's measured ceilings
             row.update(roofline(rt, lens, steps, ceil, seconds))
         print(row, flush=True)  # before the (slow) baseline, so a time-out still leaves kiln's number
@@ -446,6 +452,8 @@ def main() -> None:
             p.add_argument("--hf-max-seconds", type=float, default=None,
                            help="stop the baseline after this long; a cut-short baseline gives no ratio")
             p.add_argument("--hf-only", action="store_true", help="run only the transformers baseline")
+            p.add_argument("--repeats", type=int, default=1,
+                           help="time the whole workload this many times on one runtime; report the median run")
             p.add_argument("--quantization", default=None, choices=["fp8"], help="with --defaults: an FP8 model")
     args = parser.parse_args()
     if args.cmd == "kv-dtype":  # its own runtimes (CPU dry run included), no floors

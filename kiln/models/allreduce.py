@@ -93,13 +93,18 @@ class P2PAllReduce:
             warnings.simplefilter("ignore")
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.buffer = symm_mem.empty(policy.buffer_bytes, dtype=torch.uint8, device=device)
+        # after the bytes torch's kernels use, two halves of a one-shot message each for the fused add + norm
+        # kernel (p2p_norm.py), which alternates between them and no other kernel touches
+        self.norm_half_bytes = policy.one_shot_max_bytes if policy.mode in ("auto", "one_shot") else 0
+        self.buffer = symm_mem.empty(policy.buffer_bytes + 2 * self.norm_half_bytes, dtype=torch.uint8,
+                                     device=device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
-        # the fused add + norm kernel (p2p_norm.py) takes its flags from the upper half of the signal pad;
-        # torch's kernels use the lower (one flag per block and rank, at most 32 blocks)
+        # its flags: the upper half of the signal pad; torch's kernels use the lower (one flag per block and
+        # rank, at most 32 blocks)
         slots = getattr(self.handle, "signal_pad_size", 2048) // 4
         self.norm_first_slot = slots // 2
         self.norm_max_rows = (slots - self.norm_first_slot) // self.handle.world_size
+        self.norm_epochs = torch.zeros(self.norm_max_rows, dtype=torch.int32, device=device)  # calls per row
 
     def view(self, like: torch.Tensor) -> torch.Tensor:
         """The start of this rank's buffer as a tensor shaped like `like`."""
@@ -120,12 +125,14 @@ class P2PAllReduce:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(all_reduce(x) + residual), all_reduce(x) + residual) in one kernel (p2p_norm.py) for a
         one-shot-sized [T, N] message of at most `norm_max_rows` rows; None elsewhere (two steps then)."""
-        if (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype
-                or self.kind_for(x) != "one_shot" or x.shape[0] > self.norm_max_rows):
+        if (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or x.shape[1] % 16
+                or self.kind_for(x) != "one_shot" or x.shape[0] > self.norm_max_rows
+                or x.numel() * x.element_size() > self.norm_half_bytes):
             return None
         from kiln.models.p2p_norm import p2p_add_rms_norm
 
-        return p2p_add_rms_norm(x, residual, weight, eps, self.handle, self.norm_first_slot)
+        return p2p_add_rms_norm(x, residual, weight, eps, self.handle, self.norm_epochs, self.norm_first_slot,
+                                self.policy.buffer_bytes, self.norm_half_bytes)
 
     def run(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """The all-reduce of one kind (benchmarks call each directly)."""

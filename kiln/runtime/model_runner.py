@@ -101,6 +101,9 @@ class ModelRunner:
         self.query_start_loc_cpu, self.query_start_loc = buffers((s + 1,), torch.int32)
         self.seq_lens_cpu, self.seq_lens = buffers((s,), torch.int32)
         self.block_tables_cpu, self.block_tables = buffers((s, self.max_blocks_per_seq), torch.int32)
+        # the columns in use, packed: what a step uploads instead of whole rows (max_model_len / block_size
+        # columns each; at 256 requests 512 KB where ~70 KB are in use, 0.17 ms of H2D copy a step on an H200)
+        self.block_tables_packed_cpu, self.block_tables_packed = buffers((s * self.max_blocks_per_seq,), torch.int32)
         self.logits_indices_cpu, self.logits_indices = buffers((s,), torch.int64)
         # input_ids positions whose token is still on the device, and its row in the previous step's samples
         self.pending_dst_cpu, self.pending_dst = buffers((s,), torch.int64)
@@ -227,7 +230,7 @@ class ModelRunner:
     def to_device(self, shape: BatchShape, sampling_rows: list[int]) -> PreparedBatch:
         """Copy the host buffers to the device ones and describe them for attention."""
         num_reqs, padded = shape.num_reqs, shape.num_padded_tokens
-        self._upload(num_tokens=padded, num_reqs=num_reqs, num_sampling=shape.num_sampling)
+        self._upload(num_tokens=padded, num_reqs=num_reqs, num_sampling=shape.num_sampling, width=shape.max_blocks)
         metadata = CommonAttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=shape.num_tokens,
@@ -243,15 +246,27 @@ class ModelRunner:
         )
         return PreparedBatch(shape, metadata, self.logits_indices[: shape.num_sampling], sampling_rows)
 
-    def _upload(self, num_tokens: int, num_reqs: int, num_sampling: int) -> None:
+    def _upload(self, num_tokens: int, num_reqs: int, num_sampling: int, width: int) -> None:
         nb = self.device.type == "cuda"
         self.input_ids[:num_tokens].copy_(self.input_ids_cpu[:num_tokens], non_blocking=nb)
         self.positions[:num_tokens].copy_(self.positions_cpu[:num_tokens], non_blocking=nb)
         self.slot_mapping[:num_tokens].copy_(self.slot_mapping_cpu[:num_tokens], non_blocking=nb)
         self.query_start_loc[: num_reqs + 1].copy_(self.query_start_loc_cpu[: num_reqs + 1], non_blocking=nb)
         self.seq_lens[:num_reqs].copy_(self.seq_lens_cpu[:num_reqs], non_blocking=nb)
-        self.block_tables[:num_reqs].copy_(self.block_tables_cpu[:num_reqs], non_blocking=nb)
+        self._upload_block_tables(num_reqs, width, nb)
         self.logits_indices[:num_sampling].copy_(self.logits_indices_cpu[:num_sampling], non_blocking=nb)
+
+    def _upload_block_tables(self, num_reqs: int, width: int, non_blocking: bool) -> None:
+        """Only the first `width` columns (every block a request of the step has; the kernels read no further):
+        packed on the host, one contiguous upload, unpacked into the table on the device. A strided copy
+        straight from the host would go through pageable memory, which waits for the device."""
+        size = num_reqs * width
+        if size == 0:
+            return
+        np.copyto(self.block_tables_packed_cpu.numpy()[:size].reshape(num_reqs, width),
+                  self.block_tables_cpu.numpy()[:num_reqs, :width])
+        packed = self.block_tables_packed[:size].copy_(self.block_tables_packed_cpu[:size], non_blocking=non_blocking)
+        self.block_tables[:num_reqs, :width].copy_(packed.view(num_reqs, width))
 
     def _copy_pending_tokens(self, num: int) -> None:
         """Put the previous step's sampled tokens into input_ids on the device, in place (CUDA graphs read that
