@@ -293,10 +293,13 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
                    async_scheduling=rt.engine.async_scheduling, level=rt.engine.config.compilation.level,
                    backend=rt.engine.backend.name)
         print(f"built in {build:.1f}s: {row}", flush=True)
+        warm_up, _ = offline_requests(rt, lens[:4], rng)  # first-step costs, on prompts of their own
+        rt.generate(warm_up, [SamplingParams(max_tokens=4, temperature=0.0)] * 4)
         prompts, params = offline_requests(rt, lens, rng)
-        rt.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * 4)  # first-step costs
         runs = []
-        for _ in range(args.repeats):  # the same workload again on the same runtime: the spread between runs
+        for i in range(args.repeats):  # the workload again on the same runtime: the spread between runs
+            if i:  # new prompt tokens, the same lengths: a repeated prompt would be a prefix-cache hit
+                prompts, params = offline_requests(rt, lens, rng)
             steps_before = rt.stats()["steps"]
             timeline: dict = {}
             seconds, out_tokens = timed_generate(rt, prompts, params, timeline)
@@ -306,12 +309,14 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
         tok_s, seconds, steps, timeline = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
         row.update(seconds=seconds, output_tokens=out_tokens, output_tokens_per_s=tok_s, steps=steps,
                    preemptions=rt.engine.scheduler.num_preemptions, timeline=timeline,
-                   runs_output_tokens_per_s=[round(r[0], 1) for r in runs])
+                   runs_output_tokens_per_s=[round(r[0], 1) for r in runs], runs_timelines=[r[3] for r in runs])
         if ceil.copy_bytes_per_s == ceil.copy_bytes_per_s:  # a roofline needs the GPU's measured ceilings
             row.update(roofline(rt, lens, steps, ceil, seconds))
         print(row, flush=True)  # before the (slow) baseline, so a time-out still leaves kiln's number
         if args.hf and subset < args.requests:  # the baseline's workload, on the same warm runtime
-            sub_seconds, sub_tokens = timed_generate(rt, prompts[:subset], params[:subset])
+            # new prompt tokens: the ones above are in the prefix cache now (their prefill would be skipped)
+            prompts, params = offline_requests(rt, lens[:subset], rng)
+            sub_seconds, sub_tokens = timed_generate(rt, prompts, params)
             row.update(subset_requests=subset, subset_output_tokens_per_s=sub_tokens / sub_seconds)
     except Exception as exc:  # recorded, not fatal: the baseline still runs
         traceback.print_exc()
