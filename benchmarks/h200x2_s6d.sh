@@ -7,12 +7,12 @@
 #              of the same lengths: no prefix-cache hits, unlike the earlier sessions' subset runs).
 set -u
 source benchmarks/gpu_call.sh
-bounded "$(left 120)" python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_tp_allreduce_gpu.py \
+bounded "$(left 100)" python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_tp_allreduce_gpu.py \
    > $L/allreduce_tests.log 2>&1
-bounded "$(left 235)" python3 -m benchmarks.bench_profile --configs llama3-70b:2:bf16 --batches 1 64 \
+bounded "$(left 215)" python3 -m benchmarks.bench_profile --configs llama3-70b:2:bf16 --batches 1 64 \
    --json $R/profile_70b_tp2_defaults.json > $L/tp_profile_70b.log 2>&1
 export CUDA_VISIBLE_DEVICES=0
-bounded "$(left 455)" python3 -m benchmarks.bench_gpu throughput --defaults --backend triton --repeats 2 --hf \
+bounded "$(left 420)" python3 -m benchmarks.bench_gpu throughput --defaults --backend triton --repeats 2 --hf \
    --hf-requests 64 --hf-batch 64 --hf-max-seconds 90 --json $R/offline_defaults.json > $L/offline.log 2>&1
 cp $R/*.json "$OUT"/ 2>/dev/null
 tar czf "$OUT"/logs.tgz -C /tmp res logs 2>/dev/null
