@@ -31,38 +31,30 @@ def _thread_id():
     return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
 
 
-@triton.jit
-def _set_flag(addr):
-    """Wait until the flag is free (0), then set it (1), releasing this CTA's earlier stores system-wide."""
-    return tl.inline_asm_elementwise(
-        """
-        {
+def _cas_loop(sem: str, expect: int, new: int) -> tl.constexpr:
+    """PTX: retry a system-scope compare-and-swap of the flag at $1 from `expect` to `new` until it succeeds."""
+    return tl.constexpr(f"""
+        {{
             .reg .u32 %old;
-            .reg .pred %busy;
-            set_flag:
-            atom.global.release.sys.cas.b32 %old, [$1], 0, 1;
-            setp.ne.u32 %busy, %old, 0;
-            @%busy bra set_flag;
+            .reg .pred %retry;
+            cas_{sem}:
+            atom.global.{sem}.sys.cas.b32 %old, [$1], {expect}, {new};
+            setp.ne.u32 %retry, %old, {expect};
+            @%retry bra cas_{sem};
             mov.u32 $0, %old;
-        }
-        """, "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
+        }}
+        """)
+
+
+# wait until the flag is free, then set it, releasing this CTA's earlier stores system-wide
+_SET_FLAG = _cas_loop("release", 0, 1)
+# wait until the flag is set, then clear it, acquiring what its setter released
+_TAKE_FLAG = _cas_loop("acquire", 1, 0)
 
 
 @triton.jit
-def _take_flag(addr):
-    """Wait until the flag is set (1), then clear it (0), acquiring what its setter released."""
-    return tl.inline_asm_elementwise(
-        """
-        {
-            .reg .u32 %old;
-            .reg .pred %unset;
-            take_flag:
-            atom.global.acquire.sys.cas.b32 %old, [$1], 1, 0;
-            setp.ne.u32 %unset, %old, 1;
-            @%unset bra take_flag;
-            mov.u32 $0, %old;
-        }
-        """, "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
+def _flag_op(addr, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -73,8 +65,8 @@ def _barrier(pad_ptrs, rank, slot, WORLD: tl.constexpr):
     if tid < WORLD:  # thread i signals rank i and waits for rank i's signal
         peer_pad = tl.load(pad_ptrs + tid).to(tl.pointer_type(tl.int32))
         own_pad = tl.load(pad_ptrs + rank).to(tl.pointer_type(tl.int32))
-        _set_flag(peer_pad + slot + rank)
-        _take_flag(own_pad + slot + tid)
+        _flag_op(peer_pad + slot + rank, _SET_FLAG)
+        _flag_op(own_pad + slot + tid, _TAKE_FLAG)
     tl.debug_barrier()
 
 
