@@ -91,7 +91,7 @@ def _p2p_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, epoch_ptr, b
     # this row's calls alternate between the region's two halves: a peer writes half h again only two calls
     # later, after the barrier of the call between, which this rank reaches only once it has read half h
     epoch = tl.load(epoch_ptr + row)
-    at = region + (epoch % 2).to(tl.int64) * half + local
+    at = region + (epoch & 1).to(tl.int64) * half + local  # the low bit alternates through the int32 wrap too
     x = tl.load(x_ptr + row.to(tl.int64) * s_x + offs, mask=mask)
     tl.store(_buffer(buffers, rank, dtype) + at, x, mask=mask)
     _barrier(pads, rank, slot, WORLD)
