@@ -3,8 +3,8 @@
 Op level: every kind (one-shot, two-shot, NCCL) gives NCCL's sum, eagerly and replayed from a CUDA graph
 (twice, with new inputs copied in between: the buffers are reused safely); the fused op equals the
 all-reduce followed by the reference add + norm, and so does its one-kernel form (kiln/models/p2p_norm.py)
-over chains of dependent calls with torch's one-shot kernel between them, eagerly and from a graph. Model level: TP=2 with the pass, graphs on, gives TP=1's
-greedy tokens.
+over chains of dependent calls with torch's one-shot kernel between them, eagerly and from a graph.
+Model level: TP=2 with the pass, graphs on, gives TP=1's greedy tokens.
 """
 
 from __future__ import annotations
