@@ -7,7 +7,7 @@ against the device-to-device copy bandwidth, and prefill FLOP/s against the bf16
 measured in the same run.
 
     python -m benchmarks.bench_attention [--backends torch triton flashinfer] [--batches 1 8 64]
-    # the Triton decode kernel's launch configurations (tile, warps, stages, split waves), ~2 min:
+    # the Triton decode kernel's launch configurations (tile, warps, stages, split waves, split floor), ~6 min:
     python -m benchmarks.bench_attention --sweep --batches 1 8 64 256 --contexts 160 600 2048 --json sweep.json
     # only some knobs, the others at the default; a tensor-parallel rank's heads (70B at TP=2: 32 q / 4 kv):
     python -m benchmarks.bench_attention --sweep --vary min_tiles waves --heads 32 4 --batches 1 8
