@@ -11,6 +11,8 @@ cache alone (flashinfer or torch, not triton).
     python -m benchmarks.bench_passes --preset llama3-8b --prefill 2048
     python -m benchmarks.bench_passes --preset tiny-llama --device cpu --steps 4 --prefill 64   # smoke
     python -m benchmarks.bench_passes --kernels smollm2-135m llama3-8b qwen3-8b   # rope_kv kernels alone
+    python -m benchmarks.bench_passes --preset llama3-8b --quantization fp8 --configs off silu_mul_quant \
+        --batches 1 64 --prefill 1024                                            # the FP8 fusion
 
 Writes a JSON of all rows to --json when given.
 """
@@ -93,7 +95,7 @@ def measure(label: str, options: dict[str, Any], args: argparse.Namespace) -> di
                  attention_backend=args.backend, max_num_seqs=max(sizes), enable_prefix_caching=False,
                  max_num_batched_tokens=max(args.prefill, max(sizes)), compile_sizes=sizes,
                  cudagraph_capture_sizes=sizes if args.device == "cuda" else None,
-                 gpu_memory_utilization=args.gpu_memory_utilization, **options)
+                 gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization, **options)
     startup = time.perf_counter() - start
     manager = pass_manager_of(rt.engine.worker.compiled)
     row: dict[str, Any] = {"config": label, "startup_s": round(startup, 1),
@@ -166,6 +168,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=None, help="prefill prompt tokens")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--quantization", default=None, choices=["fp8"], help="an FP8 model (silu_mul_quant)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--kernels", nargs="*", default=None, metavar="PRESET",
                         help="only the rope_kv kernel micro-benchmark (CUDA), for these presets")

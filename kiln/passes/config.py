@@ -14,13 +14,15 @@ from typing import Any
 # In the order the manager runs them: graph-level passes first (they change what is split out), then the
 # post-grad ones; `noop` runs last in post-grad so it also tidies what the fusions leave behind.
 # allreduce_rmsnorm precedes add_rmsnorm, which would otherwise take its norms alone.
-ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "allreduce_rmsnorm", "add_rmsnorm", "silu_mul")
+# silu_mul_quant precedes silu_mul for the same reason.
+ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "allreduce_rmsnorm", "add_rmsnorm", "silu_mul_quant",
+                               "silu_mul")
 
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
 # residual add and norm at decode sizes (kiln/models/p2p_norm.py); 2x H200, benchmarks/bench_tp.py off vs
 # on: Llama-3-70B TP=2 20.5 -> 20.4 ms at batch 1, 24.14 -> 24.06 at batch 64. Its earlier form (torch's
-# all-reduce, then a Triton add + norm) gained nothing.
+# all-reduce, then a Triton add + norm) gained nothing. silu_mul_quant (FP8 models): not yet A/B'd on a GPU.
 # On the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
 # as it was, noop changes nothing; on CPU rope_kv and noop are slower. rope_kv's GPU measurement needs
 # the flashinfer backend (`bench_passes --backend flashinfer`, and `--kernels` for the kernel alone).
@@ -39,6 +41,7 @@ class PassConfig:
     qk_norm_rope: bool = False
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
     add_rmsnorm: bool = False
+    silu_mul_quant: bool = False  # FP8 models only: matches nothing without the activation quantization
     silu_mul: bool = False
     # pass name -> largest token count it is compiled for; a compile range is covered only when its upper
     # end is within the bound (post-grad passes only: graph-level passes see one graph for every count)

@@ -33,9 +33,10 @@ def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.qk_norm_rope import QKNormRopePass
     from kiln.passes.rope_kv import RopeKVCachePass
     from kiln.passes.silu_mul import SiluMulPass
+    from kiln.passes.silu_mul_quant import SiluMulQuantPass
 
     classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, AllReduceRMSNormPass, AddRMSNormPass,
-               SiluMulPass]
+               SiluMulQuantPass, SiluMulPass]
     return {cls.name: cls for cls in classes}
 
 

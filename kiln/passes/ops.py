@@ -169,6 +169,33 @@ def _silu_and_mul_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
+# -- SiLU-and-mul + FP8 per-token quantization ---------------------------------------------------------------
+def silu_mul_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused graph's arithmetic: SiLU in fp32 rounded to x's dtype, times up (rounded), then
+    kiln/models/quant/fp8.py's per-token quantization."""
+    from kiln.models.quant.fp8 import quantize_per_token
+
+    gate, up = x.chunk(2, dim=-1)
+    g = gate.float()
+    return quantize_per_token((g / (1 + torch.exp(-g))).to(x.dtype) * up)
+
+
+@torch.library.custom_op("kiln::silu_mul_quant", mutates_args=())
+def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, 2N] = [gate | up] -> the per-token FP8 quantization of silu(gate) * up: (e4m3 [T, N], fp32 [T, 1])."""
+    if _use_triton(x):
+        from kiln.passes.kernels import silu_mul_quant_triton
+
+        return silu_mul_quant_triton(x)
+    return silu_mul_quant_ref(x)
+
+
+@silu_mul_quant.register_fake
+def _silu_mul_quant_fake(x):
+    return (x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.float8_e4m3fn),
+            x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+
+
 # -- tensor-parallel all-reduce + residual add + RMSNorm ----------------------------------------------------
 @torch.library.custom_op("kiln::all_reduce_add_rms_norm", mutates_args=())
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -24,7 +24,8 @@ OPTIONS = dict(level=2, device="cpu", dtype="fp32", max_num_batched_tokens=32, m
 GRAPH_COUNTS = {"noop": NUM_LAYERS, "rope_kv": NUM_LAYERS, "qk_norm_rope": 0}  # qk norms go into rope_kv
 # one rank: the model has no all-reduce, so allreduce_rmsnorm has nothing to match (its TP=2 counts are in
 # tests/passes/test_allreduce_rmsnorm.py)
-PIECE_COUNTS = {"add_rmsnorm": 2 * NUM_LAYERS + 1, "silu_mul": NUM_LAYERS, "noop": 0, "allreduce_rmsnorm": 0}
+PIECE_COUNTS = {"add_rmsnorm": 2 * NUM_LAYERS + 1, "silu_mul": NUM_LAYERS, "noop": 0, "allreduce_rmsnorm": 0,
+                "silu_mul_quant": 0}  # no FP8 quantization in these models: nothing to match
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,8 @@ def test_all_passes_on_vs_off(runtime, preset: str) -> None:
     assert (dumps / GRAPH_SCOPE / "01_rope_kv.after.txt").read_text().count("kiln.rope_attention") == NUM_LAYERS
 
 
-@pytest.mark.parametrize("name", ALL_PASSES)
+# silu_mul_quant needs an FP8 model (it would match nothing here): tests/passes/test_silu_mul_quant.py
+@pytest.mark.parametrize("name", [n for n in ALL_PASSES if n != "silu_mul_quant"])
 def test_each_pass_alone_on_qwen3(runtime, name: str) -> None:
     on, off = runtime("tiny-qwen3", (name,)), runtime("tiny-qwen3", ())
     assert greedy(on) == greedy(off)

@@ -1,0 +1,84 @@
+"""SiLU-and-mul, then the FP8 per-token quantization of the result, as one op (kiln::silu_mul_quant).
+
+In an FP8 model the down projection's input is silu(gate) * up, quantized per token for the FP8 GEMM
+(kiln/models/quant/fp8.py `quantize_per_token`: amax -> scale -> divide -> clamp -> e4m3). On the H200 Inductor
+makes that two kernels, a reduction for the row's amax and a pointwise kernel that recomputes the SiLU-mul
+and quantizes (the 8B FP8 step profile, docs/passes.md). Matched in the post-grad graph, the chain becomes one
+op that reads the [T, 2N] gate_up once and writes the e4m3 [T, N] and its fp32 [T, 1] scale: on CUDA one
+Triton program per row; elsewhere the same torch ops as the unfused graph.
+
+Runs before silu_mul, which would otherwise take the SiLU-mul alone.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value, strip_cast
+from kiln.passes.silu_mul import _halves, _silu_of
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+def _only_user(node: fx.Node, *targets) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 and is_call(users[0], *targets) else None
+
+
+def _per_token_quant(amax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
+    """amax(|x32|, -1, keepdim) -> /448 -> clamp_min = scale; x32 / scale -> clamp(+-448) -> e4m3 = q.
+    -> (x before its fp32 cast, scale, q, the chain's nodes) or None."""
+    if amax.args[1:] != ([-1], True) or not is_call(amax.args[0], aten.abs.default):
+        return None
+    x32 = amax.args[0].args[0]
+    div = _only_user(amax, aten.div.Tensor)
+    scale = _only_user(div, aten.clamp_min.default) if div is not None and div.args[1] == FP8_MAX else None
+    if scale is None or scale.args[1] != MIN_SCALE:
+        return None
+    divided = [u for u in x32.users if is_call(u, aten.div.Tensor) and u.args == (x32, scale)]
+    low = _only_user(divided[0], aten.clamp_min.default) if len(divided) == 1 else None
+    high = _only_user(low, aten.clamp_max.default) if low is not None and low.args[1] == -FP8_MAX else None
+    q = _only_user(high, prims.convert_element_type.default) if high is not None and high.args[1] == FP8_MAX else None
+    if q is None or q.args[1] != FP8_DTYPE:
+        return None
+    return strip_cast(x32), scale, q, [q, high, low, divided[0], amax.args[0], amax, div, x32]
+
+
+class SiluMulQuantPass(KilnPass):
+    name = "silu_mul_quant"
+
+    def apply_post_grad(self, graph: fx.Graph) -> int:
+        import kiln.passes.ops  # noqa: F401 - registers kiln::silu_mul_quant
+
+        op = torch.ops.kiln.silu_mul_quant.default
+        count = 0
+        for amax in live_nodes(graph):
+            if not is_call(amax, aten.amax.default):
+                continue
+            quant = _per_token_quant(amax)
+            if quant is None or not is_call(quant[0], aten.mul.Tensor):
+                continue
+            mul, scale, q, chain = quant
+            for act, up in (mul.args[:2], mul.args[1::-1]):
+                silu = _silu_of(act)
+                x = _halves(silu[0], up) if silu is not None else None
+                if x is None:
+                    continue
+                with graph.inserting_before(q):
+                    fused = graph.call_function(op, (x,))
+                    set_fake_value(fused, op, x)
+                    new_q = graph.call_function(operator.getitem, (fused, 0))
+                    new_scale = graph.call_function(operator.getitem, (fused, 1))
+                for i, n in enumerate((new_q, new_scale)):
+                    n.meta["val"] = fused.meta["val"][i] if "val" in fused.meta else None
+                q.replace_all_uses_with(new_q)
+                # the scale's users come after it, and so after the op: the GEMM reads it too
+                scale.replace_all_uses_with(new_scale)
+                erase_if_dead(graph, [*chain, scale, mul, *silu[1], up, silu[0].args[0]])
+                count += 1
+                break
+        return count
