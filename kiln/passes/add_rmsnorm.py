@@ -16,12 +16,10 @@ qk_norm_rope.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value, strip_cast
+from kiln.passes.base import KilnPass, call_two_outputs, erase_if_dead, is_call, live_nodes, set_fake_value, strip_cast
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -50,13 +48,8 @@ class AddRMSNormPass(KilnPass):
             with graph.inserting_after(x):
                 if summed is not None:
                     a, b = summed.args[:2]
-                    fused = graph.call_function(torch.ops.kiln.fused_add_rms_norm.default, (a, b, weight, eps))
-                    set_fake_value(fused, torch.ops.kiln.fused_add_rms_norm.default, a, b, weight, eps)
-                    with graph.inserting_after(fused):
-                        normed = graph.call_function(operator.getitem, (fused, 0))
-                        new_sum = graph.call_function(operator.getitem, (fused, 1))
-                    for i, n in enumerate((normed, new_sum)):
-                        n.meta["val"] = fused.meta["val"][i] if "val" in fused.meta else None
+                    normed, new_sum = call_two_outputs(graph, torch.ops.kiln.fused_add_rms_norm.default,
+                                                       (a, b, weight, eps))
                 else:
                     normed = graph.call_function(torch.ops.kiln.rms_norm.default, (x, weight, eps))
                     set_fake_value(normed, torch.ops.kiln.rms_norm.default, x, weight, eps)

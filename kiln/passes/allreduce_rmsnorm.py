@@ -19,13 +19,11 @@ Runs before add_rmsnorm (ALL_PASSES order), which would otherwise take the norm 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
 from kiln.passes.add_rmsnorm import AddRMSNormPass
-from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value
+from kiln.passes.base import KilnPass, call_two_outputs, erase_if_dead, is_call, live_nodes
 
 aten = torch.ops.aten
 
@@ -71,12 +69,7 @@ class AllReduceRMSNormPass(KilnPass):
                 continue
             partial, group_name, reduce_nodes = source
             with graph.inserting_before(summed):
-                fused = graph.call_function(op, (partial, residual, weight, eps, group_name))
-                set_fake_value(fused, op, partial, residual, weight, eps, group_name)
-                normed = graph.call_function(operator.getitem, (fused, 0))
-                new_sum = graph.call_function(operator.getitem, (fused, 1))
-            for i, n in enumerate((normed, new_sum)):
-                n.meta["val"] = fused.meta["val"][i] if "val" in fused.meta else None
+                normed, new_sum = call_two_outputs(graph, op, (partial, residual, weight, eps, group_name))
             out.replace_all_uses_with(normed)
             erase_if_dead(graph, dead)
             summed.replace_all_uses_with(new_sum)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import operator
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -100,6 +101,20 @@ def erase_if_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
                 graph.erase_node(node)
                 pending.remove(node)
                 changed = True
+
+
+def call_two_outputs(graph: fx.Graph, op: object, args: tuple) -> tuple[fx.Node, fx.Node]:
+    """A call of `op` (which returns two tensors) at the graph's insertion point, and the two outputs taken
+    right after it, each node carrying its fake value."""
+    fused = graph.call_function(op, args)  # type: ignore[arg-type]
+    set_fake_value(fused, op, *args)
+    outs, after = [], fused
+    for i in range(2):
+        with graph.inserting_after(after):
+            after = graph.call_function(operator.getitem, (fused, i))
+        after.meta["val"] = fused.meta["val"][i] if "val" in fused.meta else None
+        outs.append(after)
+    return outs[0], outs[1]
 
 
 def set_fake_value(node: fx.Node, op: object, *args: object) -> None:

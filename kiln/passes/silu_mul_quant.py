@@ -12,13 +12,11 @@ Runs before silu_mul, which would otherwise take the SiLU-mul alone.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
 from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value, strip_cast
+from kiln.passes.base import KilnPass, call_two_outputs, erase_if_dead, is_call, live_nodes, strip_cast
 from kiln.passes.silu_mul import _halves, _silu_of
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -69,12 +67,7 @@ class SiluMulQuantPass(KilnPass):
                 if x is None:
                     continue
                 with graph.inserting_before(q):
-                    fused = graph.call_function(op, (x,))
-                    set_fake_value(fused, op, x)
-                    new_q = graph.call_function(operator.getitem, (fused, 0))
-                    new_scale = graph.call_function(operator.getitem, (fused, 1))
-                for i, n in enumerate((new_q, new_scale)):
-                    n.meta["val"] = fused.meta["val"][i] if "val" in fused.meta else None
+                    new_q, new_scale = call_two_outputs(graph, op, (x,))
                 q.replace_all_uses_with(new_q)
                 # the scale's users come after it, and so after the op: the GEMM reads it too
                 scale.replace_all_uses_with(new_scale)
