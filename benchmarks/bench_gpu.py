@@ -254,6 +254,13 @@ def offline_requests(rt: Runtime, lens: list[tuple[int, int]], rng: random.Rando
     return prompts, [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in lens]
 
 
+def warm_up(rt: Runtime, lens: list[tuple[int, int]], rng: random.Random) -> None:
+    """A few short requests on prompts of their own: first-step costs, and nothing the timed prompts would
+    find in the prefix cache."""
+    prompts, _ = offline_requests(rt, lens[:4], rng)
+    rt.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+
+
 def timed_generate(rt: Runtime, prompts: list[list[int]], params: list[SamplingParams],
                    timeline: dict | None = None) -> tuple[float, int]:
     """(seconds, output tokens) of one Runtime.generate over every request at once; `timeline`, when
@@ -293,8 +300,7 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
                    async_scheduling=rt.engine.async_scheduling, level=rt.engine.config.compilation.level,
                    backend=rt.engine.backend.name)
         print(f"built in {build:.1f}s: {row}", flush=True)
-        warm_up, _ = offline_requests(rt, lens[:4], rng)  # first-step costs, on prompts of their own
-        rt.generate(warm_up, [SamplingParams(max_tokens=4, temperature=0.0)] * 4)
+        warm_up(rt, lens, rng)
         prompts, params = offline_requests(rt, lens, rng)
         runs = []
         for i in range(args.repeats):  # the workload again on the same runtime: the spread between runs

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from benchmarks.bench_gpu import offline_requests, throughput_workload, timed_generate
+from benchmarks.bench_gpu import offline_requests, throughput_workload, timed_generate, warm_up
 from benchmarks.common import stamp, table
-from kiln import Runtime, SamplingParams
+from kiln import Runtime
 
 
 def run(model: str, requests: int, tunable: bool) -> dict:
@@ -33,8 +33,8 @@ def run(model: str, requests: int, tunable: bool) -> dict:
     if tunable:
         torch.cuda.tunable.tuning_enable(False)
     rng, lens = throughput_workload(requests)
+    warm_up(rt, lens, rng)
     prompts, params = offline_requests(rt, lens, rng)
-    rt.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # first-step costs
     timeline: dict = {}
     seconds, tokens = timed_generate(rt, prompts, params, timeline)
     row = dict(tunable=tunable, build_s=build, seconds=seconds, output_tokens_per_s=tokens / seconds,

@@ -379,8 +379,7 @@ class Engine:
         for parent in touched.values():
             if parent.finished:
                 del self.parents[parent.request_id]
-                outputs.append(parent.make_output())
-            elif not parent.final_only:
+            if parent.finished or not parent.final_only:
                 outputs.append(parent.make_output())
         return outputs
 

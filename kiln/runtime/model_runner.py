@@ -298,6 +298,11 @@ class ModelRunner:
         hidden = self.run_model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
+    @torch.inference_mode()
+    def forward_greedy(self, batch: PreparedBatch) -> torch.Tensor:
+        """Greedy ids of the sampling tokens, the same on every tensor-parallel rank (no logits gathered)."""
+        return self.model.greedy_tokens(self.run_model(batch)[batch.logits_indices])
+
     def run_model(self, batch: PreparedBatch) -> torch.Tensor:
         """The forward over the padded batch, as a FULL graph, PIECEWISE graphs, or compiled/eager pieces."""
         n = batch.num_padded_tokens
@@ -322,7 +327,7 @@ class ModelRunner:
         batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
         self._inputs_consumed.record()
         if batch.local_greedy:
-            tokens = self.model.greedy_tokens(self.run_model(batch)[batch.logits_indices])
+            tokens = self.forward_greedy(batch)
         else:
             logits = self.forward(batch)
         reqs = [sched.requests[i] for i in batch.sampling_rows]
@@ -359,6 +364,6 @@ class ModelRunner:
         batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
         self._inputs_consumed.record()
         if local_greedy:
-            return self.model.greedy_tokens(self.run_model(batch)[batch.logits_indices])
+            return self.forward_greedy(batch)
         self.forward(batch)
         return None
