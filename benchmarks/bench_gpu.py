@@ -17,11 +17,13 @@ Writes a JSON of all rows to --json when given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -278,6 +280,25 @@ def timed_generate(rt: Runtime, prompts: list[list[int]], params: list[SamplingP
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+@contextlib.contextmanager
+def full_row_block_tables(rt: Runtime) -> Iterator[None]:
+    """The block-table upload before b732e18: every request's whole row (max_model_len / block_size columns)
+    each step, where the shipped runner uploads only the columns in use."""
+    runner = rt.engine.runner
+
+    def upload_rows(num_reqs: int, width: int, non_blocking: bool) -> None:
+        runner.block_tables[:num_reqs].copy_(runner.block_tables_cpu[:num_reqs], non_blocking=non_blocking)
+
+    runner._upload_block_tables = upload_rows
+    try:
+        yield
+    finally:
+        del runner._upload_block_tables
+
+
+AB_ARMS = {"full_row_block_tables": full_row_block_tables}  # --ab: an arm interleaved with the defaults' runs
+
+
 def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     """kiln on every request, then (--hf) kiln and transformers on the same first --hf-requests of them.
 
@@ -302,15 +323,23 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
         print(f"built in {build:.1f}s: {row}", flush=True)
         warm_up(rt, lens, rng)
         prompts, params = offline_requests(rt, lens, rng)
-        runs = []
+        runs, ab_runs = [], []
         for i in range(args.repeats):  # the workload again on the same runtime: the spread between runs
             if i:  # new prompt tokens, the same lengths: a repeated prompt would be a prefix-cache hit
                 prompts, params = offline_requests(rt, lens, rng)
             steps_before = rt.stats()["steps"]
             timeline: dict = {}
+            if args.ab and i % 2:  # the odd runs are the A/B's other arm, interleaved with the defaults
+                with AB_ARMS[args.ab](rt):
+                    seconds, out_tokens = timed_generate(rt, prompts, params, timeline)
+                ab_runs.append(out_tokens / seconds)
+                print(f"run {i + 1} ({args.ab}): {ab_runs[-1]:.0f} output tok/s", flush=True)
+                continue
             seconds, out_tokens = timed_generate(rt, prompts, params, timeline)
             runs.append((out_tokens / seconds, seconds, rt.stats()["steps"] - steps_before, timeline))
-            print(f"run {len(runs)}: {runs[-1][0]:.0f} output tok/s", flush=True)
+            print(f"run {i + 1}: {runs[-1][0]:.0f} output tok/s", flush=True)
+        if args.ab:
+            row.update(ab=args.ab, ab_output_tokens_per_s=[round(r, 1) for r in ab_runs])
         # the headline is the median run (of two, the slower)
         tok_s, seconds, steps, timeline = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
         row.update(seconds=seconds, output_tokens=out_tokens, output_tokens_per_s=tok_s, steps=steps,
@@ -463,6 +492,8 @@ def main() -> None:
             p.add_argument("--hf-max-seconds", type=float, default=None,
                            help="stop the baseline after this long; a cut-short baseline gives no ratio")
             p.add_argument("--hf-only", action="store_true", help="run only the transformers baseline")
+            p.add_argument("--ab", choices=sorted(AB_ARMS), default=None,
+                           help="with --repeats: the odd runs use this arm (an in-process A/B)")
             p.add_argument("--repeats", type=int, default=1,
                            help="time the whole workload this many times on one runtime; report the median run")
             p.add_argument("--quantization", default=None, choices=["fp8"], help="with --defaults: an FP8 model")

@@ -143,7 +143,8 @@ def profile_config(model: str, tp: int, quant: str, batches: list[int], steps: i
         for _ in range(4 * steps):  # past the first prefills: a steady mix of chunked prefill and decode
             engine.step()
         row = {"batch": f"offline{offline_requests}", "running": len(engine.scheduler.running),
-               **profile_steps(engine, steps, sync, trace_dir and os.path.join(trace_dir, f"{slug}-offline.json"))}
+               **profile_steps(engine, steps, sync, trace_dir and os.path.join(trace_dir, f"{slug}-offline.json"),
+                               host)}
         while engine.has_unfinished():
             engine.step()
         result["rows"].append(row)

@@ -49,6 +49,11 @@ def test_uniform_decode_with_a_floor_on_tiles_per_split(min_tiles: int) -> None:
     check([1, 1, 1], [0, 95, 300], 4, 64, seed=min_tiles, min_tiles=min_tiles)
 
 
+def test_uniform_decode_merging_every_split() -> None:
+    # merge_active=False (bench_attention's A/B arm) reads the empty splits' partials too: they weigh 0
+    check([1, 1, 1], [0, 95, 300], 4, 64, seed=3, min_tiles=2, merge_active=False)
+
+
 def test_decode_state_is_clean_between_steps() -> None:
     # the split tickets and partial workspace are reused by the next step: it must not see stale state
     first = make_batch([1, 1], [300, 40], HEADS, 2, 64, torch.float32, DEVICE, seed=1)
