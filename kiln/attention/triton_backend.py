@@ -114,7 +114,7 @@ class TritonAttentionBackend(AttentionBackend):
         # aims for, and the fewest tiles a split takes (benchmarks/bench_attention.py --sweep measures the
         # alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
-                               waves=2, min_tiles=1, merge_active=True)
+                               waves=2, min_tiles=1)
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -198,5 +198,5 @@ class TritonAttentionBackend(AttentionBackend):
             HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
-            KV_FP8=_is_fp8(kv_cache), MERGE_ACTIVE=cfg["merge_active"], num_warps=cfg["num_warps"],
+            KV_FP8=_is_fp8(kv_cache), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])

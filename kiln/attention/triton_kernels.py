@@ -158,7 +158,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_TILES: tl.constexpr,
-                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, MERGE_ACTIVE: tl.constexpr = True):
+                            IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """One new token per request, the whole decode step in one launch; program (request, kv_head, split).
 
     At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
@@ -166,10 +166,10 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     split of a (request, kv_head) to finish (an atomic ticket) merges the partials and resets the
     counter. The split count is fixed per request count (not per context length) so a CUDA graph
     captured for a batch size stays valid as contexts grow; each split sizes its slice from seq_len, at
-    least MIN_TILES tiles, so a short context occupies only its first `active` splits: the rest find no keys
-    and the merge reads only the active splits' partials (a short context's merge is then a few rows,
-    not NUM_SPLITS of them per head). MERGE_ACTIVE=False reads all NUM_SPLITS rows (the kernel before that
-    change, kept for bench_attention's in-process A/B; the result is the same).
+    least MIN_TILES tiles, so a short context may occupy only its first splits: the rest find no keys and
+    their partials (o = 0, lse = -inf) weigh 0 in the merge. The merge reads all NUM_SPLITS rows: masking it
+    to the splits holding keys measured 8-12% slower at batch 1 on the H200 and no faster at batch 8-64
+    (an in-process A/B, bench_attention --vary merge_active at commit 2531019, 2026-11-30).
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
     """
@@ -195,7 +195,6 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
 
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
-    active = tl.cdiv(num_tiles, tiles_per_split)  # splits holding keys; those after it stay empty
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     h = tl.arange(0, BLOCK_H)
@@ -248,8 +247,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
         if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # acq_rel: all other splits' partials are visible
             # one [splits, D] tile per head (a loop over splits would pay an L2 round trip per split)
             sp = tl.arange(0, BLOCK_S)
-            # an empty split's partial (o = 0, lse = -inf) would weigh 0 anyway
-            sp_mask = sp < (active if MERGE_ACTIVE else NUM_SPLITS)
+            sp_mask = sp < NUM_SPLITS
             for hh in range(GROUP):
                 row = (req * (GROUP * num_kv_heads) + kv_head * GROUP + hh) * NUM_SPLITS + sp
                 lse_h = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")

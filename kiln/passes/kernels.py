@@ -66,13 +66,16 @@ def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_ou
                 vsrc = v_ptr + t * s_vt + kh * s_vh
                 v1 = tl.load(vsrc + offs, mask=mask)
                 v2 = tl.load(vsrc + HALF + offs, mask=mask)
+                # new names: a value from before this runtime `if` may not change type inside it (Triton on a
+                # GPU rejects it; the interpreter does not)
+                k1, k2 = o1, o2
                 if KV_FP8:
-                    o1 = _fp8_units(o1, k_scale)
-                    o2 = _fp8_units(o2, k_scale)
+                    k1 = _fp8_units(o1, k_scale)
+                    k2 = _fp8_units(o2, k_scale)
                     v1 = _fp8_units(v1, v_scale)
                     v2 = _fp8_units(v2, v_scale)
-                tl.store(dst + offs, o1.to(cache_ptr.dtype.element_ty), mask=mask)
-                tl.store(dst + HALF + offs, o2.to(cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + offs, k1.to(cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + HALF + offs, k2.to(cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(dst + s_ckv + offs, v1.to(cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(dst + s_ckv + HALF + offs, v2.to(cache_ptr.dtype.element_ty), mask=mask)
         else:
