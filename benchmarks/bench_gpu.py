@@ -236,6 +236,8 @@ def default_runtime(args: argparse.Namespace) -> tuple[Runtime, float]:
     kwargs = {} if args.compile_sizes is None else {"compile_sizes": tuple(args.compile_sizes)}
     if args.max_num_batched_tokens is not None:  # the one default an A/B may move (8192 vs 2048 on GPU)
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if getattr(args, "compile_ranges", None):  # an A/B of the compile plan: extra range end points
+        kwargs["compile_ranges"] = tuple(args.compile_ranges)
     if args.quantization:  # an FP8 model at its defaults (issue 17)
         kwargs["quantization"] = args.quantization
     start = time.perf_counter()
@@ -492,6 +494,8 @@ def main() -> None:
             p.add_argument("--hf-max-seconds", type=float, default=None,
                            help="stop the baseline after this long; a cut-short baseline gives no ratio")
             p.add_argument("--hf-only", action="store_true", help="run only the transformers baseline")
+            p.add_argument("--compile-ranges", type=int, nargs="*", default=None,
+                           help="with --defaults: range end points (e.g. 256: decode sizes get their own artifact)")
             p.add_argument("--ab", choices=sorted(AB_ARMS), default=None,
                            help="with --repeats: the odd runs use this arm (an in-process A/B)")
             p.add_argument("--repeats", type=int, default=1,
