@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.cache.store import ARTIFACT_SUFFIX, FACTORS, READY, compile_root, verify_file
+from kiln.cache.store import ARTIFACT_SUFFIX, FACTORS, READY, cache_root, compile_root, verify_file
 from kiln.entrypoints.cli.main import add_runtime_args, runtime_kwargs
+from kiln.runtime.kv.peak_cache import PEAK_DIR
 
 
 def add_parser(subparsers: Any) -> None:
@@ -103,5 +104,8 @@ def run_clear(args: argparse.Namespace) -> int:
             raise ValueError(f"key prefix {args.key!r} matches {len(keys)} entries")
     for key_dir in keys:
         shutil.rmtree(key_dir, ignore_errors=True)
+    peaks = cache_root() / PEAK_DIR
+    if not args.key and peaks.is_dir():  # the remembered KV-profiling peaks go with everything
+        shutil.rmtree(peaks, ignore_errors=True)
     print(f"removed {len(keys)} cache entr{'y' if len(keys) == 1 else 'ies'}")
     return 0

@@ -46,7 +46,7 @@ def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.devic
 def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module, num_tokens: int,
                 layout: AttentionLayout, max_model_len: int) -> int:
     """Budget = total * utilisation - (what is in use now + the activation peak of one forward)."""
-    from kiln.runtime.kv.profile import profile_activation_peak
+    from kiln.runtime.kv.peak_cache import activation_peak
 
     # A runtime the caller dropped may still sit in a reference cycle, and its freed blocks in torch's cache:
     # both would count as "in use" below (a second runtime in one process got a budget of 0 on the H200)
@@ -54,9 +54,9 @@ def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    peak = profile_activation_peak(model, device, num_tokens, layout, max_model_len)
+    peak, cached = activation_peak(model, device, num_tokens, layout, max_model_len)
     used = total - free
     budget = int(total * cache.gpu_memory_utilization) - used - peak
-    logger.info("GPU memory: total %.1f GiB, in use %.1f GiB, activation peak %.2f GiB -> KV budget %.1f GiB",
-                total / 2**30, used / 2**30, peak / 2**30, budget / 2**30)
+    logger.info("GPU memory: total %.1f GiB, in use %.1f GiB, activation peak %.2f GiB (%s) -> KV budget %.1f GiB",
+                total / 2**30, used / 2**30, peak / 2**30, "cached" if cached else "profiled", budget / 2**30)
     return max(budget, 0)
