@@ -90,8 +90,9 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
                        compile_sizes=list(rt.engine.worker.compilation.compile_sizes))
             runner = next(iter(rt.engine.worker.compiled.capture.runners.values()))
             for batch in batches:
-                key = runner.dispatcher.select(rt.engine.runner.graphs.padded_size(batch)
-                                               if getattr(rt.engine.runner, "graphs", None) else batch)
+                graphs = getattr(rt.engine.runner, "graphs", None)  # decode batches: their mode's padding
+                key = runner.dispatcher.select(graphs.padded_size(batch, graphs.mode_for(batch, True))
+                                               if graphs else batch)
                 row[f"b{batch}_served_by"] = "exact" if key.exact else "range"
                 try:
                     replays = dict(rt.engine.graph_replays)

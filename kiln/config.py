@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -165,6 +166,9 @@ class CompilationConfig:
     compile_ranges: tuple[int, ...] = ()
     cudagraph_mode: str | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None
+    # sizes of the PIECEWISE graphs (mixed batches); None: default_piecewise_sizes where FULL graphs serve
+    # decode, every capture size otherwise
+    cudagraph_piecewise_sizes: tuple[int, ...] | None = None
     max_cudagraph_capture_size: int = 512
     enable_passes: bool | None = None
     passes: tuple[str, ...] | None = None  # explicit pass list; None: the level's default set
@@ -191,7 +195,8 @@ class CompilationConfig:
                 raise ValueError(f"unknown passes {unknown}; passes: {', '.join(ALL_PASSES)}")
         if self.compile_workers is not None and self.compile_workers < 1:
             raise ValueError(f"compile_workers must be >= 1, got {self.compile_workers}")
-        for name in ("compile_sizes", "compile_ranges", "cudagraph_capture_sizes", "background_compile_sizes"):
+        for name in ("compile_sizes", "compile_ranges", "cudagraph_capture_sizes", "cudagraph_piecewise_sizes",
+                     "background_compile_sizes"):
             sizes = getattr(self, name)
             if sizes is not None and any(int(s) < 1 for s in sizes):
                 raise ValueError(f"{name} must be positive integers, got {sizes}")
@@ -206,6 +211,9 @@ class CompilationConfig:
         if capture is None:
             capture = default_capture_sizes(min(self.max_cudagraph_capture_size, max_num_batched_tokens))
         capture = tuple(sorted({int(s) for s in capture if int(s) <= max_num_batched_tokens}))
+        piecewise = self.cudagraph_piecewise_sizes
+        if piecewise is not None:
+            piecewise = tuple(sorted({int(s) for s in piecewise if int(s) <= max_num_batched_tokens}))
         if self.cudagraph_mode is not None:
             mode = self.cudagraph_mode
         elif not on_gpu or level == 0:
@@ -242,6 +250,7 @@ class CompilationConfig:
             compile_ranges=ranges if level >= 1 else (),
             cudagraph_mode=mode,
             cudagraph_capture_sizes=capture if mode != CUDAGraphMode.NONE else (),
+            cudagraph_piecewise_sizes=piecewise,
             # -O0 compiles nothing, so passes and autotuning cannot apply whatever was asked for
             enable_passes=level >= 1 and (self.enable_passes if self.enable_passes is not None else level >= 2),
             max_autotune=level >= 1 and (self.max_autotune if self.max_autotune is not None else level >= 3),
@@ -253,6 +262,15 @@ class CompilationConfig:
 # serves the rest; benchmarks/bench_compile_plan.py measures exact against range at the capture sizes, and
 # docs/compiler.md keeps the table that justifies this choice. At most 8, which tests/compiler assert.
 GPU_EXACT_SIZES = (1, 2, 4, 8)
+
+
+def default_piecewise_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:
+    """PIECEWISE graph sizes where FULL graphs serve uniform decode, so that PIECEWISE ones serve only mixed
+    batches (a prefill chunk with or without decodes): the capture sizes up to 16, the multiples of 32 up to 256
+    and of 64 above, and the largest. A mixed batch is padded further (a few dozen tokens beside its prefill
+    work), and an 8B model captures 17 x 33 pieces instead of 51 x 33 (docs/cuda_graphs.md)."""
+    keep = {s for s in capture_sizes if s <= 16 or s % (32 if s <= 256 else 64) == 0}
+    return tuple(sorted(keep | ({max(capture_sizes)} if capture_sizes else set())))
 
 
 def default_capture_sizes(max_size: int) -> tuple[int, ...]:

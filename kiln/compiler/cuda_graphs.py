@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kiln.config import CUDAGraphMode, GraphSupport
+from kiln.config import CUDAGraphMode, GraphSupport, default_piecewise_sizes
 
 logger = logging.getLogger("kiln.compiler")
 
@@ -50,11 +50,12 @@ class GraphDispatcher:
     counts to capture sizes, and picks the mode of each step (FULL > PIECEWISE > NONE)."""
 
     def __init__(self, mode: str, capture_sizes: Sequence[int], backend_support: GraphSupport,
-                 has_pieces: bool, max_num_reqs: int | None = None) -> None:
+                 has_pieces: bool, max_num_reqs: int | None = None,
+                 piecewise_sizes: Sequence[int] | None = None) -> None:
         self.capture_sizes = sorted(set(capture_sizes))
-        self.max_size = self.capture_sizes[-1] if self.capture_sizes else 0
+        largest = self.capture_sizes[-1] if self.capture_sizes else 0
         # a FULL decode graph at size s runs s (padded) requests: no more than the runner's request slots
-        self.max_full_size = min(self.max_size, max_num_reqs if max_num_reqs is not None else self.max_size)
+        self.max_full_size = min(largest, max_num_reqs if max_num_reqs is not None else largest)
         full_wanted = mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
         # FULL graphs are for uniform decode batches, and only on a backend that can capture its attention
         self.full_decode = full_wanted and backend_support >= GraphSupport.UNIFORM_DECODE
@@ -63,6 +64,13 @@ class GraphDispatcher:
         self.piecewise = piecewise_wanted and has_pieces
         if not self.capture_sizes:
             self.full_decode = self.piecewise = False
+        # where FULL graphs serve decode, PIECEWISE graphs serve only mixed batches: a coarser grid of sizes
+        # (docs/cuda_graphs.md); otherwise they serve decode too, at every capture size
+        if piecewise_sizes is None:
+            piecewise_sizes = default_piecewise_sizes(self.capture_sizes) if self.full_decode else self.capture_sizes
+        self.piecewise_sizes = sorted(set(piecewise_sizes)) if self.piecewise else []
+        self.piecewise = bool(self.piecewise_sizes)
+        self.max_size = max(largest if self.full_decode else 0, self.piecewise_sizes[-1] if self.piecewise else 0)
         self.mode = mode
         if full_wanted and not self.full_decode:
             logger.warning("cudagraph_mode=%s: the attention backend cannot be captured (%s); using %s",
@@ -72,19 +80,23 @@ class GraphDispatcher:
     def enabled(self) -> bool:
         return self.full_decode or self.piecewise
 
-    def padded_size(self, num_tokens: int) -> int:
-        """The capture size a batch of num_tokens runs at (itself above the largest size)."""
-        if not self.enabled or num_tokens > self.max_size:
+    def padded_size(self, num_tokens: int, mode: RunMode) -> int:
+        """The size a batch of num_tokens runs at in `mode` (mode_for's): the next size captured for it."""
+        sizes = self.capture_sizes if mode is RunMode.FULL else self.piecewise_sizes
+        if mode is RunMode.NONE or not sizes or num_tokens > sizes[-1]:
             return num_tokens
-        return self.capture_sizes[bisect.bisect_left(self.capture_sizes, num_tokens)]
+        return sizes[bisect.bisect_left(sizes, num_tokens)]
 
     def mode_for(self, num_tokens: int, uniform_decode: bool) -> RunMode:
         """num_tokens: unpadded."""
         if not self.enabled or num_tokens > self.max_size:
             return RunMode.NONE
-        if self.full_decode and uniform_decode and self.padded_size(num_tokens) <= self.max_full_size:
+        if (self.full_decode and uniform_decode and num_tokens <= self.capture_sizes[-1]
+                and self.padded_size(num_tokens, RunMode.FULL) <= self.max_full_size):
             return RunMode.FULL
-        return RunMode.PIECEWISE if self.piecewise else RunMode.NONE
+        if self.piecewise and num_tokens <= self.piecewise_sizes[-1]:
+            return RunMode.PIECEWISE
+        return RunMode.NONE
 
     def dispatch(self, desc: BatchDescriptor) -> RunMode:
         return self.mode_for(desc.num_tokens, desc.uniform_decode)
@@ -92,7 +104,7 @@ class GraphDispatcher:
     def describe(self) -> str:
         parts = [f"mode {self.mode}", f"{len(self.capture_sizes)} sizes up to {self.max_size}"]
         parts.append(f"FULL for uniform decode up to {self.max_full_size}" if self.full_decode else "no FULL")
-        parts.append("PIECEWISE otherwise" if self.piecewise else "no PIECEWISE")
+        parts.append(f"PIECEWISE otherwise ({len(self.piecewise_sizes)} sizes)" if self.piecewise else "no PIECEWISE")
         return ", ".join(parts)
 
 
@@ -255,7 +267,8 @@ def install_cuda_graphs(runner: Any, config: Any, compiled: Any, *, progress: bo
         return None
     has_pieces = compiled is not None and compiled.capture is not None
     dispatcher = GraphDispatcher(config.cudagraph_mode, config.cudagraph_capture_sizes or (),
-                                 type(runner.backend).graph_support, has_pieces, runner.max_num_seqs)
+                                 type(runner.backend).graph_support, has_pieces, runner.max_num_seqs,
+                                 config.cudagraph_piecewise_sizes)
     if not dispatcher.enabled:
         return None
     pool = GraphPool(factory, check_inputs=config.debug_check_graph_inputs)
@@ -278,11 +291,13 @@ def capture_all(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, progr
     if on_gpu:
         torch.cuda.synchronize(runner.device)
         before = torch.cuda.memory_allocated(runner.device)  # graph pools' live blocks count as allocated
-    sizes = sorted(dispatcher.capture_sizes, reverse=True)
-    for size in tqdm(sizes, desc="capturing CUDA graphs", unit="size", disable=not progress):
-        if dispatcher.mode_for(size, True) is RunMode.FULL:
+    full = {s for s in dispatcher.capture_sizes if dispatcher.mode_for(s, True) is RunMode.FULL}
+    piecewise = set(dispatcher.piecewise_sizes)
+    for size in tqdm(sorted(full | piecewise, reverse=True), desc="capturing CUDA graphs", unit="size",
+                     disable=not progress):
+        if size in full:
             runner.run_model(runner.to_device(runner.dummy_shape(size, decode=True), []))
-        if dispatcher.mode_for(size, False) is RunMode.PIECEWISE:
+        if size in piecewise:
             runner.run_model(runner.to_device(runner.dummy_shape(size, decode=False), []))
     if on_gpu:
         torch.cuda.synchronize(runner.device)

@@ -141,7 +141,7 @@ class ModelRunner:
             raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds the runner's buffers")
         uniform_decode = all(n == 1 for n in sched.num_new_tokens)
         mode = self.run_mode(num_tokens, uniform_decode)
-        padded = self.graphs.padded_size(num_tokens) if mode is not RunMode.NONE else num_tokens
+        padded = self.graphs.padded_size(num_tokens, mode) if self.graphs is not None else num_tokens
         ids = self.input_ids_cpu.numpy()
         pos = self.positions_cpu.numpy()
         slots = self.slot_mapping_cpu.numpy()

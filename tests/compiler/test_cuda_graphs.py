@@ -34,16 +34,38 @@ def test_dispatch_table(mode, support, pieces, expected) -> None:
     d = GraphDispatcher(mode, SIZES, support, pieces)
     got = (d.mode_for(3, True), d.mode_for(3, False), d.mode_for(16, True), d.mode_for(17, False))
     assert got == expected
-    assert d.dispatch(BatchDescriptor(d.padded_size(3), 4, True)) == expected[0]
+    assert d.dispatch(BatchDescriptor(d.padded_size(3, expected[0]), 4, True)) == expected[0]
 
 
 def test_padding_to_capture_sizes_and_edges() -> None:
     d = GraphDispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, SIZES, GraphSupport.ALWAYS, True)
-    assert [d.padded_size(n) for n in (1, 3, 5, 8, 9, 16, 17, 100)] == [1, 4, 8, 8, 16, 16, 17, 100]
+    assert [d.padded_size(n, d.mode_for(n, True)) for n in (1, 3, 5, 8, 9, 16, 17, 100)] == [1, 4, 8, 8, 16, 16, 17,
+                                                                                           100]
     # a FULL decode graph needs as many request slots as its size
     small = GraphDispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, SIZES, GraphSupport.ALWAYS, True, max_num_reqs=6)
     assert small.mode_for(4, True) is FULL and small.mode_for(5, True) is PIECE
     assert not GraphDispatcher(CUDAGraphMode.FULL, (), GraphSupport.ALWAYS, True).enabled
+
+
+def test_piecewise_graphs_take_a_coarser_grid_where_full_graphs_serve_decode() -> None:
+    sizes = default_capture_sizes(512)
+    d = GraphDispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, sizes, GraphSupport.UNIFORM_DECODE, True, max_num_reqs=256)
+    assert d.piecewise_sizes == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    # decode keeps every capture size (FULL); a mixed batch pads to the coarser grid (PIECEWISE)
+    assert (d.mode_for(136, True), d.padded_size(136, FULL)) == (FULL, 136)
+    assert (d.mode_for(136, False), d.padded_size(136, PIECE)) == (PIECE, 160)
+    assert (d.mode_for(300, True), d.padded_size(300, PIECE)) == (PIECE, 320)  # above the request slots
+    assert d.mode_for(513, False) is NONE and d.padded_size(513, NONE) == 513
+    # a backend without FULL graphs runs decode piecewise: every capture size then
+    piecewise_only = GraphDispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, sizes, GraphSupport.NEVER, True)
+    assert piecewise_only.piecewise_sizes == list(sizes)
+    # an explicit list is kept; an empty one turns PIECEWISE off
+    explicit = GraphDispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, SIZES, GraphSupport.ALWAYS, True,
+                               piecewise_sizes=(4, 16))
+    assert explicit.padded_size(3, PIECE) == 4 and explicit.padded_size(3, FULL) == 4
+    assert explicit.padded_size(5, PIECE) == 16 and explicit.padded_size(5, FULL) == 8
+    none = GraphDispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, SIZES, GraphSupport.ALWAYS, True, piecewise_sizes=())
+    assert none.mode_for(3, False) is NONE and none.mode_for(3, True) is FULL
 
 
 def test_default_capture_sizes() -> None:
