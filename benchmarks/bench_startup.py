@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_TO_READY_S = {"cold": 190.6, "warm": 19.2}
 REFERENCE_DECODE_MS = {1: 4.90, 8: 5.09, 64: 5.86}  # async scheduling
 MARKER = "bench_checkpoint.json"
-TUPLE_OPTIONS = ("compile_sizes", "compile_ranges", "cudagraph_capture_sizes", "passes")
+TUPLE_OPTIONS = ("compile_sizes", "compile_ranges", "cudagraph_capture_sizes", "cudagraph_piecewise_sizes", "passes")
 
 
 def parse_variant(text: str) -> dict[str, Any]:
