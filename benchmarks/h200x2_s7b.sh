@@ -12,16 +12,16 @@ source benchmarks/gpu_call.sh
 ALL_SIZES=1,2,4,8,16,24,32,40,48,56,64,72,80,88,96,104,112,120,128,136,144,152,160,168,176,184,192,200,208,216,224,232,240,248,256,272,288,304,320,336,352,368,384,400,416,432,448,464,480,496,512
 (
   export CUDA_VISIBLE_DEVICES=0
-  bounded "$(left 330)" env -u PYTHONDONTWRITEBYTECODE python3 -m benchmarks.bench_startup \
-     --variants default "cudagraph_piecewise_sizes=$ALL_SIZES" --budget-s 310 --json $R/startup.json
+  bounded "$(left 350)" env -u PYTHONDONTWRITEBYTECODE python3 -m benchmarks.bench_startup \
+     --variants default "cudagraph_piecewise_sizes=$ALL_SIZES" --budget-s 335 --json $R/startup.json
 ) > $L/gpu0.log 2>&1 &
 (
   export CUDA_VISIBLE_DEVICES=1
   common="--defaults --backend triton --repeats 2"
-  bounded "$(left 115)" python3 -m benchmarks.bench_gpu throughput $common --json $R/offline_default.json
-  bounded "$(left 225)" python3 -m benchmarks.bench_gpu throughput $common --compile-ranges 256 \
+  bounded "$(left 122)" python3 -m benchmarks.bench_gpu throughput $common --json $R/offline_default.json
+  bounded "$(left 240)" python3 -m benchmarks.bench_gpu throughput $common --compile-ranges 256 \
      --json $R/offline_range256.json
-  bounded "$(left 335)" python3 -m benchmarks.bench_gpu throughput $common --max-num-batched-tokens 2048 \
+  bounded "$(left 355)" python3 -m benchmarks.bench_gpu throughput $common --max-num-batched-tokens 2048 \
      --json $R/offline_mnbt2048.json
 ) > $L/gpu1.log 2>&1 &
 wait
