@@ -85,7 +85,6 @@ def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool =
     logger.info("compilation config (resolved): %s", config)
     if config.level < 1:
         return None
-    from kiln.compiler.parallel import MAX_WORKERS, default_workers, discard_prespawned, prespawn
     from kiln.compiler.warmup import warm_up
 
     attention = getattr(runner, "backend", None)
@@ -99,12 +98,8 @@ def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool =
                              pass_hook=pass_hook, attention_backend=attention)
     try:
         with store.own_caches() if store is not None else contextlib.nullcontext():
-            if store is not None and not store.ready and not config.debug_dump_path:
-                # a cold start: the compile workers start while Dynamo traces (docs/compiler.md)
-                prespawn(config.compile_workers or default_workers(MAX_WORKERS))
             warm_up(compiled, runner.input_ids, runner.positions, compiled.backend.dispatcher)
     finally:  # never leave the cache's lock held (or a half-filled key marked ready) on failure
-        discard_prespawned()
         if store is not None and not compiled.stats.warm:
             store.close()
     if store is not None:

@@ -161,7 +161,9 @@ class CompilePool:
             return None
         try:
             if self._executor is None:
-                self._executor = take_prespawned(self.workers) or new_executor(self.workers)
+                self._executor = ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                    initargs=(_worker_env(), max(1, host_cores() // self.workers)))
             return self._executor.submit(_compile_in_worker, task, job.key, self.symbol, job.piece_hash,
                                          self._patches_blob())
         except Exception as exc:  # noqa: BLE001 - no pool (e.g. a pickling error): compile here
@@ -201,60 +203,6 @@ class CompilePool:
             for scope, by_pass in counts.items():
                 for name, n in by_pass.items():
                     target[scope][name] = target[scope].get(name, 0) + n
-
-
-def new_executor(workers: int) -> ProcessPoolExecutor:
-    """Spawned compile workers with the parent's cache locations as they are now."""
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                               initargs=(_worker_env(), max(1, host_cores() // workers)))
-
-
-# Compile workers started ahead of their jobs: (executor, worker count, the cache locations they were given)
-_prespawned: tuple[ProcessPoolExecutor, int, dict[str, str]] | None = None
-
-
-def prespawn(workers: int) -> None:
-    """Start `workers` compile processes now, so a cold start's compiles find them running: a worker's interpreter
-    start and its torch/Inductor imports took ~5 s of the 8B cold start's critical path on the H200. Called while
-    Dynamo traces, with the compile cache's locations in place. A spawned pool starts a process per task that
-    finds no idle one, so one no-op task per worker starts them all."""
-    global _prespawned
-    if workers < 2 or _prespawned is not None:
-        return
-    try:
-        executor = new_executor(workers)
-        for _ in range(workers):
-            executor.submit(_ready)
-    except Exception as exc:  # noqa: BLE001 - the compiles start their own workers (or compile here) later
-        logger.warning("could not start compile workers ahead of the compiles (%s)", exc)
-        return
-    _prespawned = (executor, workers, _worker_env())
-
-
-def take_prespawned(workers: int) -> ProcessPoolExecutor | None:
-    """The prespawned pool, when it has at least `workers` processes and the current cache locations."""
-    global _prespawned
-    if _prespawned is None:
-        return None
-    executor, count, env = _prespawned
-    _prespawned = None
-    if count >= workers and env == _worker_env():
-        logger.info("compiling in %d worker processes started before the trace", count)
-        return executor
-    executor.shutdown(wait=False, cancel_futures=True)
-    return None
-
-
-def discard_prespawned() -> None:
-    """Stop prespawned workers nothing took (every artifact came from the cache after all)."""
-    global _prespawned
-    if _prespawned is not None:
-        _prespawned[0].shutdown(wait=False, cancel_futures=True)
-        _prespawned = None
-
-
-def _ready() -> None:
-    """A prespawned worker's first task: nothing (its initializer did the imports)."""
 
 
 def restore_example_values(gm: fx.GraphModule, fake_mode: Any, inputs: list[Any]) -> None:
