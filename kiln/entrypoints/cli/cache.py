@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.cache.store import ARTIFACT_SUFFIX, FACTORS, READY, cache_root, compile_root, verify_file
+from kiln.cache.store import ARTIFACT_SUFFIX, FACTORS, PEAK_DIR, READY, cache_root, compile_root, verify_file
 from kiln.entrypoints.cli.main import add_runtime_args, runtime_kwargs
-from kiln.runtime.kv.peak_cache import PEAK_DIR
 
 
 def add_parser(subparsers: Any) -> None:
