@@ -1,7 +1,8 @@
 # Sourced by the benchmarks/h200*.sh call scripts: one GPU call = several bounded steps, results under $OUT.
 # Sets the multicast-off variables every multi-GPU program needs, PYTHONPATH, $OUT / $R (results) / $L (logs),
-# and two helpers: `left N` (seconds until N seconds after the script started) and `bounded SECONDS CMD...`
-# (CMD in its own process group, the whole group killed after SECONDS, so one hung step cannot eat the call).
+# and helpers: `left N` (seconds until N seconds after the script started), `bounded SECONDS CMD...`
+# (CMD in its own process group, the whole group killed after SECONDS, so one hung step cannot eat the call)
+# and `finish_call [N]` (below).
 T0=$(date +%s)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then  # packages the device image lacks, carried as wheels
@@ -20,4 +21,15 @@ bounded() {
   kill "$w" 2>/dev/null; kill -KILL -"$pid" 2>/dev/null
   echo "[$(( $(date +%s) - T0 ))s] rc=$rc"
   return $rc
+}
+# The end of a call: every result JSON and a tarball of results and logs under $OUT, and the last N lines of each
+# log (progress bars, warnings and JSON bodies left out) in the call's reply.
+finish_call() {
+  cp $R/*.json "$OUT"/ 2>/dev/null
+  tar czf "$OUT"/logs.tgz -C /tmp res logs 2>/dev/null
+  for f in $L/*.log; do
+    echo "== $f"
+    grep -v "Warning\|warn\|it/s\]\|graph/s\]\|size/s\]\|File \"/usr\|^|\|^ *\"\|^ *[{}]" "$f" | tail -n "${1:-10}"
+  done
+  echo "total $(( $(date +%s) - T0 )) s"
 }

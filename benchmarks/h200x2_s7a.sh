@@ -31,7 +31,4 @@ bounded "$(left 120)" python3 -m benchmarks.bench_profile --configs llama3-8b:2:
      --configs off silu_mul_quant --batches 1 64 --prefill 1024 --json $R/passes_fp8.json > $L/passes_fp8.log 2>&1
 ) > $L/gpu1.log 2>&1 &
 wait
-cp $R/*.json "$OUT"/ 2>/dev/null
-tar czf "$OUT"/logs.tgz -C /tmp res logs 2>/dev/null
-for f in $L/*.log; do echo "== $f"; grep -v "Warning\|warn\|it/s\]\|graph/s\]\|size/s\]\|File \"/usr\|^|\|^ *\"\|^ *[{}]" "$f" | tail -n 10; done
-echo "total $(( $(date +%s) - T0 )) s"
+finish_call 10

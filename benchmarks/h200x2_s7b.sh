@@ -26,7 +26,4 @@ ALL_SIZES=1,2,4,8,16,24,32,40,48,56,64,72,80,88,96,104,112,120,128,136,144,152,1
      --json $R/offline_mnbt16384.json
 ) > $L/gpu1.log 2>&1 &
 wait
-cp $R/*.json "$OUT"/ 2>/dev/null
-tar czf "$OUT"/logs.tgz -C /tmp res logs 2>/dev/null
-for f in $L/*.log; do echo "== $f"; grep -v "Warning\|warn\|it/s\]\|graph/s\]\|size/s\]\|File \"/usr\|^|\|^ *\"\|^ *[{}]" "$f" | tail -n 12; done
-echo "total $(( $(date +%s) - T0 )) s"
+finish_call 12

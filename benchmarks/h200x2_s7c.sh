@@ -16,7 +16,4 @@ bounded "$(left 470)" env -u PYTHONDONTWRITEBYTECODE python3 -m benchmarks.bench
    --budget-s 130 --json $R/startup_alone.json > $L/startup.log 2>&1
 bounded "$(left 590)" env -u PYTHONDONTWRITEBYTECODE KILN_BENCH_PROFILE=1 python3 -m benchmarks.bench_startup \
    --variants default --decode-batches --budget-s 110 --json $R/startup_profiled.json > $L/startup_profiled.log 2>&1
-cp $R/*.json "$OUT"/ 2>/dev/null
-tar czf "$OUT"/logs.tgz -C /tmp res logs 2>/dev/null
-for f in $L/*.log; do echo "== $f"; grep -v "Warning\|warn\|it/s\]\|graph/s\]\|size/s\]\|File \"/usr\|^|\|^ *\"\|^ *[{}]" "$f" | tail -n 10; done
-echo "total $(( $(date +%s) - T0 )) s"
+finish_call 10

@@ -24,7 +24,4 @@ source benchmarks/gpu_call.sh
 wait
 bounded "$(left 590)" python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_tensor_parallel_gpu.py \
    tests/gpu/test_tp_allreduce_gpu.py > $L/tp_tests.log 2>&1
-cp $R/*.json "$OUT"/ 2>/dev/null
-tar czf "$OUT"/logs.tgz -C /tmp res logs 2>/dev/null
-for f in $L/*.log; do echo "== $f"; grep -v "Warning\|warn\|it/s\]\|graph/s\]\|size/s\]\|File \"/usr\|^|\|^ *\"\|^ *[{}]" "$f" | tail -n 8; done
-echo "total $(( $(date +%s) - T0 )) s"
+finish_call 8
