@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 
 import torch
 
@@ -18,6 +19,7 @@ from kiln.models.base import ModelSpec
 from kiln.models.kv_quant import is_fp8
 from kiln.models.loader.load import LoadedModel, load_model
 from kiln.models.parallel import tp_size
+from kiln.runtime.kernel_warmup import KernelWarmup
 from kiln.runtime.kv.sizing import kv_cache_num_blocks
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.startup import StartupClock
@@ -99,6 +101,7 @@ class Worker:
         factory = store_factory(spec=self.loaded.spec, dtype=self.loaded.dtype, compilation=self.compilation,
                                 max_num_tokens=self.runner.max_num_tokens, device=self.device,
                                 attention_backend=self.backend.name, rank=tp_rank(), tp_size=tp_size())
+        kernels = self._start_kernel_warmup()
         # background compiles swap artifacts on this rank alone: not under tensor parallelism
         with self.clock.phase("compile"):
             self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory,
@@ -108,7 +111,19 @@ class Worker:
         from kiln.compiler.cuda_graphs import install_cuda_graphs
 
         with self.clock.phase("capture"):
+            if kernels is not None:  # no launch of its may overlap a graph capture
+                kernels.join()
             self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled)
+
+    def _start_kernel_warmup(self) -> KernelWarmup | None:
+        """On a GPU, kiln's Triton kernels at the sizes the capture will run, on a thread beside the compile
+        phase (kernel_warmup.py); KILN_KERNEL_WARMUP=0 leaves them to the capture."""
+        if (self.device.type != "cuda" or self.compilation.level < 1
+                or os.environ.get("KILN_KERNEL_WARMUP", "1").strip().lower() in ("0", "false", "no", "off")):
+            return None
+        capture = self.compilation.cudagraph_capture_sizes or ()
+        return KernelWarmup(self.model, self.backend, (*capture, *(self.compilation.compile_sizes or ())),
+                            [s for s in capture if s <= self.runner.max_num_seqs], self.runner.block_tables.shape[1])
 
     def release_graphs(self) -> None:
         """Drop every captured CUDA graph and its memory pool, after the device has finished the last step.

@@ -1,0 +1,47 @@
+"""The kernel warm-up thread (kiln/runtime/kernel_warmup.py) runs kiln's Triton kernels on inputs of its own:
+one decode batch per distinct split count plus one prefill chunk, on a throwaway backend, leaving the runner's
+backend and cache untouched; the GEMMs only where `kiln::dense_gemm` would run them (CUDA, 16-bit). On CPU the
+attention kernels run under Triton's interpreter."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.attention.base import AttentionLayout
+from kiln.attention.triton_backend import TritonAttentionBackend
+from kiln.models.loader.load import load_model
+from kiln.runtime.kernel_warmup import KernelWarmup, gemm_shapes, run_attention, run_gemms
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_attention_warmup_runs_one_batch_per_split_count_and_one_prefill() -> None:
+    layout = AttentionLayout(8, 2, 32, 32 ** -0.5, 16, torch.float32)
+    backend = TritonAttentionBackend(layout, DEVICE)
+    sizes = [1, 2, 8]
+    splits = {backend.num_splits(n) for n in sizes}
+    assert 1 < len(splits) < len(sizes)  # some sizes share a split count: one launch serves them
+    workspace = backend._part_out.data_ptr(), backend._counters.data_ptr()
+    assert run_attention(backend, sizes, block_table_width=16) == len(splits) + 1
+    assert (backend._part_out.data_ptr(), backend._counters.data_ptr()) == workspace  # the runner's: untouched
+
+
+def test_gemm_shapes_are_the_distinct_projections() -> None:
+    model = load_model("tiny-llama", device="cpu", dtype="fp32", load_format="dummy").model
+    shapes = {tuple(w.shape) for w in gemm_shapes(model)}
+    layer = model.layers[0]
+    expected = {tuple(m.weight.shape) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)}
+    assert shapes == expected
+    if DEVICE.type == "cpu":  # kiln::dense_gemm is CUDA-only: nothing to compile
+        assert run_gemms(gemm_shapes(model), [1, 2, 4, 8, 16, 32]) == 0
+
+
+def test_the_thread_leaves_other_backends_alone() -> None:
+    from kiln.attention.torch_backend import TorchAttentionBackend
+
+    model = load_model("tiny-llama", device="cpu", dtype="fp32", load_format="dummy").model
+    layout = AttentionLayout(4, 2, 16, 0.25, 16, torch.float32)
+    warmup = KernelWarmup(model, TorchAttentionBackend(layout, torch.device("cpu")), [1, 2, 4], [1, 2, 4], 16)
+    warmup.join()
+    assert warmup.launches == 0 and warmup.seconds > 0  # no Triton attention, no CUDA GEMMs: nothing to run
