@@ -2,12 +2,13 @@
 
 Graph capture runs every capture size once, and the first run of each of kiln's Triton kernels at a new
 specialization compiles it (the small-M GEMM of `kiln::dense_gemm` per projection shape and M, the decode
-attention per split count, the varlen attention): on a cold 8B start on the H200 ~14 compiles on the main
-thread, inside a capture phase 8 s longer than a warm one's. Those kernels need no compiled model, so a thread
+attention per split count, the varlen attention): on a cold 8B start on the H200 they made the capture phase
+15.6 s instead of ~3 s. Those kernels need no compiled model, so a thread
 started with the compile phase runs each once on inputs of its own (the model's weights read, nothing of the
 runner's touched), while Inductor's compiles run in worker processes. The capture phase joins it first, so no
 launch from it overlaps a capture. On a warm start each run finds its kernel in Triton's cache. Any failure is
-logged and left to the capture to meet again.
+logged and left to the capture to meet again. Measured: cold start 49.6 -> 44.9 s to the first token, capture
+15.6 -> 3.7 s, the compile phase 3.8 s longer (docs/startup.md).
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ import torch
 
 from kiln.attention.base import AttentionBackend, CommonAttentionMetadata
 from kiln.models import dense_gemm
+from kiln.models.layers import _ParallelLinear
 
 logger = logging.getLogger("kiln")
 
 
 def gemm_shapes(model: torch.nn.Module) -> list[torch.Tensor]:
     """One weight per distinct (N, K, dtype) among the projections that go through `kiln::dense_gemm`."""
-    from kiln.models.layers import _ParallelLinear
-
     seen: dict[tuple, torch.Tensor] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -40,7 +40,7 @@ def gemm_shapes(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
     """Each weight at each M the small-M kernel serves; -> launches."""
-    from kiln.models.quant.fp8_kernel import bf16_gemm_triton
+    from kiln.models.quant.fp8_kernel import bf16_gemm_triton  # triton: imported where a GPU start needs it
 
     launches = 0
     for weight in weights:
@@ -55,10 +55,9 @@ def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
 
 
 def run_attention(backend: Any, decode_sizes: Iterable[int], block_table_width: int) -> int:
-    """`backend`: the runner's Triton backend, whose class and layout a throwaway one (workspaces of its own)
-    takes, on a cache of its own: a uniform decode batch per distinct
-    split count of `decode_sizes`, and one prefill chunk; block tables as wide as the runner's (their stride is
-    a kernel argument Triton specializes on). -> launches."""
+    """A throwaway backend of the runner's backend's class and layout (workspaces of its own), on a cache of
+    its own: a uniform decode batch per distinct split count of `decode_sizes`, and one prefill chunk; block
+    tables as wide as the runner's (their stride is a kernel argument Triton specializes on). -> launches."""
     layout, device = backend.layout, backend.device
     fresh = type(backend)(layout, device)
     cache = torch.zeros(2, 2, layout.block_size, layout.num_kv_heads, layout.head_dim, dtype=layout.cache_dtype,
