@@ -16,15 +16,16 @@ import torch
 from torch import fx
 
 from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from kiln.passes.base import KilnPass, call_two_outputs, erase_if_dead, is_call, live_nodes, strip_cast
+from kiln.passes.base import KilnPass, call_two_outputs, erase_if_dead, is_call, live_nodes, single_user, strip_cast
 from kiln.passes.silu_mul import _halves, _silu_of
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
 
 def _only_user(node: fx.Node, *targets) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 and is_call(users[0], *targets) else None
+    """The node's one user, when it has exactly one and that one calls a target."""
+    user = next(iter(node.users), None)
+    return user if single_user(node) and is_call(user, *targets) else None
 
 
 def _per_token_quant(amax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:

@@ -123,7 +123,7 @@ class Worker:
             return None
         capture = self.compilation.cudagraph_capture_sizes or ()
         return KernelWarmup(self.model, self.backend, (*capture, *(self.compilation.compile_sizes or ())),
-                            [s for s in capture if s <= self.runner.max_num_seqs], self.runner.block_tables.shape[1])
+                            [s for s in capture if s <= self.runner.max_num_seqs], self.runner.max_blocks_per_seq)
 
     def release_graphs(self) -> None:
         """Drop every captured CUDA graph and its memory pool, after the device has finished the last step.
