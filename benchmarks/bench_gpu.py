@@ -240,6 +240,9 @@ def default_runtime(args: argparse.Namespace) -> tuple[Runtime, float]:
         kwargs["compile_ranges"] = tuple(args.compile_ranges)
     if args.quantization:  # an FP8 model at its defaults (issue 17)
         kwargs["quantization"] = args.quantization
+    if getattr(args, "inductor_option", None):  # an A/B of an Inductor setting: name=value (JSON value)
+        kwargs["inductor_options"] = {name: json.loads(value) for name, _, value in
+                                      (o.partition("=") for o in args.inductor_option)}
     start = time.perf_counter()
     rt = Runtime(args.model, device=args.device, load_format="dummy", attention_backend=args.backend, **kwargs)
     return rt, time.perf_counter() - start
@@ -323,6 +326,10 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
                    async_scheduling=rt.engine.async_scheduling, level=rt.engine.config.compilation.level,
                    backend=rt.engine.backend.name)
         print(f"built in {build:.1f}s: {row}", flush=True)
+        start = time.perf_counter()  # -O2 on a GPU compiles its exact decode sizes after ready: time them in
+        rt.finish_background_compiles()
+        row.update(background_wait_s=time.perf_counter() - start,
+                   inductor_options=dict(rt.engine.config.compilation.inductor_options))
         warm_up(rt, lens, rng)
         prompts, params = offline_requests(rt, lens, rng)
         runs, ab_runs = [], []
@@ -501,6 +508,8 @@ def main() -> None:
             p.add_argument("--repeats", type=int, default=1,
                            help="time the whole workload this many times on one runtime; report the median run")
             p.add_argument("--quantization", default=None, choices=["fp8"], help="with --defaults: an FP8 model")
+            p.add_argument("--inductor-option", action="append", default=None, metavar="NAME=VALUE",
+                           help="with --defaults: an Inductor config entry (JSON value), e.g. combo_kernels=true")
     args = parser.parse_args()
     if args.cmd == "kv-dtype":  # its own runtimes (CPU dry run included), no floors
         from benchmarks.bench_kv_dtype import cmd_kv_dtype

@@ -39,7 +39,9 @@ PROMPT_LEN = 128
 def configurations(names: list[str]) -> dict[str, dict[str, Any]]:
     """label -> Runtime options: off, default (the level's set), all, or one pass alone."""
     known = {"off": {"enable_passes": False}, "default": {"passes": LEVEL_DEFAULTS[2]},
-             "all": {"passes": ALL_PASSES}}
+             "all": {"passes": ALL_PASSES},
+             # Inductor's horizontal fusion of independent kernels (RoPE of q and k, v's copy: one launch)
+             "combo_kernels": {"inductor_options": {"combo_kernels": True}}}
     out = {}
     for name in names:
         if name in known:
@@ -47,7 +49,7 @@ def configurations(names: list[str]) -> dict[str, dict[str, Any]]:
         elif name.partition("<=")[0] in ALL_PASSES:
             out[name] = {"passes": (name,)}
         else:
-            raise SystemExit(f"unknown configuration {name!r}: off, default, all or a pass ({', '.join(ALL_PASSES)})")
+            raise SystemExit(f"unknown configuration {name!r}: {', '.join(known)} or a pass ({', '.join(ALL_PASSES)})")
     return out
 
 
@@ -192,7 +194,7 @@ def main() -> None:
     body = [[r["config"], *[r[m] for m in metrics], *[base[m] / r[m] for m in metrics], r["startup_s"],
              r["rewrites"]] for r in rows]
     print(f"\nbench_passes: {args.preset} ({args.dtype}, {args.backend} attention) | {stamp()}")
-    print("x = speed-up against passes off (> 1 is faster); decode batches of "
+    print(f"x = speed-up against {base['config']} (> 1 is faster); decode batches of "
           f"{PROMPT_LEN}-token prompts, prefill of one {args.prefill}-token prompt\n")
     print(table(headers, body))
     if args.json:

@@ -10,6 +10,7 @@ import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -179,6 +180,9 @@ class CompilationConfig:
     compile_workers: int | None = None
     # Inductor rounds where eager rounds (docs/models.md, FP8 numerics): set for quantized models by the worker
     emulate_precision_casts: bool = False
+    # extra Inductor config entries, e.g. {"combo_kernels": True}: part of the compile-cache key (a dict is
+    # accepted and kept as sorted (name, value) pairs, so the config stays hashable)
+    inductor_options: tuple[tuple[str, Any], ...] = ()
     debug_dump_path: str | None = None
     debug_check_graph_inputs: bool = False
 
@@ -202,9 +206,17 @@ class CompilationConfig:
                 raise ValueError(f"{name} must be positive integers, got {sizes}")
             if isinstance(sizes, list):  # lists from the CLI or kwargs: keep the config hashable
                 object.__setattr__(self, name, tuple(sizes))
+        options = dict(self.inductor_options)
+        if any(not isinstance(k, str) or not k for k in options):
+            raise ValueError(f"inductor_options must map Inductor config names to values: {self.inductor_options!r}")
+        object.__setattr__(self, "inductor_options", tuple(sorted(options.items())))
 
-    def resolve(self, device: torch.device, max_num_batched_tokens: int) -> CompilationConfig:
-        """Fill every None with the level's default for this device; explicit values are kept."""
+    def resolve(self, device: torch.device, max_num_batched_tokens: int,
+                background_supported: bool = True) -> CompilationConfig:
+        """Fill every None with the level's default for this device; explicit values are kept.
+
+        `background_supported=False` (tensor parallelism: every rank would have to swap at the same step)
+        compiles the background sizes up front instead."""
         on_gpu = device.type == "cuda"
         level = self.level
         capture = self.cudagraph_capture_sizes
@@ -225,22 +237,23 @@ class CompilationConfig:
         if not on_gpu and mode != CUDAGraphMode.NONE:
             mode = CUDAGraphMode.NONE  # CUDA graphs need CUDA; the CPU runs compiled pieces directly
         sizes = self.compile_sizes
-        if sizes is None:
-            if level < 2:
-                sizes = ()
-            elif on_gpu:  # every capture size runs (and is captured) from the range artifact otherwise
-                sizes = tuple(s for s in GPU_EXACT_SIZES if s in capture) if level == 2 else capture
-            else:
-                sizes = (1,)
-        sizes = tuple(sorted({int(s) for s in sizes if int(s) <= max_num_batched_tokens}))
         background = self.background_compile_sizes
+        if sizes is None:
+            if level < 2 or (on_gpu and level == 2):
+                sizes = ()
+            else:  # -O3 on a GPU: every capture size, up front
+                sizes = capture if on_gpu else (1,)
+            if background is None and on_gpu and level == 2:
+                # -O2's exact sizes serve only small decode batches faster: serve first from the range artifact,
+                # compile them after the runtime is ready, swap them in and re-capture their graphs
+                background = tuple(s for s in GPU_EXACT_SIZES if s in capture)
         if background is None:  # -O3's extras: not needed to serve, so compiled after the runtime is ready
             background = () if level < 3 else ((1024, 2048) if on_gpu else (2, 4))
-        # a size captured in a CUDA graph must be final when the graph is captured: compile it up front
-        graphed = set(capture) if mode != CUDAGraphMode.NONE else set()
-        sizes = tuple(sorted(set(sizes) | {int(s) for s in background if int(s) in graphed}))
-        background = tuple(sorted({int(s) for s in background if int(s) <= max_num_batched_tokens}
-                                  - set(sizes) - graphed))
+        sizes = {int(s) for s in sizes if int(s) <= max_num_batched_tokens}
+        background = {int(s) for s in background if int(s) <= max_num_batched_tokens} - sizes
+        if not background_supported:
+            sizes, background = sizes | background, set()
+        sizes, background = tuple(sorted(sizes)), tuple(sorted(background))
         # an end point at or above the budget would make an empty range
         ranges = tuple(sorted({int(p) for p in self.compile_ranges if int(p) < max_num_batched_tokens}))
         return dataclasses.replace(
@@ -257,10 +270,11 @@ class CompilationConfig:
         )
 
 
-# -O2's exact sizes on a GPU: small decode batches only. An exact artifact is one more Inductor compile per
-# distinct piece (x3 for a Llama), and the range artifact, captured in a CUDA graph at each capture size,
-# serves the rest; benchmarks/bench_compile_plan.py measures exact against range at the capture sizes, and
-# docs/compiler.md keeps the table that justifies this choice. At most 8, which tests/compiler assert.
+# -O2's exact sizes on a GPU: small decode batches only, compiled in the background after the runtime is
+# ready. An exact artifact is one more Inductor compile per distinct piece (x3 for a Llama), and the range
+# artifact, captured in a CUDA graph at each capture size, serves the rest; benchmarks/bench_compile_plan.py
+# measures exact against range at the capture sizes, and docs/compiler.md keeps the table that justifies
+# this choice. At most 8, which tests/compiler assert.
 GPU_EXACT_SIZES = (1, 2, 4, 8)
 
 

@@ -111,6 +111,7 @@ def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool =
 
             compiled.background = BackgroundCompiles(compiled, config.background_compile_sizes,
                                                      config.compile_workers)
+            compiled.background.swap_if_done()  # all from the cache (a warm start): in now, before any graph
         else:
             logger.info("background compile sizes %s dropped (not supported here)", config.background_compile_sizes)
     logger.info("compiler ready: %s", compiled.stats.summary())

@@ -7,9 +7,14 @@ artifacts are loaded and installed in all piece runners and the sizes added to t
 on the engine's thread. Nothing compiles or loads in the serving thread before that, and a failed
 compile only means that size keeps being served from its range.
 
-Rule with CUDA graphs: a graph holds the artifact it was captured with, so background sizes are never
-capture sizes (`CompilationConfig.resolve` compiles those up front); they are token counts above the
-largest capture size, which run the compiled pieces without graphs, so a swap needs no re-capture.
+Rule with CUDA graphs: a graph holds the artifact it was captured with, so the graphs at a swapped size are
+captured again right after the swap (`on_swap`, set by kiln/compiler/cuda_graphs.py; the device is
+synchronised first, so the step in flight finishes with the graphs it was launched with). -O2 on a GPU
+compiles its exact decode sizes this way: the runtime is ready as soon as the range artifacts are.
+
+Where every artifact is already in the compile cache (a warm start), nothing is left to do in the
+background: the constructor reads them and `install_compiler` swaps them in before any graph is captured,
+so a warm start serves with the exact sizes from its first step and never re-captures.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kiln.compiler.parallel import CompileJob, CompilePool, default_workers
@@ -38,34 +44,39 @@ class BackgroundCompiles:
                      for piece_hash, group in capture.split.distinct().items() for key in keys]
         self.sizes = tuple(k.lo for k in keys)
         self.stats.background_pending = len(self.jobs)
-        self._results: list[tuple[CompileJob, bytes, bool]] = []  # (job, artifact, to save in the cache)
+        # called with the swapped sizes right after a swap (CUDA graphs re-capture them)
+        self.on_swap: Callable[[tuple[int, ...]], None] | None = None
+        self.seconds = 0.0
         self._done = threading.Event()
         self._symbol = capture.symbol
-        self._store = backend.compiler.store
+        # a warm start finds them in the compile cache: only bytes are read, here, before any graph exists
+        self._results: list[tuple[CompileJob, bytes, bool]] = []  # (job, artifact, to save in the cache)
+        cached = getattr(backend.compiler.store, "load_payload", None)
+        todo = []
+        for job in self.jobs:
+            payload = cached(job.piece_hash, job.key) if cached is not None else None
+            if payload is not None:
+                self._results.append((job, payload, False))
+            else:
+                todo.append(job)
+        if todo and self._symbol is False:
+            logger.warning("background compiles need the traced graph (this start loaded it from the "
+                           "cache without its example values); %d stay on their ranges", len(todo))
+            todo = []
+        if not todo:
+            self._done.set()
+            return
         # always worker processes (at least one): an Inductor compile on a second thread of the serving
         # process would share Dynamo's and Inductor's global state with the forwards
-        self._pool = CompilePool(backend.compiler, self._symbol, workers or default_workers(len(self.jobs)) or 1)
-        if self._symbol is not False:  # pickle the pieces here, not on the background thread
-            for job in self.jobs:
-                self._pool.prepare(job)
-        self._thread = threading.Thread(target=self._run, name="kiln-background-compile", daemon=True)
+        self._pool = CompilePool(backend.compiler, self._symbol, workers or default_workers(len(todo)) or 1)
+        for job in todo:  # pickle the pieces here, not on the background thread
+            self._pool.prepare(job)
+        self._thread = threading.Thread(target=self._run, args=(todo,), name="kiln-background-compile", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, todo: list[CompileJob]) -> None:
         start = time.perf_counter()
         try:
-            cached = getattr(self._store, "load_payload", None)
-            todo = []
-            for job in self.jobs:  # a warm start finds them in the compile cache: only bytes are read here
-                payload = cached(job.piece_hash, job.key) if cached is not None else None
-                if payload is not None:
-                    self._results.append((job, payload, False))
-                else:
-                    todo.append(job)
-            if todo and self._symbol is False:
-                logger.warning("background compiles need the traced graph (this start loaded it from the "
-                               "cache without its example values); %d stay on their ranges", len(todo))
-                todo = []
             for job, payload in self._pool.compile_payloads(todo):
                 if payload is not None:
                     self._results.append((job, payload, True))
@@ -88,11 +99,13 @@ class BackgroundCompiles:
         """At a step boundary: install the finished artifacts (all at once); True if a swap happened now."""
         if not self._done.is_set() or self.stats.background_pending == 0:
             return False
+        start = time.perf_counter()
         compiler = self.compiled.backend.compiler
         loaded: dict[tuple[str, CompileKey], Any] = {}
         for job, payload, save in self._results:
             try:
                 loaded[(job.piece_hash, job.key)] = compiler.adopt(job.gm, job.key, job.piece_hash, payload, save)
+                self.stats.cache_hits += not save  # read from the compile cache, not compiled
             except Exception as exc:  # noqa: BLE001 - that size stays on its range
                 logger.warning("background artifact %s at %s did not load (%s)", job.piece_hash[:12], job.key, exc)
         # a size is swapped in only if every distinct piece has it: dispatch is per token count, shared
@@ -108,6 +121,10 @@ class BackgroundCompiles:
         self.stats.background_failed = len(self.jobs) - self.stats.background_swapped
         self.stats.background_pending = 0
         self._results.clear()
-        logger.info("background compiles swapped in: exact sizes %s (%d artifacts, %d failed) after %.1f s",
-                    sizes, self.stats.background_swapped, self.stats.background_failed, self.seconds)
+        if sizes and self.on_swap is not None:
+            self.on_swap(tuple(sizes))
+        self.stats.background_swap_seconds = time.perf_counter() - start
+        logger.info("background compiles swapped in: exact sizes %s (%d artifacts, %d failed) after %.1f s; the "
+                    "swap took %.2f s", sizes, self.stats.background_swapped, self.stats.background_failed,
+                    self.seconds, self.stats.background_swap_seconds)
         return True

@@ -276,6 +276,9 @@ def install_cuda_graphs(runner: Any, config: Any, compiled: Any, *, progress: bo
         wrap_pieces(compiled, pool)
     runner.graphs, runner.full_graph = dispatcher, GraphedCallable(pool, "FULL")
     capture_all(runner, dispatcher, pool, progress)
+    background = getattr(compiled, "background", None)
+    if background is not None:  # a background swap replaces artifacts these graphs hold
+        background.on_swap = lambda sizes: recapture(runner, dispatcher, pool, sizes)
     logger.info("CUDA graphs: %s; %d FULL + %d PIECEWISE captured in %.1fs, %.0f MiB", dispatcher.describe(),
                 pool.stats.captures["FULL"], pool.stats.captures["PIECEWISE"], pool.stats.capture_seconds,
                 pool.stats.memory_bytes / 2**20)
@@ -283,8 +286,10 @@ def install_cuda_graphs(runner: Any, config: Any, compiled: Any, *, progress: bo
 
 
 @torch.inference_mode()
-def capture_all(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, progress: bool) -> None:
-    """Capture every (size, mode) largest-first on null-block batches, so serving never captures."""
+def capture_all(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, progress: bool,
+                only: set[int] | None = None) -> None:
+    """Capture every (size, mode) largest-first on null-block batches, so serving never captures; `only`:
+    just those sizes."""
     from tqdm import tqdm
 
     on_gpu = runner.device.type == "cuda"
@@ -293,7 +298,8 @@ def capture_all(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, progr
         before = torch.cuda.memory_allocated(runner.device)  # graph pools' live blocks count as allocated
     full = {s for s in dispatcher.capture_sizes if dispatcher.mode_for(s, True) is RunMode.FULL}
     piecewise = set(dispatcher.piecewise_sizes)
-    for size in tqdm(sorted(full | piecewise, reverse=True), desc="capturing CUDA graphs", unit="size",
+    sizes = (full | piecewise) & only if only is not None else full | piecewise
+    for size in tqdm(sorted(sizes, reverse=True), desc="capturing CUDA graphs", unit="size",
                      disable=not progress):
         if size in full:
             runner.run_model(runner.to_device(runner.dummy_shape(size, decode=True), []))
@@ -301,5 +307,20 @@ def capture_all(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, progr
             runner.run_model(runner.to_device(runner.dummy_shape(size, decode=False), []))
     if on_gpu:
         torch.cuda.synchronize(runner.device)
-        pool.stats.memory_bytes = max(torch.cuda.memory_allocated(runner.device) - before, 0)
+        pool.stats.memory_bytes += max(torch.cuda.memory_allocated(runner.device) - before, 0)
     pool.warmed_up = True
+
+
+def recapture(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, sizes: Sequence[int]) -> None:
+    """Drop the graphs at `sizes` and capture them again: the compiled artifacts they ran were swapped.
+
+    Called at a step boundary. The device is synchronised first: the step in flight runs the graphs it was
+    launched with, and its inputs have been read before the null-block batches overwrite them."""
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    stale = set(sizes)
+    for callable_ in pool.callables:  # FULL graphs are keyed by BatchDescriptor, PIECEWISE ones by size
+        for key in [k for k in callable_.entries if getattr(k, "num_tokens", k) in stale]:
+            del callable_.entries[key]
+    pool.warmed_up = False  # these captures are planned, not sizes missed at start-up
+    capture_all(runner, dispatcher, pool, progress=False, only=stale)

@@ -45,6 +45,13 @@ def inductor_config_patches(config: CompilationConfig, pass_hook: PostGradPassHo
     if config.max_autotune:
         patches["max_autotune"] = True
         patches["coordinate_descent_tuning"] = True
+    if config.inductor_options:
+        import torch._inductor.config as inductor_config
+
+        unknown = [name for name, _ in config.inductor_options if not hasattr(inductor_config, name)]
+        if unknown:
+            raise ValueError(f"inductor_options: {unknown} are not Inductor config entries")
+        patches.update(config.inductor_options)
     return patches
 
 

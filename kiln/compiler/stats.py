@@ -38,6 +38,7 @@ class CompileStats:
     background_pending: int = 0
     background_swapped: int = 0
     background_failed: int = 0
+    background_swap_seconds: float = 0.0  # the step boundary's swap: artifact loads and graph re-captures
     warmup_seconds: float = 0.0  # the whole start-up compile phase, trace and test forwards included
     num_pieces: int = 0  # pieces of the split graph (2L+1)
     num_attention_pieces: int = 0

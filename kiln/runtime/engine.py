@@ -212,6 +212,18 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.kv.capacity_tokens
 
+    def finish_background_compiles(self, timeout: float | None = None) -> bool:
+        """Wait for the background compiles (-O2's exact sizes on a GPU, -O3's extras) and swap them in now, as
+        a step boundary would; False if they are still running after `timeout` seconds. For `kiln warmup` (the
+        artifacts reach the cache) and benchmarks that time the tuned runtime."""
+        background = getattr(self.worker.compiled, "background", None)
+        if background is None:
+            return True
+        if not background.wait(timeout):
+            return False
+        background.swap_if_done()
+        return True
+
     @property
     def graph_replays(self) -> dict[str, int]:
         """CUDA graph replays by mode (FULL per step, PIECEWISE per piece) and steps run without graphs."""

@@ -68,6 +68,10 @@ class Runtime:
         """Seconds per start-up phase (load, tokenizer, trace, compile, kv, capture) and the total to ready."""
         return self.engine.startup_times
 
+    def finish_background_compiles(self, timeout: float | None = None) -> bool:
+        """Block until the compiles left to the background are done and swapped in (docs/compiler.md)."""
+        return self.engine.finish_background_compiles(timeout)
+
     def stats(self) -> dict[str, Any]:
         """Engine counters: tokens, preemptions, KV usage, prefix-cache queries/hits/hit rate."""
         return self.engine.stats_snapshot()

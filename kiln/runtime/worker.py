@@ -89,7 +89,9 @@ class Worker:
         from kiln.compiler import CompileStats, install_compiler
 
         # CUDA graphs stay on under tensor parallelism: the all-reduces are captured with the rest of the step
-        self.compilation = self.config.compilation.resolve(self.device, self.config.scheduler.max_num_batched_tokens)
+        # background compiles swap artifacts on this rank alone: under tensor parallelism they compile up front
+        self.compilation = self.config.compilation.resolve(self.device, self.config.scheduler.max_num_batched_tokens,
+                                                           background_supported=tp_size() == 1)
         if self.loaded.spec.quantization is not None:
             # Fused kernels keep a bf16 op's fp32 result and skip eager's downcast; an FP8 activation scale then
             # comes from the unrounded RMSNorm output and -O2's greedy tokens left -O0's (3 of 6 SmolLM2 prompts,
@@ -102,10 +104,8 @@ class Worker:
                                 max_num_tokens=self.runner.max_num_tokens, device=self.device,
                                 attention_backend=self.backend.name, rank=tp_rank(), tp_size=tp_size())
         kernels = self._start_kernel_warmup()
-        # background compiles swap artifacts on this rank alone: not under tensor parallelism
         with self.clock.phase("compile"):
-            self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory,
-                                             background=tp_size() == 1)
+            self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory)
         self.compile_stats = self.compiled.stats if self.compiled is not None else CompileStats(level=0)
         self.clock.move(self.compile_stats.trace_seconds, "compile", "trace")  # Dynamo runs in the first forward
         from kiln.compiler.cuda_graphs import install_cuda_graphs

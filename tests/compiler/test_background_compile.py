@@ -3,12 +3,15 @@ and swapped in between two engine steps, mid-generation, gives the same greedy t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 
 from kiln import Runtime, SamplingParams
 from kiln.compiler import CompileKey
+from kiln.compiler.cuda_graphs import install_cuda_graphs
+from kiln.config import CUDAGraphMode, GraphSupport
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.slow
@@ -29,7 +32,7 @@ def _pending_gauge(runtime: Runtime) -> float:
                 if s.name == "kiln:background_compiles_pending")
 
 
-def _tokens(runtime: Runtime, swap_after_steps: int | None = None) -> dict[str, list[int]]:
+def _tokens(runtime: Runtime, swap_after_steps: int | None = None, pending: int = 3) -> list[list[int]]:
     """Greedy generation driven step by step; with `swap_after_steps`, block there until the background
     compiles are done, so the next step swaps them in (mid-generation, at a step boundary)."""
     engine = runtime.engine
@@ -39,27 +42,54 @@ def _tokens(runtime: Runtime, swap_after_steps: int | None = None) -> dict[str, 
     while engine.has_unfinished():
         if steps == swap_after_steps:
             background = engine.worker.compiled.background
-            assert runtime.compile_stats.background_pending == 3  # 3 distinct pieces x size 4, not swapped yet
+            assert runtime.compile_stats.background_pending == pending  # e.g. 3 distinct pieces x size 4
             assert background.wait(timeout=1800)
-            assert runtime.compile_stats.background_pending == 3  # done, but only a step boundary swaps
-            assert _pending_gauge(runtime) == 3  # /metrics reads it live
+            assert runtime.compile_stats.background_pending == pending  # done, but only a step boundary swaps
+            assert _pending_gauge(runtime) == pending  # /metrics reads it live
         for out in engine.step():
             tokens[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
     return [tokens[i] for i in ids]
 
 
-def test_background_swap_is_token_identical(tiny_checkpoint, caplog: pytest.LogCaptureFixture) -> None:
+def _fake_graphs(runtime: Runtime, monkeypatch: pytest.MonkeyPatch):
+    """CUDA graphs on CPU through the fake graph of test_cuda_graphs (FULL decode and PIECEWISE at 1-8)."""
+    from tests.compiler.test_cuda_graphs import FakeGraph
+
+    worker = runtime.engine.worker
+    monkeypatch.setattr(type(worker.backend), "graph_support", GraphSupport.ALWAYS)
+    config = dataclasses.replace(worker.compilation, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                                 cudagraph_capture_sizes=(1, 2, 4, 8))
+    worker.graph_pool = install_cuda_graphs(worker.runner, config, worker.compiled, progress=False, factory=FakeGraph)
+    return worker.graph_pool
+
+
+def test_background_swap_is_token_identical(tiny_checkpoint, caplog: pytest.LogCaptureFixture,
+                                            monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     path = str(tiny_checkpoint("tiny-llama")[0])
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))  # a fresh compile cache, for the warm start
+    monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE", raising=False)
     reference = Runtime(path, **OPTIONS)
     caplog.set_level(logging.INFO, logger="kiln")
     tuned = Runtime(path, background_compile_sizes=(BATCH,), **OPTIONS)
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kiln ready in")]
     assert ready == [f"{tuned.startup_times.summary()}, 3 background compile(s) pending"]  # the start-up log
     assert reference.engine.worker.compiled.background is None
+    # the size swapped in is also a CUDA-graph size (as -O2's exact sizes are on a GPU): its graphs, captured
+    # with the range artifact, must be captured again at the swap
+    pool = _fake_graphs(tuned, monkeypatch)
+    graphs_at_batch = {id(c): c.entries[key][0] for c in pool.callables for key in c.entries
+                       if getattr(key, "num_tokens", key) == BATCH}
+    captured = dict(pool.stats.captures)
     expected = _tokens(reference)
     got = _tokens(tuned, swap_after_steps=3)  # prefill done, a few decode steps from the range artifact
     assert got == expected
+    recaptured = {id(c): c.entries[key][0] for c in pool.callables for key in c.entries
+                  if getattr(key, "num_tokens", key) == BATCH}
+    assert recaptured.keys() == graphs_at_batch.keys() and len(recaptured) > 1  # FULL + each piece's PIECEWISE
+    assert all(recaptured[k] is not graphs_at_batch[k] for k in recaptured)  # every graph at BATCH is new
+    assert sum(pool.stats.captures.values()) == sum(captured.values()) + len(recaptured)  # and only those
+    assert pool.stats.after_warmup_captures == 0 and tuned.engine.graph_replays["FULL"] > 0
     stats = tuned.compile_stats
     assert (stats.background_pending, stats.background_swapped, stats.background_failed) == (0, 3, 0)
     assert _pending_gauge(tuned) == 0  # dropped at the swap
@@ -68,3 +98,11 @@ def test_background_swap_is_token_identical(tiny_checkpoint, caplog: pytest.LogC
     runners = tuned.engine.worker.compiled.capture.runners.values()
     assert all(r.last_key == CompileKey.size(BATCH) for r in runners)
     assert all(r.compiled[CompileKey.size(BATCH)] is not r.compiled[CompileKey.range(1, 32)] for r in runners)
+    # a warm start finds the swapped artifacts in the compile cache: they are in before ready (no graph to
+    # capture again), nothing is pending, and no worker compiles
+    warm = Runtime(path, background_compile_sizes=(BATCH,), **OPTIONS)
+    stats = warm.compile_stats
+    assert (stats.background_pending, stats.background_swapped, stats.inductor_compiles) == (0, 3, 0)
+    assert stats.cache_hits == 6  # 3 pieces x (the range + the background size)
+    assert BATCH in warm.engine.worker.compiled.backend.dispatcher.sizes
+    assert _tokens(warm) == expected

@@ -56,3 +56,24 @@ def test_graphs_match_no_graphs(tiny_checkpoint, model: str, dtype: str, backend
     assert graphed.compile_stats.compiles_after_warmup == 0 and graphed.compile_stats.traces_after_warmup == 0
     print(f"{model}/{backend}: captures {captures}, replays {graphed.engine.graph_replays}, "
           f"capture {pool.stats.capture_seconds:.1f}s, {pool.stats.memory_bytes / 2**20:.0f} MiB")
+
+
+def test_background_swap_recaptures_graphs_on_gpu(tiny_checkpoint) -> None:
+    """-O2's default plan on a GPU: exact decode sizes compile after ready and are swapped in mid-generation;
+    their graphs (captured with the range artifact) are captured again, and tokens equal a runtime that
+    compiled the same sizes up front."""
+    from tests.compiler.test_background_compile import _tokens
+
+    path = str(tiny_checkpoint("tiny-llama")[0])
+    common = dict(device="cuda", dtype="fp32", level=2, attention_backend="triton", max_num_batched_tokens=32,
+                  max_num_seqs=4, kv_cache_bytes=64 << 20, cudagraph_capture_sizes=(1, 2, 4, 8))
+    upfront = Runtime(path, compile_sizes=(1, 2, 4, 8), **common)
+    tuned = Runtime(path, **common)  # the default plan: (1, 2, 4, 8) in the background
+    assert tuned.engine.worker.compilation.background_compile_sizes == (1, 2, 4, 8)
+    pool = tuned.engine.worker.graph_pool
+    before = sum(pool.stats.captures.values())
+    assert _tokens(tuned, swap_after_steps=3, pending=12) == _tokens(upfront)
+    stats = tuned.compile_stats
+    assert (stats.background_pending, stats.background_swapped, stats.background_failed) == (0, 12, 0)
+    assert sum(pool.stats.captures.values()) > before and pool.stats.after_warmup_captures == 0
+    print(f"swap {stats.background_swap_seconds:.2f}s, captures {pool.stats.captures}")

@@ -42,6 +42,7 @@ def run_warmup(args: argparse.Namespace) -> int:
     _use_cache_dir(args)
     start = time.perf_counter()
     runtime = Runtime(args.model, **runtime_kwargs(args))
+    runtime.finish_background_compiles()  # those artifacts reach the cache too
     stats = runtime.compile_stats
     print(f"kiln warmup: {stats.summary()}")
     print(f"inductor_compiles={stats.inductor_compiles} cache_hits={stats.cache_hits} "
