@@ -239,14 +239,12 @@ class CompilationConfig:
         sizes = self.compile_sizes
         background = self.background_compile_sizes
         if sizes is None:
-            if level < 2 or (on_gpu and level == 2):
+            if level < 2:
                 sizes = ()
-            else:  # -O3 on a GPU: every capture size, up front
-                sizes = capture if on_gpu else (1,)
-            if background is None and on_gpu and level == 2:
-                # -O2's exact sizes serve only small decode batches faster: serve first from the range artifact,
-                # compile them after the runtime is ready, swap them in and re-capture their graphs
-                background = tuple(s for s in GPU_EXACT_SIZES if s in capture)
+            elif on_gpu:  # every capture size runs (and is captured) from the range artifact otherwise
+                sizes = tuple(s for s in GPU_EXACT_SIZES if s in capture) if level == 2 else capture
+            else:
+                sizes = (1,)
         if background is None:  # -O3's extras: not needed to serve, so compiled after the runtime is ready
             background = () if level < 3 else ((1024, 2048) if on_gpu else (2, 4))
         sizes = {int(s) for s in sizes if int(s) <= max_num_batched_tokens}
@@ -270,11 +268,11 @@ class CompilationConfig:
         )
 
 
-# -O2's exact sizes on a GPU: small decode batches only, compiled in the background after the runtime is
-# ready. An exact artifact is one more Inductor compile per distinct piece (x3 for a Llama), and the range
-# artifact, captured in a CUDA graph at each capture size, serves the rest; benchmarks/bench_compile_plan.py
-# measures exact against range at the capture sizes, and docs/compiler.md keeps the table that justifies
-# this choice. At most 8, which tests/compiler assert.
+# -O2's exact sizes on a GPU: small decode batches only, compiled up front (compiling them in the background
+# instead was measured slower to ready: docs/compiler.md). An exact artifact is one more Inductor compile per
+# distinct piece (x3 for a Llama), and the range artifact, captured in a CUDA graph at each capture size,
+# serves the rest; benchmarks/bench_compile_plan.py measures exact against range at the capture sizes, and
+# docs/compiler.md keeps the table that justifies this choice. At most 8, which tests/compiler assert.
 GPU_EXACT_SIZES = (1, 2, 4, 8)
 
 

@@ -1,7 +1,8 @@
 """Serve first, tune in the background: compiles not needed to serve run after the runtime is ready.
 
 `background_compile_sizes` (resolved: -O3's extra exact sizes) are compiled in a spawned worker process
-pool while the engine serves from the range artifacts; the engine calls `swap_if_done()` at every step
+pool, started once the runtime is ready (`start()`, after the CUDA-graph capture), while the engine serves
+from the range artifacts; the engine calls `swap_if_done()` at every step
 boundary (before a forward is launched, never inside one), and once every compile has finished, the new
 artifacts are loaded and installed in all piece runners and the sizes added to the dispatcher, in one go
 on the engine's thread. Nothing compiles or loads in the serving thread before that, and a failed
@@ -9,8 +10,9 @@ compile only means that size keeps being served from its range.
 
 Rule with CUDA graphs: a graph holds the artifact it was captured with, so the graphs at a swapped size are
 captured again right after the swap (`on_swap`, set by kiln/compiler/cuda_graphs.py; the device is
-synchronised first, so the step in flight finishes with the graphs it was launched with). -O2 on a GPU
-compiles its exact decode sizes this way: the runtime is ready as soon as the range artifacts are.
+synchronised first, so the step in flight finishes with the graphs it was launched with). So any size may
+be a background size; -O2 still compiles its exact decode sizes up front, which was measured faster to ready
+(docs/compiler.md).
 
 Where every artifact is already in the compile cache (a warm start), nothing is left to do in the
 background: the constructor reads them and `install_compiler` swaps them in before any graph is captured,
@@ -63,12 +65,22 @@ class BackgroundCompiles:
             logger.warning("background compiles need the traced graph (this start loaded it from the "
                            "cache without its example values); %d stay on their ranges", len(todo))
             todo = []
+        self._todo = todo
+        self._workers = workers
         if not todo:
             self._done.set()
+
+    def start(self) -> None:
+        """Start compiling what the cache did not have, once the runtime is ready: the worker processes would
+        otherwise take the cores the CUDA-graph capture needs (an 8B cold start's capture went 2.1 -> 6.2 s
+        on an H200 host when they ran beside it)."""
+        if self._done.is_set() or getattr(self, "_thread", None) is not None:
             return
+        todo = self._todo
         # always worker processes (at least one): an Inductor compile on a second thread of the serving
         # process would share Dynamo's and Inductor's global state with the forwards
-        self._pool = CompilePool(backend.compiler, self._symbol, workers or default_workers(len(todo)) or 1)
+        self._pool = CompilePool(self.compiled.backend.compiler, self._symbol,
+                                 self._workers or default_workers(len(todo)) or 1)
         for job in todo:  # pickle the pieces here, not on the background thread
             self._pool.prepare(job)
         self._thread = threading.Thread(target=self._run, args=(todo,), name="kiln-background-compile", daemon=True)
@@ -93,6 +105,7 @@ class BackgroundCompiles:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every background compile has finished (not yet swapped in); for tests, benchmarks."""
+        self.start()
         return self._done.wait(timeout)
 
     def swap_if_done(self) -> bool:

@@ -114,6 +114,8 @@ class Worker:
             if kernels is not None:  # no launch of its may overlap a graph capture
                 kernels.join()
             self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled)
+        if self.compiled is not None and self.compiled.background is not None:
+            self.compiled.background.start()  # after the capture, whose cores its workers would take
 
     def _start_kernel_warmup(self) -> KernelWarmup | None:
         """On a GPU, kiln's Triton kernels at the sizes the capture will run, on a thread beside the compile

@@ -59,16 +59,15 @@ def test_graphs_match_no_graphs(tiny_checkpoint, model: str, dtype: str, backend
 
 
 def test_background_swap_recaptures_graphs_on_gpu(tiny_checkpoint) -> None:
-    """-O2's default plan on a GPU: exact decode sizes compile after ready and are swapped in mid-generation;
-    their graphs (captured with the range artifact) are captured again, and tokens equal a runtime that
-    compiled the same sizes up front."""
+    """Exact decode sizes compiled after ready and swapped in mid-generation: their graphs (captured with the
+    range artifact) are captured again, and tokens equal a runtime that compiled the same sizes up front."""
     from tests.compiler.test_background_compile import _tokens
 
     path = str(tiny_checkpoint("tiny-llama")[0])
     common = dict(device="cuda", dtype="fp32", level=2, attention_backend="triton", max_num_batched_tokens=32,
                   max_num_seqs=4, kv_cache_bytes=64 << 20, cudagraph_capture_sizes=(1, 2, 4, 8))
     upfront = Runtime(path, compile_sizes=(1, 2, 4, 8), **common)
-    tuned = Runtime(path, **common)  # the default plan: (1, 2, 4, 8) in the background
+    tuned = Runtime(path, compile_sizes=(), background_compile_sizes=(1, 2, 4, 8), **common)
     assert tuned.engine.worker.compilation.background_compile_sizes == (1, 2, 4, 8)
     pool = tuned.engine.worker.graph_pool
     before = sum(pool.stats.captures.values())
