@@ -40,8 +40,10 @@ def configurations(names: list[str]) -> dict[str, dict[str, Any]]:
     """label -> Runtime options: off, default (the level's set), all, or one pass alone."""
     known = {"off": {"enable_passes": False}, "default": {"passes": LEVEL_DEFAULTS[2]},
              "all": {"passes": ALL_PASSES},
-             # Inductor's horizontal fusion of independent kernels (RoPE of q and k, v's copy: one launch)
-             "combo_kernels": {"inductor_options": {"combo_kernels": True}}}
+             # Inductor's horizontal fusion of independent kernels (RoPE of q and k, v's copy: one launch),
+             # the GPU default at -O2 since 2026-11-30
+             "combo_kernels": {"inductor_options": {"combo_kernels": True}},
+             "no_combo_kernels": {"inductor_options": {"combo_kernels": False}}}
     out = {}
     for name in names:
         if name in known:

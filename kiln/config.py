@@ -239,12 +239,14 @@ class CompilationConfig:
         sizes = self.compile_sizes
         background = self.background_compile_sizes
         if sizes is None:
-            if level < 2:
+            if level < 2 or (on_gpu and level == 2):
                 sizes = ()
-            elif on_gpu:  # every capture size runs (and is captured) from the range artifact otherwise
-                sizes = tuple(s for s in GPU_EXACT_SIZES if s in capture) if level == 2 else capture
-            else:
-                sizes = (1,)
+            else:  # -O3 on a GPU: every capture size, up front
+                sizes = capture if on_gpu else (1,)
+            if background is None and on_gpu and level == 2:
+                # -O2's exact sizes serve only small decode batches faster: serve first from the range artifact,
+                # compile them once the runtime is ready, swap them in and capture their graphs again
+                background = tuple(s for s in GPU_EXACT_SIZES if s in capture)
         if background is None:  # -O3's extras: not needed to serve, so compiled after the runtime is ready
             background = () if level < 3 else ((1024, 2048) if on_gpu else (2, 4))
         sizes = {int(s) for s in sizes if int(s) <= max_num_batched_tokens}
@@ -254,8 +256,12 @@ class CompilationConfig:
         sizes, background = tuple(sorted(sizes)), tuple(sorted(background))
         # an end point at or above the budget would make an empty range
         ranges = tuple(sorted({int(p) for p in self.compile_ranges if int(p) < max_num_batched_tokens}))
+        options = dict(self.inductor_options)
+        if on_gpu and level >= 2:
+            options = {**dict(GPU_INDUCTOR_OPTIONS), **options}
         return dataclasses.replace(
             self,
+            inductor_options=tuple(sorted(options.items())),
             compile_sizes=sizes if level >= 1 else (),
             background_compile_sizes=background if level >= 1 else (),
             compile_ranges=ranges if level >= 1 else (),
@@ -268,12 +274,17 @@ class CompilationConfig:
         )
 
 
-# -O2's exact sizes on a GPU: small decode batches only, compiled up front (compiling them in the background
-# instead was measured slower to ready: docs/compiler.md). An exact artifact is one more Inductor compile per
-# distinct piece (x3 for a Llama), and the range artifact, captured in a CUDA graph at each capture size,
-# serves the rest; benchmarks/bench_compile_plan.py measures exact against range at the capture sizes, and
-# docs/compiler.md keeps the table that justifies this choice. At most 8, which tests/compiler assert.
+# -O2's exact sizes on a GPU: small decode batches only, compiled in the background once the runtime is ready
+# (up front under tensor parallelism). An exact artifact is one more Inductor compile per distinct piece (x3 for
+# a Llama), and the range artifact, captured in a CUDA graph at each capture size, serves the rest;
+# benchmarks/bench_compile_plan.py measures exact against range at the capture sizes, and docs/compiler.md keeps
+# the table that justifies this choice and the start-up A/B of up front vs background. At most 8, which
+# tests/compiler assert.
 GPU_EXACT_SIZES = (1, 2, 4, 8)
+# Inductor options -O2 and -O3 set on a GPU: combo kernels launch independent kernels of a piece as one (the
+# RoPE of q and of k and v's copy before attention), measured faster (docs/compiler.md); an explicit
+# inductor_options entry of the same name wins.
+GPU_INDUCTOR_OPTIONS = (("combo_kernels", True),)
 
 
 def default_piecewise_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:

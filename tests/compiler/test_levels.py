@@ -44,11 +44,18 @@ def test_gpu_level_defaults() -> None:
                                                                                        False)
     assert o1.cudagraph_capture_sizes == capture
     assert (o2.cudagraph_mode, o2.enable_passes, o2.max_autotune) == ("FULL_AND_PIECEWISE", True, False)
-    assert o2.compile_sizes == (1, 2, 4, 8)  # small decode batches; the range artifact serves the rest
-    assert o2.background_compile_sizes == ()
-    # where no background swap is possible (tensor parallelism) background sizes compile up front
-    tp = CompilationConfig(level=3).resolve(GPU, BUDGET, background_supported=False)
-    assert tp.compile_sizes == tuple(sorted(set(capture) | {1024, 2048})) and tp.background_compile_sizes == ()
+    # small decode batches, compiled after the runtime is ready; the range artifact serves the rest
+    assert o2.compile_sizes == () and o2.background_compile_sizes == (1, 2, 4, 8)
+    # where no background swap is possible (tensor parallelism) they compile up front
+    tp = CompilationConfig(level=2).resolve(GPU, BUDGET, background_supported=False)
+    assert tp.compile_sizes == (1, 2, 4, 8) and tp.background_compile_sizes == ()
+    tp3 = CompilationConfig(level=3).resolve(GPU, BUDGET, background_supported=False)
+    assert tp3.compile_sizes == tuple(sorted(set(capture) | {1024, 2048})) and tp3.background_compile_sizes == ()
+    # Inductor's combo kernels at -O2/-O3 on a GPU only, unless the user says otherwise
+    assert dict(o2.inductor_options) == dict(o3.inductor_options) == {"combo_kernels": True}
+    assert o1.inductor_options == () and resolve(level=2).inductor_options == ()
+    off = resolve(GPU, level=2, inductor_options={"combo_kernels": False, "aggressive_fusion": True})
+    assert dict(off.inductor_options) == {"combo_kernels": False, "aggressive_fusion": True}
     # -O3 compiles every capture size up front (graphs capture them) and the sizes above them afterwards
     assert o3.compile_sizes == capture and o3.max_autotune
     assert o3.background_compile_sizes == (1024, 2048)
@@ -65,11 +72,15 @@ def test_o2_gpu_plan_compiles_at_most_8_exact_sizes(budget: int) -> None:
     from kiln.compiler import build_dispatcher
 
     c = resolve(GPU, budget=budget, level=2)
+    exact = c.compile_sizes + c.background_compile_sizes  # up front (none) and after ready
     assert len(c.cudagraph_capture_sizes) > MAX_O2_GPU_EXACT_SIZES  # the plan really leaves sizes out
-    assert 0 < len(c.compile_sizes) <= MAX_O2_GPU_EXACT_SIZES
-    assert set(c.compile_sizes) <= set(c.cudagraph_capture_sizes) and c.background_compile_sizes == ()
-    # what one distinct piece is compiled for: the general range plus the exact sizes
-    assert len(build_dispatcher(c, budget).keys) == 1 + len(c.compile_sizes)
+    assert c.compile_sizes == () and 0 < len(exact) <= MAX_O2_GPU_EXACT_SIZES
+    assert set(exact) <= set(c.cudagraph_capture_sizes)
+    # what one distinct piece is compiled for before ready: the general range alone
+    assert len(build_dispatcher(c, budget).keys) == 1
+    # without a background swap (tensor parallelism) the same sizes, up front
+    tp = CompilationConfig(level=2).resolve(GPU, budget, background_supported=False)
+    assert tp.compile_sizes == exact and len(build_dispatcher(tp, budget).keys) == 1 + len(exact)
 
 
 def test_background_sizes_may_be_captured_sizes() -> None:
@@ -80,6 +91,8 @@ def test_background_sizes_may_be_captured_sizes() -> None:
     c = resolve(GPU, level=2, compile_sizes=(8,), background_compile_sizes=(8, 24))
     assert c.compile_sizes == (8,) and c.background_compile_sizes == (24,)
     assert resolve(CPU, level=2, background_compile_sizes=(8, 1)).background_compile_sizes == (8,)
+    # an explicit compile plan is the whole plan: no background sizes are added to it
+    assert resolve(GPU, level=2, compile_sizes=()).background_compile_sizes == ()
 
 
 def test_default_level_is_2() -> None:
@@ -91,7 +104,7 @@ def test_capture_sizes_respect_the_budget() -> None:
     c = resolve(GPU, budget=48, level=3)
     assert c.cudagraph_capture_sizes == (1, 2, 4, 8, 16, 24, 32, 40, 48)
     assert c.compile_sizes == c.cudagraph_capture_sizes
-    assert resolve(GPU, budget=4, level=2).compile_sizes == (1, 2, 4)
+    assert resolve(GPU, budget=4, level=2).background_compile_sizes == (1, 2, 4)
 
 
 def test_explicit_options_override_the_level() -> None:
