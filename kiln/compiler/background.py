@@ -1,9 +1,9 @@
 """Serve first, tune in the background: compiles not needed to serve run after the runtime is ready.
 
-`background_compile_sizes` (resolved: -O3's extra exact sizes) are compiled in a spawned worker process
-pool, started once the runtime is ready (`start()`, after the CUDA-graph capture), while the engine serves
-from the range artifacts; the engine calls `swap_if_done()` at every step
-boundary (before a forward is launched, never inside one), and once every compile has finished, the new
+`background_compile_sizes` (resolved: on a GPU -O2's exact decode sizes, -O3's sizes above the capture sizes)
+are compiled in a spawned worker process pool, started once the runtime is ready (`start()`, after the
+CUDA-graph capture), while the engine serves from the range artifacts; the engine calls `swap_if_done()` at
+every step boundary (before a forward is launched, never inside one), and once every compile has finished, the new
 artifacts are loaded and installed in all piece runners and the sizes added to the dispatcher, in one go
 on the engine's thread. Nothing compiles or loads in the serving thread before that, and a failed
 compile only means that size keeps being served from its range.
@@ -11,8 +11,8 @@ compile only means that size keeps being served from its range.
 Rule with CUDA graphs: a graph holds the artifact it was captured with, so the graphs at a swapped size are
 captured again right after the swap (`on_swap`, set by kiln/compiler/cuda_graphs.py; the device is
 synchronised first, so the step in flight finishes with the graphs it was launched with). So any size may
-be a background size; -O2 still compiles its exact decode sizes up front, which was measured faster to ready
-(docs/compiler.md).
+be a background size: an 8B cold start reached its first token 7-9 s sooner with -O2's exact sizes here
+than with them up front (docs/compiler.md).
 
 Where every artifact is already in the compile cache (a warm start), nothing is left to do in the
 background: the constructor reads them and `install_compiler` swaps them in before any graph is captured,
@@ -67,6 +67,7 @@ class BackgroundCompiles:
             todo = []
         self._todo = todo
         self._workers = workers
+        self._thread: threading.Thread | None = None
         if not todo:
             self._done.set()
 
@@ -74,7 +75,7 @@ class BackgroundCompiles:
         """Start compiling what the cache did not have, once the runtime is ready: the worker processes would
         otherwise take the cores the CUDA-graph capture needs (an 8B cold start's capture went 2.1 -> 6.2 s
         on an H200 host when they ran beside it)."""
-        if self._done.is_set() or getattr(self, "_thread", None) is not None:
+        if self._done.is_set() or self._thread is not None:
             return
         todo = self._todo
         # always worker processes (at least one): an Inductor compile on a second thread of the serving
