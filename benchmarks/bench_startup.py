@@ -112,6 +112,8 @@ def child_start(spec: dict[str, Any]) -> dict[str, Any]:
         "runtime_s": ready - imported, "first_generate_s": first - ready,
         "phases": rt.startup_times.as_dict(), "summary": rt.startup_times.summary(),
         "load_config_s": rt.engine.loaded.config_seconds,  # of the load phase: reading config.json (json)
+        # the whole load: materialising plus streaming the weights (on a GPU mostly beside trace and compile)
+        "load_work_s": rt.engine.loaded.load_seconds,
         "dynamo_traces": stats.dynamo_traces, "inductor_compiles": stats.inductor_compiles,
         "cache_hits": stats.cache_hits, "compile_summary": stats.summary(),
     }

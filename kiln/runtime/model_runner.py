@@ -61,7 +61,7 @@ class PreparedBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor,
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor | None,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  device: torch.device, eos_token_ids: frozenset[int],
                  block_ids_of: Callable[[Request], list[int]],
@@ -73,7 +73,7 @@ class ModelRunner:
         self._row_owner: list[list[int] | None] = [None] * max_num_seqs  # whose block ids each row holds
         self._row_blocks: list[int] = [0] * max_num_seqs  # how many of its block ids are written there
         self.backend = backend
-        self.kv_cache = kv_cache  # [num_layers, num_blocks, 2, block_size, Hkv, D]
+        self.kv_cache = kv_cache  # [num_layers, num_blocks, 2, block_size, Hkv, D]; None until the worker sizes it
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = eos_token_ids

@@ -1,10 +1,11 @@
 """Where start-up time goes: one record of every phase from `Engine(...)` to ready, and its one-line summary.
 
 Phases, in the order a start runs them (docs/startup.md):
-  load       weights from the checkpoint (or random weights) onto the device
-  kv         KV cache sizing (on a GPU, a profiling forward at the full token budget) and allocation
+  load       weights from the checkpoint (or random weights) onto the device; on a GPU they stream in beside
+             trace and compile, and only the wait for them afterwards counts here
   trace      Dynamo's capture of the model (0 on a warm start: the split graph comes from the cache)
   compile    the rest of the compile phase: Inductor compiles or cache loads, and a test forward per range
+  kv         KV cache sizing (on a GPU, a profiling forward at the full token budget) and allocation
   capture    CUDA graph capture at every capture size
   tokenizer  the wait for the tokenizer, loaded on a thread since the engine's start (0 for a preset)
 `total` is wall time from the engine's start to ready; what no phase covers (tensor-parallel spawn,

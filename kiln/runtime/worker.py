@@ -26,6 +26,10 @@ from kiln.runtime.startup import StartupClock
 
 logger = logging.getLogger("kiln")
 
+# where the weights stream in on a thread beside the compile phase (kiln/models/loader/load.py WeightStream);
+# elsewhere they load in line (on a CPU the compile phase is the same cores' Python work: nothing to overlap)
+BACKGROUND_WEIGHT_DEVICES = frozenset({"cuda"})
+
 
 def resolve_max_model_len(config: RuntimeConfig, spec: ModelSpec) -> int:
     asked = config.scheduler.max_model_len
@@ -48,6 +52,11 @@ def fp8_kv_scales(model: torch.nn.Module, num_layers: int) -> tuple[tuple[float,
 
 
 class Worker:
+    """Built in two steps: the constructor loads the model (on a GPU the weights stream in on a thread) and
+    sets up the runner; `warm_up` compiles, then waits for the weights, sizes and allocates the KV cache, and
+    captures the CUDA graphs. Tracing and compiling need the weights' shapes only, so the load runs beside
+    them (docs/startup.md)."""
+
     def __init__(self, config: RuntimeConfig, device: torch.device, loaded: LoadedModel | None = None,
                  agree_num_blocks=None, clock: StartupClock | None = None) -> None:
         self.config = config
@@ -56,35 +65,45 @@ class Worker:
         with self.clock.phase("load"):
             self.loaded = loaded or load_model(config.model, device=device, dtype=config.dtype,
                                                load_format=config.load_format, seed=config.seed,
-                                               quantization=config.quantization)
+                                               quantization=config.quantization,
+                                               background=device.type in BACKGROUND_WEIGHT_DEVICES)
         spec = self.loaded.spec
         self.model = self.loaded.model
         self.max_model_len = resolve_max_model_len(config, spec)
         world = tp_size()
         self.num_heads, self.num_kv_heads = spec.num_heads // world, max(1, spec.num_kv_heads // world)
         kv_dtype = config.cache.kv_dtype(self.loaded.dtype)
-        layout = AttentionLayout(self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5,
-                                 config.cache.block_size, self.loaded.dtype, kv_dtype)
-        backend_cls = select_backend(config.attention_backend, layout, device)
-        self.backend = backend_cls(layout, device)
+        self.layout = AttentionLayout(self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5,
+                                      config.cache.block_size, self.loaded.dtype, kv_dtype)
+        backend_cls = select_backend(config.attention_backend, self.layout, device)
+        self.backend = backend_cls(self.layout, device)
         sched = config.scheduler
         self.graph_pool = None  # set by warm_up when CUDA graphs are captured
-        with self.clock.phase("kv"):
-            num_blocks = kv_cache_num_blocks(config.cache, spec, device, self.model, sched.max_num_batched_tokens,
-                                             layout, self.max_model_len)
-            if agree_num_blocks is not None:  # every rank must page the same block ids
-                num_blocks = agree_num_blocks(num_blocks)
-            self.num_blocks = num_blocks
-            self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size,
-                                        self.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=device)
-        kv_scales = fp8_kv_scales(self.model, spec.num_layers) if is_fp8(kv_dtype) else None
-        self.runner = ModelRunner(self.model, self.backend, self.kv_cache, config.cache.block_size,
+        self._agree_num_blocks = agree_num_blocks
+        self.num_blocks = 0
+        self.kv_cache: torch.Tensor | None = None  # allocated by warm_up, once the weights are in
+        self.runner = ModelRunner(self.model, self.backend, None, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
-                                  device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [],
-                                  kv_scales=kv_scales)
+                                  device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [])
+
+    def _allocate_kv_cache(self) -> None:
+        """Wait for the weights (their memory counts as in use), size the KV cache and hand it to the runner."""
+        with self.clock.phase("load"):  # the part of the load the compile phase did not cover
+            self.loaded.wait_for_weights()
+        config, spec, layout = self.config, self.loaded.spec, self.layout
+        with self.clock.phase("kv"):
+            num_blocks = kv_cache_num_blocks(config.cache, spec, self.device, self.model,
+                                             config.scheduler.max_num_batched_tokens, layout, self.max_model_len)
+            if self._agree_num_blocks is not None:  # every rank must page the same block ids
+                num_blocks = self._agree_num_blocks(num_blocks)
+            self.num_blocks = num_blocks
+            self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size, self.num_kv_heads,
+                                        spec.head_dim, dtype=layout.cache_dtype, device=self.device)
+        self.runner.kv_cache = self.kv_cache
+        self.runner.kv_scales = fp8_kv_scales(self.model, spec.num_layers) if is_fp8(layout.cache_dtype) else None
 
     def warm_up(self) -> None:
-        """Start-up work every rank does identically before serving (compilation, graph capture)."""
+        """Start-up work every rank does identically before serving (compilation, KV cache, graph capture)."""
         # -O1..-O3: trace, compile every range/size and run each once now, so no request waits on a compile
         from kiln.compiler import CompileStats, install_compiler
 
@@ -111,8 +130,10 @@ class Worker:
         from kiln.compiler.cuda_graphs import install_cuda_graphs
 
         with self.clock.phase("capture"):
-            if kernels is not None:  # no launch of its may overlap a graph capture
+            if kernels is not None:  # no launch of its may overlap a graph capture, nor its buffers the KV sizing
                 kernels.join()
+        self._allocate_kv_cache()
+        with self.clock.phase("capture"):
             self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled)
         if self.compiled is not None and self.compiled.background is not None:
             self.compiled.background.start()  # after the capture, whose cores its workers would take

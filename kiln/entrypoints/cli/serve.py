@@ -42,6 +42,7 @@ def build_engine(model: str | None, kwargs: dict[str, Any], progress: bool = Tru
     from kiln.runtime.engine import Engine
     from kiln.runtime.runtime import build_config
     from kiln.runtime.startup import StartupClock
+    from kiln.runtime.worker import BACKGROUND_WEIGHT_DEVICES
 
     config = build_config(model, **kwargs)
     device = resolve_device(config.device)
@@ -51,9 +52,10 @@ def build_engine(model: str | None, kwargs: dict[str, Any], progress: bool = Tru
     with tqdm(total=2, unit="stage", disable=not progress, file=sys.stderr,
               bar_format="{desc:<44}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}]") as bar:
         bar.set_description("loading weights")
-        with clock.phase("load"):
+        with clock.phase("load"):  # on a GPU the weights go on streaming in while the engine compiles
             loaded = load_model(config.model, device=device, dtype=config.dtype, load_format=config.load_format,
-                                seed=config.seed, quantization=config.quantization)
+                                seed=config.seed, quantization=config.quantization,
+                                background=device.type in BACKGROUND_WEIGHT_DEVICES)
         bar.update(1)
         bar.set_description("building engine (KV cache, compile, warm-up)")
         engine = Engine(config, loaded, clock=clock)

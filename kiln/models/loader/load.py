@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,39 @@ from kiln.models.registry import model_class
 logger = logging.getLogger("kiln")
 
 
+class WeightStream:
+    """A materialised model's weights copied in on a thread, while the caller goes on (compiling, capturing:
+    neither reads weight values, only their shapes and addresses). Every loader copies into the existing
+    parameters in place (tests/models/test_weight_stream.py), so nothing traced or captured meanwhile goes
+    stale. `wait()` joins and raises the thread's exception, if any."""
+
+    def __init__(self, fill: Any, device: torch.device) -> None:
+        self.seconds = 0.0
+        self._fill = fill
+        self._device = device
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kiln-weights", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            if self._device.type == "cuda":  # a new thread's current device is device 0
+                torch.cuda.set_device(self._device)
+            self._fill()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the caller's thread
+            self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    def wait(self) -> float:
+        """Block until every weight is in; the thread's seconds."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.seconds
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module
@@ -40,6 +74,14 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     config_seconds: float = 0.0  # of load_seconds: reading the config (json; transformers only as the fallback)
+    weights: WeightStream | None = None  # weights still streaming in (load_model(background=True))
+
+    def wait_for_weights(self) -> None:
+        """Return once every weight is in the model (at once where they were loaded in line)."""
+        if self.weights is not None:
+            stream, self.weights = self.weights, None
+            stream.wait()
+            self.load_seconds += stream.seconds
 
 
 def model_directory(model: str | None) -> Path | None:
@@ -99,7 +141,10 @@ def safetensors_weights(model_dir: Path, device: torch.device) -> Iterator[tuple
 
 
 def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dtype = "auto",
-               load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> LoadedModel:
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None,
+               background: bool = False) -> LoadedModel:
+    """`background=True`: return once the model is materialised, the weights streaming in on a thread
+    (`LoadedModel.wait_for_weights()`); not for quantized models, whose loaders build new parameters."""
     start = time.perf_counter()
     model_dir, hf_config = resolve_model_source(model)
     config_seconds = time.perf_counter() - start
@@ -127,14 +172,23 @@ def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dt
         weights = dummy_weights(spec, device, torch_dtype, seed)
     else:
         weights = safetensors_weights(model_dir, device)
-    loaded = net.load_weights(weights)
-    expected = {n for n, _ in net.named_parameters(remove_duplicate=False)}
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ValueError(f"checkpoint {model_dir or model} is missing weights: {', '.join(missing[:8])}")
-    net.eval()
-    seconds = time.perf_counter() - start
+    net.eval()  # before anything is traced: Dynamo guards on the training flag
     quant = f", fp8 linears ({spec.quantization.source})" if spec.quantization else ""
-    logger.info("loaded %s (%s, %s%s) on %s in %.2fs (config %.2fs)", spec.architecture, load_format, torch_dtype,
-                quant, device, seconds, config_seconds)
+    description = f"{spec.architecture} ({load_format}, {torch_dtype}{quant}) on {device}"
+
+    def fill() -> None:
+        loaded = net.load_weights(weights)
+        expected = {n for n, _ in net.named_parameters(remove_duplicate=False)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint {model_dir or model} is missing weights: {', '.join(missing[:8])}")
+
+    if background and spec.quantization is None:
+        logger.info("materialised %s in %.2fs (config %.2fs); weights streaming in on a thread", description,
+                    time.perf_counter() - start, config_seconds)
+        return LoadedModel(net, spec, hf_config, model_dir, torch_dtype, time.perf_counter() - start,
+                           config_seconds, WeightStream(fill, device))
+    fill()
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s in %.2fs (config %.2fs)", description, seconds, config_seconds)
     return LoadedModel(net, spec, hf_config, model_dir, torch_dtype, seconds, config_seconds)
