@@ -166,6 +166,20 @@ def test_runtime_kwargs_reach_the_compilation_config() -> None:
         (3, (4,), (16,), False, "/tmp/x")
 
 
+def test_cli_inductor_options() -> None:
+    parser = argparse.ArgumentParser()
+    add_runtime_args(parser)
+    args = parser.parse_args(["--inductor-option", "combo_kernels=false", "--inductor-option", "max_fusion_size=32"])
+    kwargs = runtime_kwargs(args)
+    assert kwargs["inductor_options"] == {"combo_kernels": False, "max_fusion_size": 32}
+    config = build_config("tiny-llama", **kwargs).compilation.resolve(GPU, BUDGET)
+    assert dict(config.inductor_options) == {"combo_kernels": False, "max_fusion_size": 32}  # the user's wins
+    assert "inductor_options" not in runtime_kwargs(parser.parse_args([]))
+    for bad in ("combo_kernels", "=1", "combo_kernels=yes please"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--inductor-option", bad])
+
+
 @pytest.mark.parametrize("argv, level", [([], None), (["-O0"], 0), (["-O1"], 1), (["-O3"], 3)])
 def test_cli_level_flags(argv: list[str], level: int | None) -> None:
     parser = argparse.ArgumentParser()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 from typing import Any
@@ -61,7 +62,12 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--compile-sizes", type=int, nargs="*", default=None, metavar="N",
                         help="exact token counts compiled with static shapes (none: the ranges serve all)")
     parser.add_argument("--background-compile-sizes", type=int, nargs="*", default=None, metavar="N",
-                        help="exact token counts compiled after start-up and swapped in (default: -O3's extras)")
+                        help="exact token counts compiled after start-up and swapped in (default on a GPU: -O2's "
+                             "1 2 4 8, -O3's extras)")
+    parser.add_argument("--inductor-option", action="append", default=None, metavar="NAME=VALUE",
+                        type=_inductor_option,
+                        help="an Inductor config entry for every compile, VALUE as JSON (e.g. combo_kernels=false); "
+                             "repeatable")
     parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
                         help="processes for Inductor compiles (default: half the cores, at most 16; 1: serial)")
     parser.add_argument("--passes", nargs="*", default=None, metavar="PASS",
@@ -71,6 +77,16 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="FP8 linear weights, quantized at load (FP8 checkpoints are detected on their own)")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _inductor_option(text: str) -> tuple[str, Any]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"{name}: {value!r} is not a JSON value (true, 3, \"max-autotune\")") from None
 
 
 def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -95,6 +111,8 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["async_scheduling"] = args.async_scheduling
     if getattr(args, "compile_dump", None):
         kwargs["debug_dump_path"] = args.compile_dump
+    if getattr(args, "inductor_option", None):
+        kwargs["inductor_options"] = dict(args.inductor_option)
     return kwargs
 
 
