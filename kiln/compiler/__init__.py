@@ -73,14 +73,15 @@ def default_pass_hook(config: CompilationConfig, attention_backend: Any = None) 
 
 def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool = True,
                      store_factory: Callable[[PostGradPassHook, dict[str, Any]], Any] | None = None,
-                     background: bool = True) -> CompiledForward | None:
+                     ) -> CompiledForward | None:
     """Compile the runner's model and warm it up; the runner then runs the compiled forward.
 
     `config` must be resolved. The runner keeps exact token counts (no padding): without CUDA graphs an
     exact-size artifact is only worth using on an exact match, and any other count has its range.
     `store_factory(pass_hook, inductor_patches)` gives the artifact cache's store (kiln.cache): it needs
-    the hook because the passes' uuid is part of the cache key. `background=False` drops the config's
-    background sizes (tensor parallelism: every rank would have to swap at the same step).
+    the hook because the passes' uuid is part of the cache key. The config's background sizes compile after
+    the caller's `background.start()` (CompilationConfig.resolve compiles them up front where no swap is
+    possible, as under tensor parallelism).
     """
     logger.info("compilation config (resolved): %s", config)
     if config.level < 1:
@@ -106,14 +107,10 @@ def install_compiler(runner: Any, config: CompilationConfig, *, progress: bool =
         _finish_store(store, compiled)
     runner.forward_fn = compiled
     if config.background_compile_sizes and compiled.capture is not None:
-        if background:
-            from kiln.compiler.background import BackgroundCompiles
+        from kiln.compiler.background import BackgroundCompiles
 
-            compiled.background = BackgroundCompiles(compiled, config.background_compile_sizes,
-                                                     config.compile_workers)
-            compiled.background.swap_if_done()  # all from the cache (a warm start): in now, before any graph
-        else:
-            logger.info("background compile sizes %s dropped (not supported here)", config.background_compile_sizes)
+        compiled.background = BackgroundCompiles(compiled, config.background_compile_sizes, config.compile_workers)
+        compiled.background.swap_if_done()  # all from the cache (a warm start): in now, before any graph
     logger.info("compiler ready: %s", compiled.stats.summary())
     return compiled
 
