@@ -32,6 +32,7 @@ from benchmarks.common import decode_step_seconds as common_decode_step_seconds
 from benchmarks.common import stamp, table
 from benchmarks.step_timeline import StepTimeline
 from kiln import Runtime, SamplingParams
+from kiln.entrypoints.cli.main import parse_inductor_option
 
 PROMPT_LEN = 128
 
@@ -240,9 +241,8 @@ def default_runtime(args: argparse.Namespace) -> tuple[Runtime, float]:
         kwargs["compile_ranges"] = tuple(args.compile_ranges)
     if args.quantization:  # an FP8 model at its defaults (issue 17)
         kwargs["quantization"] = args.quantization
-    if getattr(args, "inductor_option", None):  # an A/B of an Inductor setting: name=value (JSON value)
-        kwargs["inductor_options"] = {name: json.loads(value) for name, _, value in
-                                      (o.partition("=") for o in args.inductor_option)}
+    if getattr(args, "inductor_option", None):  # an A/B of an Inductor setting (parsed as `kiln` parses it)
+        kwargs["inductor_options"] = dict(args.inductor_option)
     start = time.perf_counter()
     rt = Runtime(args.model, device=args.device, load_format="dummy", attention_backend=args.backend, **kwargs)
     return rt, time.perf_counter() - start
@@ -509,6 +509,7 @@ def main() -> None:
                            help="time the whole workload this many times on one runtime; report the median run")
             p.add_argument("--quantization", default=None, choices=["fp8"], help="with --defaults: an FP8 model")
             p.add_argument("--inductor-option", action="append", default=None, metavar="NAME=VALUE",
+                           type=parse_inductor_option,
                            help="with --defaults: an Inductor config entry (JSON value), e.g. combo_kernels=true")
     args = parser.parse_args()
     if args.cmd == "kv-dtype":  # its own runtimes (CPU dry run included), no floors

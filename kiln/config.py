@@ -241,7 +241,7 @@ class CompilationConfig:
         if sizes is None:
             if level < 2 or (on_gpu and level == 2):
                 sizes = ()
-            else:  # -O3 on a GPU: every capture size, up front
+            else:  # -O3 on a GPU: every capture size, up front; -O2/-O3 on a CPU: one token
                 sizes = capture if on_gpu else (1,)
             if background is None and on_gpu and level == 2:
                 # -O2's exact sizes serve only small decode batches faster: serve first from the range artifact,

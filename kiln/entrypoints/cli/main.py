@@ -65,7 +65,7 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
                         help="exact token counts compiled after start-up and swapped in (default on a GPU: -O2's "
                              "1 2 4 8, -O3's extras)")
     parser.add_argument("--inductor-option", action="append", default=None, metavar="NAME=VALUE",
-                        type=_inductor_option,
+                        type=parse_inductor_option,
                         help="an Inductor config entry for every compile, VALUE as JSON (e.g. combo_kernels=false); "
                              "repeatable")
     parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
@@ -79,7 +79,8 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _inductor_option(text: str) -> tuple[str, Any]:
+def parse_inductor_option(text: str) -> tuple[str, Any]:
+    """`NAME=VALUE` (VALUE as JSON) -> (name, value): `--inductor-option` here and in the benchmarks."""
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
