@@ -138,7 +138,9 @@ class BackgroundCompiles:
         if sizes and self.on_swap is not None:
             self.on_swap(tuple(sizes))
         self.stats.background_swap_seconds = time.perf_counter() - start
-        logger.info("background compiles swapped in: exact sizes %s (%d artifacts, %d failed) after %.1f s; the "
-                    "swap took %.2f s", sizes, self.stats.background_swapped, self.stats.background_failed,
-                    self.seconds, self.stats.background_swap_seconds)
+        # a failure leaves its size on the range: worth a warning (the workers' own errors are on stderr)
+        logger.log(logging.WARNING if self.stats.background_failed else logging.INFO,
+                   "background compiles swapped in: exact sizes %s (%d artifacts, %d failed) after %.1f s; the "
+                   "swap took %.2f s", sizes, self.stats.background_swapped, self.stats.background_failed,
+                   self.seconds, self.stats.background_swap_seconds)
         return True

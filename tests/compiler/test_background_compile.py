@@ -106,3 +106,31 @@ def test_background_swap_is_token_identical(tiny_checkpoint, caplog: pytest.LogC
     assert stats.cache_hits == 6  # 3 pieces x (the range + the background size)
     assert BATCH in warm.engine.worker.compiled.backend.dispatcher.sizes
     assert _tokens(warm) == expected
+
+
+def test_a_script_without_the_main_guard_builds_one_runtime(tmp_path) -> None:
+    """Compile workers are spawned and re-import the main script: an unguarded `Runtime(...)` there must not
+    build a second runtime in each worker; the worker ends with an error naming the guard, the background
+    sizes stay on their range, and the script's own runtime serves."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from kiln import Runtime\n"
+        "rt = Runtime('tiny-llama', device='cpu', dtype='fp32', level=2, compile_sizes=(), "
+        "background_compile_sizes=(4,), max_num_batched_tokens=32, max_num_seqs=4)\n"
+        "print('ready', flush=True)\n"
+        "rt.finish_background_compiles()\n"
+        "s = rt.compile_stats\n"
+        "print('background', s.background_swapped, s.background_failed, flush=True)\n"
+        "print(rt.generate([[5, 6, 7]], __import__('kiln').SamplingParams(max_tokens=3)) is not None)\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["ready", "background 0 3", "True"], proc.stdout
+    assert 'build it under `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-3000:]
