@@ -14,7 +14,10 @@ then times decode steps at batch 1/8/64. Every part is run and recorded even if 
         --decode-batches 1 2 --json /tmp/kiln-startup/startup.json
 
 A variant is `default` or `key=value[;key=value...]` of Runtime options (`compile_sizes=1,8,64`,
-`compile_sizes=` for none, `level=3`); all variants share one checkpoint.
+`compile_sizes=` for none, `level=3`) and environment variables (`KILN_KERNEL_WARMUP=0`); all variants share
+one checkpoint. `--warm-repeats N` adds warm starts, the variants taking turns (an A/B of warm starts).
+KILN_BENCH_SAMPLE=1 writes where each start's main thread spent its wall time (stack_sampler.py) beside its
+result; KILN_BENCH_PROFILE=1 does the same with cProfile (which slows a start by 20-30%).
 """
 
 from __future__ import annotations
@@ -40,15 +43,30 @@ TUPLE_OPTIONS = ("compile_sizes", "compile_ranges", "cudagraph_capture_sizes", "
                  "background_compile_sizes")
 
 
-def parse_variant(text: str) -> dict[str, Any]:
-    """`default` -> {}; `compile_sizes=1,8,64;level=3` -> {"compile_sizes": (1, 8, 64), "level": 3}."""
+def _variant_parts(text: str) -> list[tuple[str, str]]:
     if text == "default":
-        return {}
-    options: dict[str, Any] = {}
+        return []
+    parts = []
     for part in filter(None, text.split(";")):
         key, sep, value = part.partition("=")
         if not sep or not key:
             raise ValueError(f"variant part {part!r} is not key=value")
+        parts.append((key, value))
+    return parts
+
+
+def variant_env(text: str) -> dict[str, str]:
+    """The variant's environment variables: its parts whose key starts with KILN_ (`KILN_KERNEL_WARMUP=0`)."""
+    return {key: value for key, value in _variant_parts(text) if key.startswith("KILN_")}
+
+
+def parse_variant(text: str) -> dict[str, Any]:
+    """`default` -> {}; `compile_sizes=1,8,64;level=3` -> {"compile_sizes": (1, 8, 64), "level": 3}; KILN_*
+    parts are environment variables (variant_env), not Runtime options."""
+    options: dict[str, Any] = {}
+    for key, value in _variant_parts(text):
+        if key.startswith("KILN_"):
+            continue
         if key in TUPLE_OPTIONS or "," in value:
             options[key] = tuple(_scalar(v) for v in value.split(",") if v)
         else:
@@ -118,6 +136,8 @@ def child_start(spec: dict[str, Any]) -> dict[str, Any]:
         "cache_hits": stats.cache_hits, "compile_summary": stats.summary(),
     }
     worker = rt.engine.worker
+    kernels = getattr(worker, "kernel_warmup", None)  # the GPU's kernel warm-up thread, beside the compile phase
+    result["kernel_warmup_s"] = kernels.seconds if kernels is not None else None
     compilation = getattr(worker, "compilation", None)
     result["compile_sizes"] = list(getattr(compilation, "compile_sizes", None) or ())
     # the sizes left to the background (-O2 on a GPU): pending at the first token, then waited for and swapped
@@ -202,6 +222,17 @@ def profiled(run, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def sampled(run, spec: dict[str, Any]) -> dict[str, Any]:
+    """KILN_BENCH_SAMPLE=1: sample the main thread's stack every 5 ms (stack_sampler.py: waits included, ~1%
+    overhead, unlike cProfile) and write the report beside the result, as <result>.sample.txt."""
+    from benchmarks.stack_sampler import StackSampler
+
+    with StackSampler() as sampler:
+        result = run(spec)
+    Path(spec["result"]).with_suffix(".sample.txt").write_text(sampler.report())
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama3-8b")
@@ -214,6 +245,10 @@ def main() -> None:
     parser.add_argument("--decode-modes", nargs="*", choices=["async", "sync"], default=["async"])
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock bound of the whole run")
     parser.add_argument("--start-timeout-s", type=float, default=320.0, help="bound of one start")
+    parser.add_argument("--warm-repeats", type=int, default=1,
+                        help="warm starts per variant; after the first, the variants take turns")
+    parser.add_argument("--sample-warm", action="store_true",
+                        help="one more warm start per variant, its main thread sampled (KILN_BENCH_SAMPLE)")
     parser.add_argument("--json", help="where the report goes (required)")
     parser.add_argument("--child", choices=["write", "start"], help=argparse.SUPPRESS)
     parser.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
@@ -221,7 +256,12 @@ def main() -> None:
     if args.child:
         spec = json.loads(args.spec)
         run = child_write if args.child == "write" else child_start
-        result = profiled(run, spec) if os.environ.get("KILN_BENCH_PROFILE") else run(spec)
+        if os.environ.get("KILN_BENCH_PROFILE"):
+            result = profiled(run, spec)
+        elif os.environ.get("KILN_BENCH_SAMPLE"):
+            result = sampled(run, spec)
+        else:
+            result = run(spec)
         Path(spec["result"]).write_text(json.dumps(result, indent=1))
         return
     if not args.json:
@@ -261,20 +301,35 @@ def drive(args: argparse.Namespace) -> None:
     if "error" in report["checkpoint"]:
         print(f"checkpoint failed: {report['checkpoint']['error']}\n{report['checkpoint']['log_tail']}")
         return
-    for variant in args.variants:
+
+    def start_one(variant: str, start: str, sample: bool = False) -> None:
+        """One start of `variant` on its own cache directory (emptied before its cold start)."""
         slug = "".join(c if c.isalnum() else "_" for c in variant)
         caches = workdir / "caches" / slug
-        shutil.rmtree(caches, ignore_errors=True)
-        caches.mkdir(parents=True)
-        runs = report["variants"][variant] = {}
+        if start == "cold":
+            shutil.rmtree(caches, ignore_errors=True)
+            caches.mkdir(parents=True)
+        spec = {**base, "variant": variant, "decode_modes": args.decode_modes,
+                "decode_batches": args.decode_batches if start == "warm" else []}
+        timeout = min(args.start_timeout_s, deadline - time.perf_counter())
+        print(f"{variant}: {start} start ...", flush=True)
+        runs = report["variants"][variant]
+        env = {**child_env(caches), **variant_env(variant), **({"KILN_BENCH_SAMPLE": "1"} if sample else {})}
+        runs[start] = run_child("start", spec, env, timeout, logs / f"{slug}-{start}.log")
+        print(f"{variant}: {start}: " + (runs[start].get("summary") or runs[start]["error"]), flush=True)
+        save()
+
+    for variant in args.variants:
+        report["variants"][variant] = {}
         for start in ("cold", "warm"):
-            spec = {**base, "variant": variant, "decode_batches": args.decode_batches if start == "warm" else [],
-                    "decode_modes": args.decode_modes}
-            timeout = min(args.start_timeout_s, deadline - time.perf_counter())
-            print(f"{variant}: {start} start ...", flush=True)
-            runs[start] = run_child("start", spec, child_env(caches), timeout, logs / f"{slug}-{start}.log")
-            print(f"{variant}: {start}: " + (runs[start].get("summary") or runs[start]["error"]), flush=True)
-            save()
+            start_one(variant, start)
+    # more warm starts, the variants taking turns: an A/B of warm starts with the order effects spread
+    for round_ in range(2, args.warm_repeats + 1):
+        for variant in args.variants:
+            start_one(variant, f"warm{round_}")
+    if args.sample_warm:  # not timed with the others: the sampler's thread takes the GIL every 5 ms
+        for variant in args.variants:
+            start_one(variant, "warm-sampled", sample=True)
     report["stamp"] = stamp()
     save()
     print_report(report)
@@ -298,7 +353,7 @@ def print_report(report: dict[str, Any]) -> None:
             if "error" in r:
                 rows.append([variant, start, r["error"]] + [""] * (len(headers) - 3))
                 continue
-            ref = REFERENCE_TO_READY_S[start]
+            ref = REFERENCE_TO_READY_S["cold" if start == "cold" else "warm"]
             rows.append([variant, start, r["to_first_token_s"], ref / r["to_first_token_s"],
                          r["interpreter_s"] + r["imports_s"], round(r["load_config_s"], 2)]
                         + [round(r["phases"][p], 2) for p in phases]

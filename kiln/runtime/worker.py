@@ -82,6 +82,7 @@ class Worker:
         self._agree_num_blocks = agree_num_blocks
         self.num_blocks = 0
         self.kv_cache: torch.Tensor | None = None  # allocated by warm_up, once the weights are in
+        self.kernel_warmup: KernelWarmup | None = None  # warm_up's thread of kernel launches (GPU), for its stats
         self.runner = ModelRunner(self.model, self.backend, None, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
                                   device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [])
@@ -122,7 +123,7 @@ class Worker:
         factory = store_factory(spec=self.loaded.spec, dtype=self.loaded.dtype, compilation=self.compilation,
                                 max_num_tokens=self.runner.max_num_tokens, device=self.device,
                                 attention_backend=self.backend.name, rank=tp_rank(), tp_size=tp_size())
-        kernels = self._start_kernel_warmup()
+        self.kernel_warmup = kernels = self._start_kernel_warmup()
         with self.clock.phase("compile"):
             self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory)
         self.compile_stats = self.compiled.stats if self.compiled is not None else CompileStats(level=0)

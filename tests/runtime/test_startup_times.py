@@ -43,3 +43,43 @@ def test_startup_summary_format() -> None:
     assert times.summary() == ("kiln ready in 12.3 s: load 4.1, tokenizer 0.2, trace 1.0, compile 3.2, kv 0.4, "
                                "capture 2.9, other 0.5")
     assert times.as_dict()["other"] == pytest.approx(0.54)
+
+
+def test_startup_runs_with_a_short_gil_switch_interval(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up's threads (weights, kernel warm-up, tokenizer) get the GIL back promptly; the caller's
+    interval is restored once the engine is ready, and after a failed start too."""
+    import sys
+
+    from kiln.runtime import startup
+    from kiln.runtime.worker import Worker
+
+    path = str(tiny_checkpoint("tiny-llama")[0])
+    seen: list[float] = []
+    warm_up = Worker.warm_up
+
+    def recording_warm_up(self: Worker) -> None:
+        seen.append(sys.getswitchinterval())
+        warm_up(self)
+
+    monkeypatch.setattr(Worker, "warm_up", recording_warm_up)
+    previous = sys.getswitchinterval()
+    assert previous != startup.STARTUP_SWITCH_INTERVAL_S
+    Runtime(path, device="cpu", level=0, max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64)
+    assert seen == [startup.STARTUP_SWITCH_INTERVAL_S] and sys.getswitchinterval() == previous
+
+    monkeypatch.setenv("KILN_STARTUP_SWITCH_INTERVAL_MS", "2")
+    Runtime(path, device="cpu", level=0, max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64)
+    assert seen[-1] == pytest.approx(0.002) and sys.getswitchinterval() == previous
+
+    monkeypatch.setenv("KILN_STARTUP_SWITCH_INTERVAL_MS", "0")
+    with pytest.raises(ValueError, match="KILN_STARTUP_SWITCH_INTERVAL_MS"):
+        Runtime(path, device="cpu", level=0, max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64)
+    monkeypatch.delenv("KILN_STARTUP_SWITCH_INTERVAL_MS")
+
+    def failing_warm_up(self: Worker) -> None:
+        raise RuntimeError("start-up failed")
+
+    monkeypatch.setattr(Worker, "warm_up", failing_warm_up)
+    with pytest.raises(RuntimeError, match="start-up failed"):
+        Runtime(path, device="cpu", level=0, max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64)
+    assert sys.getswitchinterval() == previous
