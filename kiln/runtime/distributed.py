@@ -28,7 +28,6 @@ from kiln.config import RuntimeConfig, resolve_device
 from kiln.models.parallel import TPGroup, set_tp_group
 from kiln.runtime.errors import EngineDeadError
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.startup import startup_gil_handoff
 from kiln.runtime.step_channel import GlooStepChannel, StepChannel
 
 __all__ = ["EngineDeadError", "StepChannel", "open_step_channel", "worker_main"]
@@ -144,9 +143,8 @@ def worker_main(config: RuntimeConfig, rank: int, world: int) -> bool:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     group = init_tensor_parallel(rank, world, device)
-    with startup_gil_handoff():  # as rank 0's engine does (kiln/runtime/startup.py)
-        worker = Worker(config, device, agree_num_blocks=lambda n: agree_min(n, group))
-        worker.warm_up()
+    worker = Worker(config, device, agree_num_blocks=lambda n: agree_min(n, group))
+    worker.warm_up()
     runner = worker.runner
     channel = open_step_channel(rank, group, runner, device)
     try:

@@ -35,7 +35,7 @@ from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampler import needs_output_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
-from kiln.runtime.startup import StartupClock, StartupTimes, startup_gil_handoff
+from kiln.runtime.startup import StartupClock, StartupTimes
 from kiln.runtime.tokenizer_load import BackgroundTokenizer, load_tokenizer
 from kiln.runtime.worker import Worker
 
@@ -68,10 +68,6 @@ class Engine:
         """`loaded`: weights the caller loaded already; then pass the `clock` it timed that load on (its
         "load" phase), or start-up times will not count the load (`kiln serve` does this for its progress bar)."""
         _refuse_in_a_spawned_import()
-        with startup_gil_handoff():  # the start-up's threads hand the GIL to each other promptly
-            self._start(config, loaded, clock)
-
-    def _start(self, config: RuntimeConfig, loaded: LoadedModel | None, clock: StartupClock | None) -> None:
         self.device = resolve_device(config.device)
         # per-device defaults (batch limits, async scheduling) are fixed here, before any worker sees the config
         config = dataclasses.replace(config, scheduler=config.scheduler.resolve(self.device))

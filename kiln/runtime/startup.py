@@ -15,8 +15,6 @@ scheduler set-up) is `other`, so the phases never add up to more than the total.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -24,30 +22,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 PHASES = ("load", "tokenizer", "trace", "compile", "kv", "capture")
-
-# The GIL switch interval while a start-up runs (Python's default is 5 ms). Start-up runs threads beside the
-# main one (weights streaming in, kiln's kernel warm-up, the tokenizer's import): each time a thread releases
-# the GIL around a torch op or a read, it waits for the next forced switch to get it back while another thread
-# runs Python, so at 5 ms a thread that does many short GIL-free calls crawls. On the CPU, streaming a
-# checkpoint's 272 tensors beside a busy main thread took 5.2 s at 5 ms, 0.6 s at 0.5 ms (0.2 s alone);
-# 20,000 small torch ops beside a spinning thread took 39 s at 5 ms, 4.8 s at 0.5 ms (docs/startup.md).
-STARTUP_SWITCH_INTERVAL_S = 0.0005
-
-
-@contextlib.contextmanager
-def startup_gil_handoff() -> Iterator[None]:
-    """Run the block with the start-up GIL switch interval, restoring the caller's afterwards.
-    KILN_STARTUP_SWITCH_INTERVAL_MS overrides it (for A/B runs; 5 is Python's default)."""
-    override = os.environ.get("KILN_STARTUP_SWITCH_INTERVAL_MS", "").strip()
-    interval = float(override) / 1e3 if override else STARTUP_SWITCH_INTERVAL_S
-    if interval <= 0:
-        raise ValueError(f"KILN_STARTUP_SWITCH_INTERVAL_MS must be positive, got {override!r}")
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(interval)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def build_engine(model: str | None, kwargs: dict[str, Any], progress: bool = Tru
     from kiln.models.loader.load import load_model
     from kiln.runtime.engine import Engine
     from kiln.runtime.runtime import build_config
-    from kiln.runtime.startup import StartupClock, startup_gil_handoff
+    from kiln.runtime.startup import StartupClock
     from kiln.runtime.worker import BACKGROUND_WEIGHT_DEVICES
 
     config = build_config(model, **kwargs)
@@ -49,7 +49,7 @@ def build_engine(model: str | None, kwargs: dict[str, Any], progress: bool = Tru
     # the load runs here, outside the engine, to be its own progress stage: time it on the engine's start-up
     # clock so the summary's `load` and `total` include it
     clock = StartupClock(device)
-    with startup_gil_handoff(), tqdm(total=2, unit="stage", disable=not progress, file=sys.stderr,
+    with tqdm(total=2, unit="stage", disable=not progress, file=sys.stderr,
               bar_format="{desc:<44}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}]") as bar:
         bar.set_description("loading weights")
         with clock.phase("load"):  # on a GPU the weights go on streaming in while the engine compiles
