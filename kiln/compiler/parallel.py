@@ -33,6 +33,7 @@ from typing import Any
 import sympy
 from torch import fx
 
+from kiln.cache.torch_key import primed, set_torch_key
 from kiln.compiler.ranges import CompileKey
 
 logger = logging.getLogger("kiln.compiler")
@@ -163,7 +164,7 @@ class CompilePool:
             if self._executor is None:
                 self._executor = ProcessPoolExecutor(
                     self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                    initargs=(_worker_env(), max(1, host_cores() // self.workers)))
+                    initargs=(_worker_env(), max(1, host_cores() // self.workers), primed()))
             return self._executor.submit(_compile_in_worker, task, job.key, self.symbol, job.piece_hash,
                                          self._patches_blob())
         except Exception as exc:  # noqa: BLE001 - no pool (e.g. a pickling error): compile here
@@ -224,10 +225,13 @@ def _worker_env() -> dict[str, str]:
     return {name: os.environ[name] for name in names if name in os.environ}
 
 
-def _init_worker(env: dict[str, str], compile_threads: int) -> None:
+def _init_worker(env: dict[str, str], compile_threads: int, torch_key: bytes | None = None) -> None:
     os.environ.update(env)
     import torch
     import torch._inductor.config as inductor_config
+
+    if torch_key is not None:  # the parent's: saves each worker Inductor's walk over torch's sources
+        set_torch_key(torch_key)
 
     torch.set_num_threads(compile_threads)
     inductor_config.compile_threads = compile_threads

@@ -1,27 +1,29 @@
-"""Triton compiles of kiln's own kernels on a thread, during the compile phase of a start.
+"""Triton compiles of kiln's own kernels in a process of their own, during the compile phase of a start.
 
 Graph capture runs every capture size once, and the first run of each of kiln's Triton kernels at a new
 specialization compiles it (the small-M GEMM of `kiln::dense_gemm` per projection shape and M, the decode
 attention per split count, the varlen attention): on a cold 8B start on the H200 they made the capture phase
-15.6 s instead of ~3 s. Those kernels need no compiled model, so a thread
-started with the compile phase runs each once on inputs of its own (the model's weights read, nothing of the
-runner's touched), while Inductor's compiles run in worker processes. The capture phase joins it first, so no
-launch from it overlaps a capture. On a warm start each run finds its kernel in Triton's cache. Any failure is
-logged and left to the capture to meet again. Measured: cold start 49.6 -> 44.9 s to the first token, capture
-15.6 -> 3.7 s, the compile phase 3.8 s longer (docs/startup.md).
+15.6 s instead of ~3 s. Those kernels need no compiled model, so a process started with the compile phase runs
+each once on zeros of the same shapes (a `WarmupPlan`), and Triton's on-disk cache hands the compiled kernels to
+the serving process's first launches. A process rather than a thread: Triton's compile holds the GIL through its
+Python front end and MLIR passes, and as a thread (the first version) it slowed the main thread's Dynamo trace
+and compile phase by 3.8-5 s. The capture phase joins it first, so its GPU memory is free before the KV cache is
+sized. Any failure is logged and left to the capture to meet again (docs/startup.md).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import multiprocessing
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kiln.attention.base import AttentionBackend, CommonAttentionMetadata
+from kiln.attention.base import AttentionBackend, AttentionLayout, CommonAttentionMetadata
 from kiln.models import dense_gemm
 from kiln.models.layers import _ParallelLinear
 
@@ -83,32 +85,69 @@ def run_attention(backend: Any, decode_sizes: Iterable[int], block_table_width: 
     return launches
 
 
+@dataclass(frozen=True)
+class WarmupPlan:
+    """What the warm-up process runs: plain shapes and types, so it pickles without the model."""
+
+    gemms: tuple[tuple[int, int, torch.dtype], ...]  # (N, K, dtype) of each distinct projection weight
+    sizes: tuple[int, ...]  # the M values the GEMMs run at
+    attention: type[AttentionBackend] | None  # the Triton backend's class, None when another backend serves
+    layout: AttentionLayout
+    decode_sizes: tuple[int, ...]
+    block_table_width: int
+    device: str
+
+    @property
+    def empty(self) -> bool:
+        return not self.gemms and self.attention is None
+
+
+def run_plan(plan: WarmupPlan) -> int:
+    """In the warm-up process: each kernel once, on zeros of the planned shapes (Triton writes what it compiles
+    to its cache directory, where the serving process finds it). -> launches."""
+    device = torch.device(plan.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    weights = [torch.zeros(n, k, dtype=dtype, device=device) for n, k, dtype in plan.gemms]
+    with torch.inference_mode():
+        launches = run_gemms(weights, plan.sizes)
+        if plan.attention is not None:
+            launches += run_attention(plan.attention(plan.layout, device), plan.decode_sizes,
+                                      plan.block_table_width)
+    return launches
+
+
 class KernelWarmup:
-    """The thread; `join()` waits for it (and says how long it ran)."""
+    """The warm-up process, started by the constructor; `join()` waits for it (and says how long it ran)."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, sizes: Iterable[int],
                  decode_sizes: Iterable[int], block_table_width: int) -> None:
         self.launches = 0
         self.seconds = 0.0
-        weights, sizes, decode_sizes = gemm_shapes(model), sorted(set(sizes)), sorted(set(decode_sizes))
-        device = backend.device
-
-        def work() -> None:
-            start = time.perf_counter()
-            try:
-                if device.type == "cuda":
-                    torch.cuda.set_device(device)  # the current device is per thread
-                with torch.inference_mode():
-                    self.launches += run_gemms(weights, sizes)
-                    if backend.name == "triton":
-                        self.launches += run_attention(backend, decode_sizes, block_table_width)
-            except Exception as exc:  # noqa: BLE001 - an optimisation: the capture compiles what is left
-                logger.warning("kernel warm-up thread stopped early (%s: %s)", type(exc).__name__, exc)
-            self.seconds = time.perf_counter() - start
-
-        self._thread = threading.Thread(target=work, name="kiln-kernel-warmup", daemon=True)
-        self._thread.start()
+        self._started = time.perf_counter()
+        probe = [(w, torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)) for w in gemm_shapes(model)]
+        gemms = tuple((w.shape[0], w.shape[1], w.dtype) for w, x in probe if dense_gemm.applies(x, None))
+        self.plan = WarmupPlan(gemms, tuple(sorted(set(sizes))), type(backend) if backend.name == "triton" else None,
+                               backend.layout, tuple(sorted(set(decode_sizes))), block_table_width,
+                               str(backend.device))
+        self._pool: ProcessPoolExecutor | None = None
+        self._future: Future[int] | None = None
+        if self.plan.empty:
+            return
+        # spawned now, before the compile phase points TRITON_CACHE_DIR at the compile cache: the child keeps
+        # the directory the serving process's own launches will look in
+        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self._future = self._pool.submit(run_plan, self.plan)
 
     def join(self) -> None:
-        self._thread.join()
+        """Wait for the process to end (its GPU memory is free before the KV cache is sized)."""
+        if self._future is not None:
+            try:
+                self.launches = self._future.result()
+            except Exception as exc:  # noqa: BLE001 - an optimisation: the capture compiles what is left
+                logger.warning("kernel warm-up process failed (%s: %s)", type(exc).__name__, exc)
+            finally:
+                self._pool.shutdown(wait=True)
+                self._future = None
+        self.seconds = time.perf_counter() - self._started
         logger.info("kernel warm-up: %d launches in %.1f s beside the compile phase", self.launches, self.seconds)

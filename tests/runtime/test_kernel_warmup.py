@@ -1,4 +1,4 @@
-"""The kernel warm-up thread (kiln/runtime/kernel_warmup.py) runs kiln's Triton kernels on inputs of its own:
+"""The kernel warm-up (kiln/runtime/kernel_warmup.py) runs kiln's Triton kernels on inputs of its own, in a process:
 one decode batch per distinct split count plus one prefill chunk, on a throwaway backend, leaving the runner's
 backend and cache untouched; the GEMMs only where `kiln::dense_gemm` would run them (CUDA, 16-bit). On CPU the
 attention kernels run under Triton's interpreter."""
@@ -37,11 +37,29 @@ def test_gemm_shapes_are_the_distinct_projections() -> None:
         assert run_gemms(gemm_shapes(model), [1, 2, 4, 8, 16, 32]) == 0
 
 
-def test_the_thread_leaves_other_backends_alone() -> None:
+def test_the_warmup_leaves_other_backends_alone() -> None:
     from kiln.attention.torch_backend import TorchAttentionBackend
 
     model = load_model("tiny-llama", device="cpu", dtype="fp32", load_format="dummy").model
     layout = AttentionLayout(4, 2, 16, 0.25, 16, torch.float32)
     warmup = KernelWarmup(model, TorchAttentionBackend(layout, torch.device("cpu")), [1, 2, 4], [1, 2, 4], 16)
+    assert warmup.plan.empty and warmup._future is None  # no Triton attention, no CUDA GEMMs: no process
     warmup.join()
-    assert warmup.launches == 0 and warmup.seconds > 0  # no Triton attention, no CUDA GEMMs: nothing to run
+    assert warmup.launches == 0 and warmup.seconds > 0
+
+
+def test_the_warmup_process_runs_the_plan() -> None:
+    """The plan crosses to a spawned process (attention under Triton's interpreter on a CPU): as many launches
+    as the in-process run makes, and the process is gone after join."""
+    import multiprocessing
+
+    model = load_model("tiny-llama", device="cpu", dtype="fp32", load_format="dummy").model
+    layout = AttentionLayout(8, 2, 32, 32 ** -0.5, 16, torch.float32)
+    backend = TritonAttentionBackend(layout, DEVICE)
+    sizes = [1, 2, 8]
+    warmup = KernelWarmup(model, backend, sizes, sizes, 16)
+    assert warmup.plan.attention is TritonAttentionBackend and warmup._future is not None
+    warmup.join()
+    expected = len({backend.num_splits(n) for n in sizes}) + 1 + run_gemms(gemm_shapes(model), sizes)
+    assert warmup.launches == expected
+    assert not multiprocessing.active_children()
