@@ -5,19 +5,23 @@ specialization compiles it (the small-M GEMM of `kiln::dense_gemm` per projectio
 attention per split count, the varlen attention): on a cold 8B start on the H200 they made the capture phase
 15.6 s instead of ~3 s. Those kernels need no compiled model, so a process started with the compile phase runs
 each once on zeros of the same shapes (a `WarmupPlan`), and Triton's on-disk cache hands the compiled kernels to
-the serving process's first launches. A process rather than a thread: Triton's compile holds the GIL through its
-Python front end and MLIR passes, and as a thread (the first version) it slowed the main thread's Dynamo trace
-and compile phase by 3.8-5 s. The capture phase joins it first, so its GPU memory is free before the KV cache is
-sized. Any failure is logged and left to the capture to meet again (docs/startup.md).
-"""
+the serving process's first launches.
 
+A process rather than a thread: Triton's compile holds the GIL through its Python front end and MLIR passes, and
+as a thread (the first version) it slowed the main thread's Dynamo trace (8B: 8.0-12.6 s beside the thread,
+5.1-5.5 s beside the process). Tensor-parallel ranks are daemonic processes, which may not start children:
+there the plan still runs on a thread. A warm start (its compile cache ready) starts none: the start that
+filled the cache compiled these kernels into Triton's. The capture phase joins the warm-up first, so its GPU
+memory is free before the KV cache is sized. Any failure is logged and left to the capture to meet again
+(docs/startup.md).
+"""
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,18 +138,22 @@ class KernelWarmup:
         self._future: Future[int] | None = None
         if self.plan.empty:
             return
-        # spawned now, before the compile phase points TRITON_CACHE_DIR at the compile cache: the child keeps
-        # the directory the serving process's own launches will look in
-        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        if multiprocessing.current_process().daemon:
+            # a tensor-parallel rank, which may not start processes of its own: the plan runs on a thread
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-kernel-warmup")
+        else:
+            # spawned now, before the compile phase points TRITON_CACHE_DIR at the compile cache: the child
+            # keeps the directory the serving process's own launches will look in
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         self._future = self._pool.submit(run_plan, self.plan)
 
     def join(self) -> None:
-        """Wait for the process to end (its GPU memory is free before the KV cache is sized)."""
+        """Wait for the warm-up to end (a process's GPU memory is free before the KV cache is sized)."""
         if self._future is not None:
             try:
                 self.launches = self._future.result()
             except Exception as exc:  # noqa: BLE001 - an optimisation: the capture compiles what is left
-                logger.warning("kernel warm-up process failed (%s: %s)", type(exc).__name__, exc)
+                logger.warning("kernel warm-up failed (%s: %s)", type(exc).__name__, exc)
             finally:
                 self._pool.shutdown(wait=True)
                 self._future = None

@@ -10,6 +10,8 @@ import dataclasses
 import gc
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -123,7 +125,10 @@ class Worker:
         factory = store_factory(spec=self.loaded.spec, dtype=self.loaded.dtype, compilation=self.compilation,
                                 max_num_tokens=self.runner.max_num_tokens, device=self.device,
                                 attention_backend=self.backend.name, rank=tp_rank(), tp_size=tp_size())
-        self.kernel_warmup = kernels = self._start_kernel_warmup()
+        if factory is None:
+            self.kernel_warmup = self._start_kernel_warmup()
+        else:
+            factory = self._kernel_warmup_unless_cached(factory)
         with self.clock.phase("compile"):
             self.compiled = install_compiler(self.runner, self.compilation, store_factory=factory)
         self.compile_stats = self.compiled.stats if self.compiled is not None else CompileStats(level=0)
@@ -131,13 +136,25 @@ class Worker:
         from kiln.compiler.cuda_graphs import install_cuda_graphs
 
         with self.clock.phase("capture"):
-            if kernels is not None:  # no launch of its may overlap a graph capture, nor its buffers the KV sizing
-                kernels.join()
+            if self.kernel_warmup is not None:  # no launch of its may overlap a capture, nor its memory the KV sizing
+                self.kernel_warmup.join()
         self._allocate_kv_cache()
         with self.clock.phase("capture"):
             self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled)
         if self.compiled is not None and self.compiled.background is not None:
             self.compiled.background.start()  # after the capture, whose cores its workers would take
+
+    def _kernel_warmup_unless_cached(self, factory: Callable[..., Any]) -> Callable[..., Any]:
+        """The store factory, starting the kernel warm-up as soon as the store is known to be cold (before any
+        compile): a ready compile cache means the start that filled it compiled kiln's kernels into Triton's
+        cache too, so a warm start has none to compile."""
+        def make(*args: Any) -> Any:
+            store = factory(*args)
+            if not store.ready:
+                self.kernel_warmup = self._start_kernel_warmup()
+            return store
+
+        return make
 
     def _start_kernel_warmup(self) -> KernelWarmup | None:
         """On a GPU, kiln's Triton kernels at the sizes the capture will run, on a thread beside the compile

@@ -5,6 +5,7 @@ attention kernels run under Triton's interpreter."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kiln.attention.base import AttentionLayout
@@ -63,3 +64,42 @@ def test_the_warmup_process_runs_the_plan() -> None:
     expected = len({backend.num_splits(n) for n in sizes}) + 1 + run_gemms(gemm_shapes(model), sizes)
     assert warmup.launches == expected
     assert not multiprocessing.active_children()
+
+
+def test_a_daemonic_process_warms_up_on_a_thread(monkeypatch) -> None:
+    """Tensor-parallel ranks are daemonic processes, which may not start children: the plan runs on a thread."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from kiln.runtime import kernel_warmup
+
+    monkeypatch.setattr(kernel_warmup.multiprocessing, "current_process", lambda: SimpleNamespace(daemon=True))
+    model = load_model("tiny-llama", device="cpu", dtype="fp32", load_format="dummy").model
+    backend = TritonAttentionBackend(AttentionLayout(8, 2, 32, 32 ** -0.5, 16, torch.float32), DEVICE)
+    warmup = KernelWarmup(model, backend, [1, 2, 8], [1, 2, 8], 16)
+    assert isinstance(warmup._pool, ThreadPoolExecutor)
+    warmup.join()
+    assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1
+
+
+@pytest.mark.slow
+def test_a_warm_start_starts_no_kernel_warmup(tiny_checkpoint, tmp_path, monkeypatch) -> None:
+    """The warm-up starts once the compile cache is known to be cold, or always without a cache; a start whose
+    cache is ready starts none (the start that filled it compiled the kernels into Triton's cache)."""
+    from kiln import Runtime
+    from kiln.runtime.worker import Worker
+
+    calls: list[str] = []
+    monkeypatch.setattr(Worker, "_start_kernel_warmup", lambda self: calls.append(self.config.model))
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE", raising=False)
+    path = str(tiny_checkpoint("tiny-llama")[0])
+    options = dict(device="cpu", level=1, compile_sizes=(), max_num_batched_tokens=32, max_num_seqs=4,
+                   num_blocks=64)
+    Runtime(path, **options)
+    assert len(calls) == 1  # cold
+    Runtime(path, **options)
+    assert len(calls) == 1  # warm: none
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+    Runtime(path, **options)
+    assert len(calls) == 2  # no cache: always
