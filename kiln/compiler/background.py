@@ -17,13 +17,24 @@ than with them up front (docs/compiler.md).
 Where every artifact is already in the compile cache (a warm start), nothing is left to do in the
 background: the constructor reads them and `install_compiler` swaps them in before any graph is captured,
 so a warm start serves with the exact sizes from its first step and never re-captures.
+
+A process that ends before the compiles do must not wait for them: `cancel()` (from `Engine.shutdown()`, and
+at interpreter exit for a runtime never shut down) drops the compiles not started and terminates the workers
+running the others; nothing is swapped in afterwards and the sizes stay on their ranges. Without it, a
+one-prompt script waited at exit for every running compile (~13 s on an 8B model): concurrent.futures joins
+its pools in an exit hook, and that hook runs before `atexit` handlers (it is a `threading._register_atexit`
+hook, run when the interpreter joins its threads). So the cancel is registered the same way, after
+concurrent.futures registered its own (imported with kiln.compiler.parallel); those hooks run last
+registered first, so ours runs before its join.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +42,8 @@ from kiln.compiler.parallel import CompileJob, CompilePool, default_workers
 from kiln.compiler.ranges import CompileKey
 
 logger = logging.getLogger("kiln.compiler")
+
+CANCEL_JOIN_SECONDS = 10.0  # the background thread ends at once after a cancel; this only bounds a surprise
 
 
 class BackgroundCompiles:
@@ -68,6 +81,9 @@ class BackgroundCompiles:
         self._todo = todo
         self._workers = workers
         self._thread: threading.Thread | None = None
+        self._pool: CompilePool | None = None
+        self._cancelled = False
+        self._lock = threading.Lock()  # a swap (engine thread) and a cancel (any thread, e.g. at exit)
         if not todo:
             self._done.set()
 
@@ -75,9 +91,12 @@ class BackgroundCompiles:
         """Start compiling what the cache did not have, once the runtime is ready: the worker processes would
         otherwise take the cores the CUDA-graph capture needs (an 8B cold start's capture went 2.1 -> 6.2 s
         on an H200 host when they ran beside it)."""
-        if self._done.is_set() or self._thread is not None:
-            return
-        todo = self._todo
+        with self._lock:
+            if self._done.is_set() or self._thread is not None or self._cancelled:
+                return
+            self._start(self._todo)
+
+    def _start(self, todo: list[CompileJob]) -> None:
         # always worker processes (at least one): an Inductor compile on a second thread of the serving
         # process would share Dynamo's and Inductor's global state with the forwards
         self._pool = CompilePool(self.compiled.backend.compiler, self._symbol,
@@ -86,6 +105,7 @@ class BackgroundCompiles:
             self._pool.prepare(job)
         self._thread = threading.Thread(target=self._run, args=(todo,), name="kiln-background-compile", daemon=True)
         self._thread.start()
+        _cancel_at_exit(self)
 
     def _run(self, todo: list[CompileJob]) -> None:
         start = time.perf_counter()
@@ -94,15 +114,47 @@ class BackgroundCompiles:
                 if payload is not None:
                     self._results.append((job, payload, True))
         except Exception as exc:  # noqa: BLE001 - serving goes on from the ranges
-            logger.warning("background compiles failed (%s); those sizes stay served by their ranges", exc)
+            if not self._cancelled:
+                logger.warning("background compiles failed (%s); those sizes stay served by their ranges", exc)
         finally:
-            self._pool.shutdown()
+            self._pool.shutdown()  # a no-op once terminated
             self.seconds = time.perf_counter() - start
             self._done.set()
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Stop the background compiles for good (idempotent, never raises): the ones not started are dropped,
+        the worker processes running the others are terminated, the background thread ends; nothing is
+        swapped in afterwards (those sizes stay served by their ranges). Artifacts already swapped in stay.
+        `stats.background_cancelled` counts the artifacts that were pending."""
+        try:
+            with self._lock:
+                if self._cancelled:
+                    return
+                self._cancelled = True
+                pool, thread = self._pool, self._thread
+            if pool is not None:
+                pool.terminate()
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(CANCEL_JOIN_SECONDS)
+            with self._lock:
+                cancelled = self.stats.background_pending
+                self.stats.background_cancelled += cancelled
+                self.stats.background_pending = 0
+                self._results.clear()
+                self._done.set()
+            if cancelled:
+                logger.info("background compiles cancelled: %d artifact(s) not swapped in (sizes %s stay on their "
+                            "ranges)", cancelled, self.sizes)
+        except Exception as exc:  # noqa: BLE001 - a shutdown or an exit must go on
+            logger.warning("cancelling the background compiles failed (%s)", exc)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every background compile has finished (not yet swapped in); for tests, benchmarks."""
@@ -113,6 +165,12 @@ class BackgroundCompiles:
         """At a step boundary: install the finished artifacts (all at once); True if a swap happened now."""
         if not self._done.is_set() or self.stats.background_pending == 0:
             return False
+        with self._lock:
+            if self._cancelled or self.stats.background_pending == 0:
+                return False
+            return self._swap()
+
+    def _swap(self) -> bool:
         start = time.perf_counter()
         compiler = self.compiled.backend.compiler
         loaded: dict[tuple[str, CompileKey], Any] = {}
@@ -144,3 +202,27 @@ class BackgroundCompiles:
                    "swap took %.2f s", sizes, self.stats.background_swapped, self.stats.background_failed,
                    self.seconds, self.stats.background_swap_seconds)
         return True
+
+
+def _cancel_at_exit(background: BackgroundCompiles) -> None:
+    """Cancel at interpreter exit unless cancelled before, holding the object weakly (it may be long gone).
+
+    A `threading` exit hook, not `atexit`: concurrent.futures joins its pools (waiting for every running
+    compile) in a hook of that kind, and those all run before any `atexit` handler; ours, registered later,
+    runs before its join. `atexit` only where that private hook is missing (it exists on 3.9-3.14)."""
+    ref = weakref.ref(background)
+
+    def cancel() -> None:
+        target = ref()
+        if target is not None:
+            target.cancel()
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(cancel)
+            return
+    except RuntimeError:  # the interpreter is already shutting down: too late to start compiles anyway
+        background.cancel()
+        return
+    atexit.register(cancel)

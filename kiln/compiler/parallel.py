@@ -12,6 +12,12 @@ Workers are spawned, never forked: the parent has usually initialised CUDA. Anyt
 worker (a graph or hook that does not pickle, a worker that fails, a hook whose uuid differs there)
 compiles in the parent instead, serially, as with one worker.
 
+A pool can be stopped mid-compile (`terminate`, for background compiles a process no longer needs): the
+executor's own `shutdown(cancel_futures=True)` only drops compiles not yet started and waits for the running
+ones, so the pool spawns its workers through a context that keeps a handle on each (`_TrackedSpawnContext`,
+no private executor attribute) and terminates them; the executor then finds its workers gone, fails their
+futures and its manager thread ends, so nothing is left for concurrent.futures' exit hook to join.
+
 The worker count (`default_workers`) is half the host's cores, at most 16: each compile is mostly
 single-threaded Python (lowering, scheduling, code generation), and the other half stays for the
 compilers each worker starts (Triton / C++ kernel builds, `compile_threads` per worker). A 2-core CI host
@@ -21,13 +27,14 @@ gets one worker, i.e. the serial path; a 16-32 core GPU host 8-16.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from multiprocessing.context import SpawnContext, SpawnProcess
 from typing import Any
 
 import sympy
@@ -39,6 +46,7 @@ from kiln.compiler.ranges import CompileKey
 logger = logging.getLogger("kiln.compiler")
 
 MAX_WORKERS = 16  # every worker on a GPU host holds a CUDA context of its own (a few hundred MiB)
+TERMINATE_GRACE_SECONDS = 2.0  # after SIGTERM, before SIGKILL
 
 
 def host_cores() -> int:
@@ -70,6 +78,19 @@ class CompileResult:
     in_worker: bool
 
 
+class _TrackedSpawnContext(SpawnContext):
+    """The spawn context, keeping every process the executor starts through it (to terminate them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.processes: list[SpawnProcess] = []
+
+    def Process(self, *args: Any, **kwargs: Any) -> SpawnProcess:  # noqa: N802 - the context's API name
+        process = SpawnProcess(*args, **kwargs)
+        self.processes.append(process)
+        return process
+
+
 class CompilePool:
     """A spawned process pool for Inductor compiles; `compile(jobs)` falls back to the parent per job."""
 
@@ -78,6 +99,9 @@ class CompilePool:
         self.symbol = symbol
         self.workers = workers
         self._executor: ProcessPoolExecutor | None = None
+        self._context = _TrackedSpawnContext()
+        self._lock = threading.Lock()  # the executor is made and used on one thread, terminated from another
+        self._stopped: Future = Future()  # done once terminated: wakes a thread waiting for a compile
         self._tasks: dict[int, bytes | None] = {}  # id(gm) -> pickled (gm, input specs), None: not picklable
 
     def __enter__(self) -> CompilePool:
@@ -87,9 +111,37 @@ class CompilePool:
         self.shutdown()
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def terminated(self) -> bool:
+        return self._stopped.done()
+
+    def terminate(self) -> None:
+        """Stop now: drop the compiles not started, kill the workers running the others (their futures fail),
+        and refuse new ones. Idempotent. The workers write nothing but Inductor's own cache, which it writes
+        atomically; the compile cache is written by this process alone."""
+        with self._lock:
+            if self._stopped.done():
+                return
+            self._stopped.set_result(None)
+            executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        executor.shutdown(wait=False, cancel_futures=True)
+        processes = list(self._context.processes)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():  # SIGTERM ignored or delayed (e.g. inside a C extension)
+                process.kill()
+                process.join(TERMINATE_GRACE_SECONDS)
 
     def compile(self, jobs: Iterable[CompileJob], done: Callable[[CompileResult], Any] | None = None
                 ) -> list[CompileResult]:
@@ -125,15 +177,22 @@ class CompilePool:
         return results
 
     def compile_payloads(self, jobs: Iterable[CompileJob]) -> Iterable[tuple[CompileJob, bytes | None]]:
-        """Worker processes only (never this process): each job's artifact bytes, None where it failed."""
+        """Worker processes only (never this process): each job's artifact bytes, None where it failed.
+
+        A terminated pool ends the iteration early (at once, even with a compile in flight)."""
         submitted = []
         for job in jobs:
             future = self._submit(job, force=True)
             submitted.append((job, future))
         for job, future in submitted:
+            if self.terminated:
+                return
             if future is None:
                 yield job, None
                 continue
+            wait((future, self._stopped), return_when=FIRST_COMPLETED)
+            if self.terminated:
+                return
             try:
                 payload, _, _ = self._worker_result(future)
             except Exception as exc:  # noqa: BLE001 - the caller keeps serving without it
@@ -161,12 +220,15 @@ class CompilePool:
         if task is None or (self.workers < 1 and not force):
             return None
         try:
-            if self._executor is None:
-                self._executor = ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                    initargs=(_worker_env(), max(1, host_cores() // self.workers), primed()))
-            return self._executor.submit(_compile_in_worker, task, job.key, self.symbol, job.piece_hash,
-                                         self._patches_blob())
+            with self._lock:
+                if self.terminated:
+                    return None
+                if self._executor is None:
+                    self._executor = ProcessPoolExecutor(
+                        self.workers, mp_context=self._context, initializer=_init_worker,
+                        initargs=(_worker_env(), max(1, host_cores() // self.workers), primed()))
+                return self._executor.submit(_compile_in_worker, task, job.key, self.symbol, job.piece_hash,
+                                             self._patches_blob())
         except Exception as exc:  # noqa: BLE001 - no pool (e.g. a pickling error): compile here
             logger.warning("cannot compile in worker processes (%s); compiling serially", exc)
             self.workers = 0

@@ -34,10 +34,12 @@ class CompileStats:
     compile_seconds: float = 0.0  # all Inductor compiles, summed (in parallel, more than the wall time)
     compile_workers: int = 1  # processes the start-up compiles ran in (1: this one)
     worker_compiles: int = 0  # compiles done by a worker process (the rest, here)
-    # background compiles (kiln/compiler/background.py): artifacts still compiling, swapped in, failed
+    # background compiles (kiln/compiler/background.py): artifacts still compiling, swapped in, failed, and
+    # dropped by a cancel (a shutdown or the process's exit before they were swapped in)
     background_pending: int = 0
     background_swapped: int = 0
     background_failed: int = 0
+    background_cancelled: int = 0
     background_swap_seconds: float = 0.0  # the step boundary's swap: artifact loads and graph re-captures
     warmup_seconds: float = 0.0  # the whole start-up compile phase, trace and test forwards included
     num_pieces: int = 0  # pieces of the split graph (2L+1)
@@ -92,6 +94,8 @@ class CompileStats:
                 f"{self.num_attention_pieces} attention), warm-up {self.warmup_seconds:.1f} s"
                 + (f", {self.compile_workers} compile workers" if self.compile_workers > 1 else "")
                 + (f", {self.background_pending} background compile(s) pending" if self.background_pending else "")
+                + (f", {self.background_cancelled} background compile(s) cancelled"
+                   if self.background_cancelled else "")
                 + self.cache_summary())
 
     def cache_summary(self) -> str:

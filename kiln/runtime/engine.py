@@ -169,11 +169,18 @@ class Engine:
             self._channel.share_samples(tokens)
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers (no-op otherwise); the engine is unusable afterwards.
+        """Cancel the background compiles and stop tensor-parallel workers; the engine is unusable afterwards.
+        Idempotent.
 
-        Every rank tears down in the same order: leave the step loop, wait for the device, drop the CUDA
-        graphs, destroy the process groups; rank 0 does its own while the workers do theirs, then joins them
-        with a bound (a worker still alive after KILN_TP_SHUTDOWN_TIMEOUT seconds is terminated, loudly)."""
+        Background compiles still running are of no use to an engine that ends: their worker processes are
+        terminated now rather than waited for (kiln/compiler/background.py; they also are at interpreter exit
+        for an engine never shut down). Under tensor parallelism every rank tears down in the same order: leave
+        the step loop, wait for the device, drop the CUDA graphs, destroy the process groups; rank 0 does its
+        own while the workers do theirs, then joins them with a bound (a worker still alive after
+        KILN_TP_SHUTDOWN_TIMEOUT seconds is terminated, loudly)."""
+        background = getattr(self.worker.compiled, "background", None)
+        if background is not None:
+            background.cancel()
         if self._channel is None:
             return
         from kiln.runtime import distributed as tp
@@ -227,14 +234,15 @@ class Engine:
     def finish_background_compiles(self, timeout: float | None = None) -> bool:
         """Wait for the background compiles (-O2's exact sizes on a GPU, -O3's extras) and swap them in now, as
         a step boundary would; False if they are still running after `timeout` seconds. For `kiln warmup` (the
-        artifacts reach the cache) and benchmarks that time the tuned runtime."""
+        artifacts reach the cache) and benchmarks that time the tuned runtime. False also once cancelled
+        (`shutdown`)."""
         background = getattr(self.worker.compiled, "background", None)
         if background is None:
             return True
         if not background.wait(timeout):
             return False
         background.swap_if_done()
-        return True
+        return not background.cancelled  # a cancel (shutdown) left them on their ranges
 
     @property
     def graph_replays(self) -> dict[str, int]:

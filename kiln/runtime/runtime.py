@@ -72,6 +72,19 @@ class Runtime:
         """Block until the compiles left to the background are done and swapped in (docs/compiler.md)."""
         return self.engine.finish_background_compiles(timeout)
 
+    def shutdown(self) -> None:
+        """Release what the runtime runs beside the caller: background compiles still running are cancelled
+        (their worker processes terminated, not waited for) and tensor-parallel workers stopped. Idempotent;
+        the runtime is unusable afterwards. A runtime never shut down has its background compiles cancelled at
+        interpreter exit all the same; `with Runtime(...) as rt:` shuts down at the block's end."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
     def stats(self) -> dict[str, Any]:
         """Engine counters: tokens, preemptions, KV usage, prefix-cache queries/hits/hit rate."""
         return self.engine.stats_snapshot()

@@ -134,3 +134,130 @@ def test_a_script_without_the_main_guard_builds_one_runtime(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["ready", "background 0 3", "True"], proc.stdout
     assert 'build it under `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-3000:]
+
+
+def _no_partial_cache_entries(cache_dir) -> None:
+    """Every artifact in the compile cache unpacks (size and checksum match) and no temporary file is left."""
+    from pathlib import Path
+
+    from kiln.cache.store import ARTIFACT_SUFFIX, unpack
+
+    files = [p for p in Path(cache_dir).rglob("*") if p.is_file()]
+    assert not [p for p in files if p.name.endswith(".tmp")], files
+    artifacts = [p for p in files if p.name.endswith(ARTIFACT_SUFFIX)]
+    assert artifacts  # the ranges, saved at start-up
+    for artifact in artifacts:
+        unpack(artifact.read_bytes())  # raises CorruptArtifact on a half-written one
+
+
+def test_cancel_stops_running_compiles_and_the_ranges_serve(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path) -> None:
+    """`cancel()` while the worker compiles: the worker process is gone, nothing is swapped in (not then, not at
+    a later step boundary), and the engine goes on serving the same tokens from its range artifacts."""
+    import multiprocessing
+    import time
+
+    path = str(tiny_checkpoint("tiny-llama")[0])
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE", raising=False)
+    runtime = Runtime(path, background_compile_sizes=(BATCH,), **OPTIONS)
+    background = runtime.engine.worker.compiled.background
+    expected = _tokens(runtime)  # from the range: the worker takes far longer to start than this
+    deadline = time.monotonic() + 600  # a bound on the wait for the worker to exist, not on any speed
+    while not multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert multiprocessing.active_children(), "the background compile worker never started"
+    assert not background.done and runtime.compile_stats.background_pending == 3  # compiles in flight
+    background.cancel()
+    assert multiprocessing.active_children() == []  # terminated and joined
+    assert background.done and background.cancelled and not background._thread.is_alive()
+    stats = runtime.compile_stats
+    assert (stats.background_pending, stats.background_swapped, stats.background_cancelled) == (0, 0, 3)
+    assert "3 background compile(s) cancelled" in stats.summary()
+    background.cancel()  # idempotent
+    assert stats.background_cancelled == 3
+    assert not background.swap_if_done() and not runtime.finish_background_compiles(timeout=1)
+    assert _tokens(runtime) == expected
+    runners = runtime.engine.worker.compiled.capture.runners.values()
+    assert all(r.last_key == CompileKey.range(1, 32) for r in runners)  # 4-token steps: still the range
+    assert BATCH not in runtime.engine.worker.compiled.backend.dispatcher.sizes
+    runtime.shutdown()  # cancels again (a no-op) and returns
+    _no_partial_cache_entries(tmp_path / "cache")
+
+
+# A compile worker is spawned and re-imports the main script as `__mp_main__`: there (and only there) the worker's
+# compile function is replaced by one that never ends, so the background compiles provably outlast the script.
+_NEVER_ENDING_COMPILES = """
+import multiprocessing
+import time
+
+if __name__ == "__mp_main__":
+    import kiln.compiler.parallel
+
+    def _never_done(*args):
+        time.sleep(3600)
+
+    kiln.compiler.parallel._compile_in_worker = _never_done
+
+
+def main():
+    from kiln import Runtime, SamplingParams
+
+    rt = Runtime("tiny-llama", device="cpu", dtype="fp32", level=2, compile_sizes=(), background_compile_sizes=(4,),
+                 max_num_batched_tokens=32, max_num_seqs=4)
+    out = rt.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0))
+    deadline = time.monotonic() + 600
+    while not multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("tokens", len(out[0].outputs[0].token_ids), "pending", rt.compile_stats.background_pending, flush=True)
+    print("workers", *[p.pid for p in multiprocessing.active_children()], flush=True)
+    # returns without rt.shutdown(): the interpreter's exit must not wait for the compiles
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def test_a_script_exits_without_waiting_for_background_compiles(tmp_path) -> None:
+    """A script that generates and returns, never shutting its runtime down, exits although its background
+    compiles would never end: they are cancelled at exit, before concurrent.futures' own exit hook would join
+    them. The bound is the subprocess timeout (the compiles sleep an hour); the worker is gone afterwards and
+    the compile cache holds no partial entry."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "one_prompt.py"
+    script.write_text(_NEVER_ENDING_COMPILES)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+           "KILN_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("KILN_DISABLE_COMPILE_CACHE", None)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=tmp_path)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    workers = [int(pid) for line in stdout.splitlines() if line.startswith("workers") for pid in line.split()[1:]]
+    for pid in workers:  # a hung run leaves its sleeping worker behind: never leave it running
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, (proc.returncode, stdout, stderr[-3000:])
+    assert stdout.splitlines()[0] == "tokens 1 pending 3", stdout
+    assert workers, stdout
+    assert all(_gone(pid) for pid in workers)  # terminated by the cancel, not orphaned
+    assert "Traceback" not in stderr, stderr[-3000:]
+    _no_partial_cache_entries(tmp_path / "cache")

@@ -25,17 +25,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln import Runtime, SamplingParams
 
-    runtime = Runtime(args.model, **runtime_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed if args.temperature > 0 else None)
-    tokenizer = runtime.tokenizer
-    use_chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
-    prompt = runtime.apply_chat_template([{"role": "user", "content": args.prompt}]) if use_chat else args.prompt
-    if args.stream:
-        for out in runtime.stream(prompt, params):
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    else:
-        print(runtime.generate([prompt], params)[0].outputs[0].text)
+    # shut down on the way out: background compiles still running are cancelled, not waited for
+    with Runtime(args.model, **runtime_kwargs(args)) as runtime:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed if args.temperature > 0 else None)
+        tokenizer = runtime.tokenizer
+        use_chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
+        prompt = runtime.apply_chat_template([{"role": "user", "content": args.prompt}]) if use_chat else args.prompt
+        if args.stream:
+            for out in runtime.stream(prompt, params):
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            print(runtime.generate([prompt], params)[0].outputs[0].text)
     return 0
