@@ -15,6 +15,7 @@ filled the cache compiled these kernels into Triton's. The capture phase joins t
 memory is free before the KV cache is sized. Any failure is logged and left to the capture to meet again
 (docs/startup.md).
 """
+
 from __future__ import annotations
 
 import logging

@@ -84,7 +84,7 @@ class Worker:
         self._agree_num_blocks = agree_num_blocks
         self.num_blocks = 0
         self.kv_cache: torch.Tensor | None = None  # allocated by warm_up, once the weights are in
-        self.kernel_warmup: KernelWarmup | None = None  # warm_up's thread of kernel launches (GPU), for its stats
+        self.kernel_warmup: KernelWarmup | None = None  # warm_up's kiln-kernel warm-up (GPU, cold starts), for stats
         self.runner = ModelRunner(self.model, self.backend, None, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
                                   device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [])
@@ -157,8 +157,8 @@ class Worker:
         return make
 
     def _start_kernel_warmup(self) -> KernelWarmup | None:
-        """On a GPU, kiln's Triton kernels at the sizes the capture will run, on a thread beside the compile
-        phase (kernel_warmup.py); KILN_KERNEL_WARMUP=0 leaves them to the capture."""
+        """On a GPU, kiln's Triton kernels at the sizes the capture will run, in a warm-up process beside the
+        compile phase (kernel_warmup.py); KILN_KERNEL_WARMUP=0 leaves them to the capture."""
         if (self.device.type != "cuda" or self.compilation.level < 1
                 or os.environ.get("KILN_KERNEL_WARMUP", "1").strip().lower() in ("0", "false", "no", "off")):
             return None
