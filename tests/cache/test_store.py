@@ -47,8 +47,28 @@ def checkpoint(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cold(cache_dir: Path, checkpoint: Path) -> Runtime:
-    return Runtime(str(checkpoint), **OPTIONS)
+def kernel_warmups() -> Iterator[list[int]]:
+    """Every start's call of the kiln-kernel warm-up (a GPU-only process, recorded here on CPU): a start whose
+    compile cache is ready starts none (kiln/runtime/kernel_warmup.py)."""
+    from kiln.runtime.worker import Worker
+
+    calls: list[int] = []
+    original = Worker._start_kernel_warmup
+
+    def recording(self: Worker):
+        calls.append(1)
+        return original(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Worker, "_start_kernel_warmup", recording)
+        yield calls
+
+
+@pytest.fixture(scope="module")
+def cold(cache_dir: Path, checkpoint: Path, kernel_warmups: list[int]) -> Runtime:
+    runtime = Runtime(str(checkpoint), **OPTIONS)
+    assert kernel_warmups == [1]  # a cold cache: kiln's kernels are warmed up beside the compiles
+    return runtime
 
 
 def greedy(runtime: Runtime) -> list[list[int]]:
@@ -73,10 +93,13 @@ def test_cold_start_fills_the_cache(cold: Runtime, cache_dir: Path) -> None:
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR", "") != str(key_dir / "inductor")  # restored afterwards
 
 
-def test_warm_start_compiles_nothing(cold: Runtime, checkpoint: Path, tmp_path: Path) -> None:
+def test_warm_start_compiles_nothing(cold: Runtime, checkpoint: Path, tmp_path: Path,
+                                    kernel_warmups: list[int]) -> None:
     moved = tmp_path / "elsewhere"  # the model's location is not part of the key
     shutil.copytree(checkpoint, moved)
+    before = len(kernel_warmups)
     warm = Runtime(str(moved), **OPTIONS)
+    assert len(kernel_warmups) == before  # the cache is ready: no kernel warm-up either
     stats = warm.compile_stats
     assert stats.inductor_compiles == 0 and stats.cache_hits == 3, stats.summary()
     assert stats.dynamo_traces == 0 and stats.capture_loaded, stats.summary()  # the saved split graph, no trace
@@ -138,10 +161,13 @@ def test_captured_graph_that_does_not_fit_the_model_is_not_used(cold: Runtime, c
         path.write_bytes(original)
 
 
-def test_disabled_cache_compiles(cold: Runtime, checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disabled_cache_compiles(cold: Runtime, checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+                                 kernel_warmups: list[int]) -> None:
     monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+    before = len(kernel_warmups)
     stats = Runtime(str(checkpoint), **OPTIONS).compile_stats
     assert stats.inductor_compiles == 3 and stats.cache_key is None and stats.cache_hits == 0
+    assert len(kernel_warmups) == before + 1  # no cache to tell a warm start: the warm-up always runs
 
 
 def test_concurrent_warmups(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ attention kernels run under Triton's interpreter."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kiln.attention.base import AttentionLayout
@@ -80,26 +79,3 @@ def test_a_daemonic_process_warms_up_on_a_thread(monkeypatch) -> None:
     assert isinstance(warmup._pool, ThreadPoolExecutor)
     warmup.join()
     assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1
-
-
-@pytest.mark.slow
-def test_a_warm_start_starts_no_kernel_warmup(tiny_checkpoint, tmp_path, monkeypatch) -> None:
-    """The warm-up starts once the compile cache is known to be cold, or always without a cache; a start whose
-    cache is ready starts none (the start that filled it compiled the kernels into Triton's cache)."""
-    from kiln import Runtime
-    from kiln.runtime.worker import Worker
-
-    calls: list[str] = []
-    monkeypatch.setattr(Worker, "_start_kernel_warmup", lambda self: calls.append(self.config.model))
-    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE", raising=False)
-    path = str(tiny_checkpoint("tiny-llama")[0])
-    options = dict(device="cpu", level=1, compile_sizes=(), max_num_batched_tokens=32, max_num_seqs=4,
-                   num_blocks=64)
-    Runtime(path, **options)
-    assert len(calls) == 1  # cold
-    Runtime(path, **options)
-    assert len(calls) == 1  # warm: none
-    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
-    Runtime(path, **options)
-    assert len(calls) == 2  # no cache: always
