@@ -136,7 +136,7 @@ def child_start(spec: dict[str, Any]) -> dict[str, Any]:
         "cache_hits": stats.cache_hits, "compile_summary": stats.summary(),
     }
     worker = rt.engine.worker
-    kernels = getattr(worker, "kernel_warmup", None)  # the GPU's kernel warm-up thread, beside the compile phase
+    kernels = getattr(worker, "kernel_warmup", None)  # kiln's kernel warm-up (GPU, cold starts), beside compiling
     result["kernel_warmup_s"] = kernels.seconds if kernels is not None else None
     compilation = getattr(worker, "compilation", None)
     result["compile_sizes"] = list(getattr(compilation, "compile_sizes", None) or ())

@@ -3,7 +3,9 @@
 cProfile instruments every call and distorted start-up by 20-30% (docs/BENCHMARKS.md, seventh session); this
 samples the thread's stack every `interval` seconds from a daemon thread instead. Each sample counts once
 for every distinct function on the stack (inclusive) and once for the innermost frame (self), so a
-function's share is the fraction of wall time it was running or waiting below.
+function's share is the fraction of wall time it was running or waiting below. The sampler needs the GIL:
+a C call that holds it for long (no Python frame of its own) delays the next sample, so such stretches are
+under-counted and the time is spread over the samples around them; compare large shares, not small ones.
 """
 
 from __future__ import annotations
