@@ -45,18 +45,23 @@ def gemm_shapes(model: torch.nn.Module) -> list[torch.Tensor]:
     return list(seen.values())
 
 
+def _served(weight: torch.Tensor) -> bool:
+    """Whether `kiln::dense_gemm` runs its Triton kernel for this projection (its activations share the weight's
+    device and dtype)."""
+    return dense_gemm.applies(weight, None)
+
+
 def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
     """Each weight at each M the small-M kernel serves; -> launches."""
     from kiln.models.quant.fp8_kernel import bf16_gemm_triton  # triton: imported where a GPU start needs it
 
     launches = 0
     for weight in weights:
-        x_like = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        if not dense_gemm.applies(x_like, None):
+        if not _served(weight):
             continue
         for m in sizes:
             if 0 < m <= dense_gemm.TRITON_MAX_M:
-                bf16_gemm_triton(x_like.new_zeros(m, weight.shape[1]), weight)
+                bf16_gemm_triton(weight.new_zeros(m, weight.shape[1]), weight)
                 launches += 1
     return launches
 
@@ -130,8 +135,7 @@ class KernelWarmup:
         self.launches = 0
         self.seconds = 0.0
         self._started = time.perf_counter()
-        probe = [(w, torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)) for w in gemm_shapes(model)]
-        gemms = tuple((w.shape[0], w.shape[1], w.dtype) for w, x in probe if dense_gemm.applies(x, None))
+        gemms = tuple((w.shape[0], w.shape[1], w.dtype) for w in gemm_shapes(model) if _served(w))
         self.plan = WarmupPlan(gemms, tuple(sorted(set(sizes))), type(backend) if backend.name == "triton" else None,
                                backend.layout, tuple(sorted(set(decode_sizes))), block_table_width,
                                str(backend.device))
