@@ -11,6 +11,8 @@ measured in the same run.
     python -m benchmarks.bench_attention --sweep --batches 1 8 64 256 --contexts 160 600 2048 --json sweep.json
     # only some knobs, the others at the default; a tensor-parallel rank's heads (70B at TP=2: 32 q / 4 kv):
     python -m benchmarks.bench_attention --sweep --vary min_tiles waves --heads 32 4 --batches 1 8
+    # mixed steps (prefill chunks beside decodes): the decodes in the varlen or the decode kernel, varlen tiles
+    python -m benchmarks.bench_attention --mixed --json mixed.json [--tiles 64,64,4,2 64,32,4,2]
 """
 
 from __future__ import annotations
@@ -135,6 +137,80 @@ def sweep(layout: AttentionLayout, shapes: list[Shape], ceil, json_path: str | N
             json.dump({"stamp": stamp(), "default": default, "results": results}, f, indent=1)
 
 
+MIXED_SWEEP = dict(rows=(64, 128), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3))
+BEFORE_TILE = (128, 64, 8, 2)  # the varlen tile before the --mixed sweep of 2026-11-30 (rows, keys, warps, stages)
+
+
+def mixed_steps(seed: int = 0) -> list[tuple[str, list[int], list[int]]]:
+    """(label, q_lens, contexts) of mixed batches, leading decodes first as the scheduler orders them: an
+    offline step carrying prefill chunks (issue 16's workload: ~126 decodes beside fresh prompts of U(100,
+    1024) tokens filling an 8192-token budget), smaller serving-like mixes, and long fresh prompts alone."""
+    rng = random.Random(seed)
+    prompts, budget = [], 8192 - 126
+    while budget > 0:
+        prompts.append(min(budget, rng.randint(100, 1024)))
+        budget -= prompts[-1]
+    steps = [("offline: 126 decodes + 8066 prompt tokens", [1] * 126 + prompts,
+              [rng.randint(100, 1024) for _ in range(126)] + [0] * len(prompts))]
+    for decodes, prompt in ((8, 512), (32, 2048), (64, 256), (2, 1024)):
+        steps.append((f"{decodes} decodes + {prompt}-token prompt", [1] * decodes + [prompt],
+                      [rng.randint(100, 1024) for _ in range(decodes)] + [0]))
+    return steps + [("prefill 8 x 4096", [4096] * 8, [0] * 8), ("prefill 1 x 8192", [8192], [0])]
+
+
+def tile_cfg(tile: tuple[int, ...], group_pad: int) -> dict[str, int]:
+    rows, block_n, warps, stages = tile
+    return dict(GROUP_PAD=group_pad, BLOCK_Q=max(rows, group_pad, 16) // group_pad, BLOCK_N=block_n,
+                num_warps=warps, num_stages=stages)
+
+
+def mixed(layout: AttentionLayout, json_path: str | None, tiles: list[tuple[int, ...]] | None) -> None:
+    """Mixed (prefill + decode) steps and long prefills, eager as they run: before (every request in the
+    varlen kernel, the old tile), the leading decodes split off at the old tile, the defaults, then the
+    varlen tiles (`tiles`, or all of MIXED_SWEEP) on the split path."""
+    backend = select_backend("triton", layout, torch.device("cuda"))(layout, torch.device("cuda"))
+    default_cfg, default_min = dict(backend._prefill_cfg), backend.mixed_decode_min
+    group_pad = default_cfg["GROUP_PAD"]
+    before = tile_cfg(BEFORE_TILE, group_pad)
+    arms = [("before", 0, before), ("split, before's tile", 1, before), ("defaults", default_min, default_cfg)]
+    for tile in tiles or list(itertools.product(*MIXED_SWEEP.values())):
+        arms.append((f"split, {tile[0]} rows x {tile[1]} keys, {tile[2]}w {tile[3]}s", 1, tile_cfg(tile, group_pad)))
+    results, rows = [], []
+    for label, q_lens, contexts in mixed_steps():
+        tensors, common = make_step(q_lens, contexts)
+        out, cache = tensors[3], tensors[4]
+        snapshot = cache.clone()
+        flops = sum(4 * HQ * D * (c * n + n * (n + 1) / 2) for n, c in zip(q_lens, contexts))
+        timed: dict[str, float] = {}
+        for name, least, cfg in arms:
+            backend.mixed_decode_min, backend._prefill_cfg = least, cfg
+            cache.copy_(snapshot)
+            try:
+                ms = time_step(backend, tensors, common, graph=False)
+            except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
+                print(f"{name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            if not timed:
+                reference = out.clone()
+            err = float((out.float() - reference.float()).abs().max())
+            timed[name] = ms
+            results.append(dict(step=label, arm=name, least=least, us=ms * 1e3, err=err, **cfg,
+                                tflops=flops / (ms / 1e3) / 1e12))
+        base = timed["before"]
+        best = min(timed.items(), key=lambda kv: kv[1])
+        rows.append([label, base * 1e3, timed["defaults"] * 1e3, base / timed["defaults"], best[0],
+                     best[1] * 1e3, base / best[1], f"{flops / (timed['defaults'] / 1e3) / 1e12:.0f}",
+                     max(r["err"] for r in results if r["step"] == label)])
+        print(rows[-1], flush=True)
+    backend.mixed_decode_min, backend._prefill_cfg = default_min, default_cfg
+    print(table(["step", "before us", "defaults us", "gain", "best arm", "best us", "best gain",
+                 "defaults TFLOP/s", "max err"], rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"stamp": stamp(), "defaults": default_cfg, "decode_split_min": default_min,
+                       "results": results}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backends", nargs="+", default=["torch", "triton", "flashinfer"])
@@ -144,6 +220,10 @@ def main() -> None:
     parser.add_argument("--varlen", type=int, nargs=2, metavar=("LOW", "HIGH"),
                         help="decode: each request's context uniform in [LOW, HIGH] instead of --contexts")
     parser.add_argument("--vary", nargs="+", choices=list(SWEEP), help="sweep only these knobs")
+    parser.add_argument("--mixed", action="store_true",
+                        help="mixed steps: leading decodes in the varlen or the decode kernel, varlen configs")
+    parser.add_argument("--tiles", nargs="+", default=None, metavar="ROWS,KEYS,WARPS,STAGES",
+                        help="--mixed: only these varlen tiles (default: all of MIXED_SWEEP)")
     parser.add_argument("--heads", type=int, nargs=2, metavar=("HQ", "HKV"), default=[HQ, HKV],
                         help="query and KV heads (one tensor-parallel rank's share)")
     parser.add_argument("--json", default=None)
@@ -151,6 +231,9 @@ def main() -> None:
     globals().update(HQ=args.heads[0], HKV=args.heads[1])  # make_step and the byte counts read them
     ceil = measure_ceilings()
     layout = AttentionLayout(HQ, HKV, D, D ** -0.5, BS, DTYPE)
+    if args.mixed:
+        mixed(layout, args.json, [tuple(int(x) for x in t.split(",")) for t in args.tiles] if args.tiles else None)
+        return
     if args.sweep:
         sweep(layout, decode_shapes(args.batches, args.contexts, args.varlen), ceil, args.json, args.vary)
         return

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
@@ -29,6 +30,8 @@ from kiln.attention.base import (
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
+# the varlen kernel's tile for 16-bit head_dim <= 128: (rows = tokens x padded GQA group, keys, warps, stages)
+VARLEN_TILE = (64, 64, 4, 2)
 
 
 def _interpreting() -> bool:
@@ -56,6 +59,10 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
         KV_FP8=_is_fp8(kv_cache), num_warps=4)
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def build_page_indices(block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                        block_size: int) -> None:
     """out[indptr[i]:indptr[i+1]] = block_tables[i, :ceil(seq_lens[i] / block_size)], on device."""
@@ -73,6 +80,25 @@ class TritonMetadata:
     part_out: torch.Tensor | None  # [num_reqs, Hq, num_splits, D] fp32 partials (decode with splits)
     part_lse: torch.Tensor | None  # [num_reqs, Hq, num_splits] fp32
     counters: torch.Tensor | None  # [num_reqs, Hkv] int32 split tickets, zero between launches
+    # a mixed batch run eagerly: its leading one-token requests, attended by the decode kernel
+    leading_decodes: TritonMetadata | None = None
+
+
+def leading_decode_count(common: CommonAttentionMetadata) -> int:
+    """How many requests at the front of the batch have one new token (the scheduler puts decodes first)."""
+    q_lens = np.diff(common.query_start_loc_cpu[: common.num_reqs + 1].numpy())
+    longer = np.flatnonzero(q_lens != 1)
+    return int(longer[0]) if len(longer) else common.num_reqs
+
+
+def head_of(common: CommonAttentionMetadata, rows: int) -> CommonAttentionMetadata:
+    """The first `rows` requests of a batch whose first `rows` requests are one-token decodes."""
+    seq_lens_cpu = common.seq_lens_cpu[:rows]
+    return CommonAttentionMetadata(
+        num_reqs=rows, num_tokens=rows, query_start_loc=common.query_start_loc[: rows + 1],
+        seq_lens=common.seq_lens[:rows], block_tables=common.block_tables[:rows],
+        slot_mapping=common.slot_mapping[:rows], query_start_loc_cpu=common.query_start_loc_cpu[: rows + 1],
+        seq_lens_cpu=seq_lens_cpu, max_query_len=1, max_seq_len=int(seq_lens_cpu.max()), uniform_decode=True)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -110,6 +136,10 @@ class TritonAttentionBackend(AttentionBackend):
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
         self._retired: list[torch.Tensor] = []
         self._prefill_cfg = self._prefill_config()
+        # a mixed batch with at least this many leading decodes sends them to the decode kernel: in the
+        # varlen kernel each takes a whole q-tile of BLOCK_Q token rows per KV head for one token (0: never;
+        # fewer than ~32 do not pay for the extra launch, bench_attention.py --mixed)
+        self.mixed_decode_min = int(os.environ.get("KILN_MIXED_DECODE_MIN", "32"))
         # decode launch: BLOCK_N keys per tile, warps, pipeline stages, the program waves the split count
         # aims for, and the fewest tiles a split takes (benchmarks/bench_attention.py --sweep measures the
         # alternatives)
@@ -119,7 +149,8 @@ class TritonAttentionBackend(AttentionBackend):
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
         group_pad = triton.next_power_of_2(self.group)
-        # chosen from ptxas reports for sm_90 (no spills); fp32 needs small tiles for its ieee dots
+        # chosen from ptxas reports for sm_90 (no spills); fp32 needs small tiles for its ieee dots; 16-bit
+        # head_dim <= 128 from `bench_attention.py --mixed` on the H200 (docs/attention.md)
         if _interpreting():
             rows, block_n, warps, stages = 32, 32, 4, 1  # the interpreter pays per program, not per element
         elif self.layout.dtype == torch.float32:
@@ -127,7 +158,7 @@ class TritonAttentionBackend(AttentionBackend):
         elif self.block_d > 128:
             rows, block_n, warps, stages = 64, 32, 8, 2
         else:
-            rows, block_n, warps, stages = 128, 64, 8, 2
+            rows, block_n, warps, stages = VARLEN_TILE
         rows = max(rows, group_pad, 16)
         return dict(GROUP_PAD=group_pad, BLOCK_Q=rows // group_pad, BLOCK_N=block_n, num_warps=warps,
                     num_stages=stages)
@@ -139,7 +170,21 @@ class TritonAttentionBackend(AttentionBackend):
         return max(1, min(_MAX_SPLITS, triton.cdiv(self.decode_cfg["waves"] * self.num_sms, programs)))
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
-        splits = self.num_splits(common.num_reqs) if common.uniform_decode else 1
+        if common.uniform_decode:
+            return self._decode_metadata(common, self.num_splits(common.num_reqs))
+        metadata = TritonMetadata(common, 1, None, None, None)
+        least = self.mixed_decode_min
+        rows = leading_decode_count(common) if 0 < least < common.num_reqs else 0
+        # Graph-stable grids (ALWAYS) hold for what a graph may capture: the split below depends on the
+        # batch's contents, so it is only taken where attention runs eagerly (mixed batches never replay
+        # inside FULL graphs; PIECEWISE runs attention between the graphs).
+        if rows >= least > 0 and not _capturing(self.device):
+            # split counts of power-of-two batches: the decode sizes kiln's kernel warm-up compiled
+            splits = self.num_splits(triton.next_power_of_2(rows))
+            metadata.leading_decodes = self._decode_metadata(head_of(common, rows), splits)
+        return metadata
+
+    def _decode_metadata(self, common: CommonAttentionMetadata, splits: int) -> TritonMetadata:
         if splits == 1:
             return TritonMetadata(common, 1, None, None, None)
         rows = common.num_reqs * self.layout.num_heads * splits
@@ -157,12 +202,17 @@ class TritonAttentionBackend(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: TritonMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         common = metadata.common
         assert out.stride(-1) == 1
-        q = q if q.stride(-1) == 1 else q.contiguous()
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         scales = (float(k_scale), float(v_scale)) if _is_fp8(kv_cache) else (1.0, 1.0)
         if common.uniform_decode and common.num_reqs > 0:
-            k = k if k.stride(-1) == 1 else k.contiguous()
-            v = v if v.stride(-1) == 1 else v.contiguous()
             self._decode(q, k, v, out, kv_cache, metadata, *scales)  # writes the new K/V itself
+            return
+        head = metadata.leading_decodes
+        if head is not None:  # the decode kernel for the leading decodes (writing their K/V), varlen the rest
+            n = head.common.num_reqs
+            self._decode(q[:n], k[:n], v[:n], out[:n], kv_cache, head, *scales)
+            reshape_and_cache(k[n:], v[n:], kv_cache, common.slot_mapping[n:], *scales)
+            self._varlen(q, out, kv_cache, common, *scales, first_req=n)
             return
         reshape_and_cache(k, v, kv_cache, common.slot_mapping, *scales)
         if common.num_reqs > 0:
@@ -172,14 +222,18 @@ class TritonAttentionBackend(AttentionBackend):
         return (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                 common.block_tables.stride(0))
 
-    def _varlen(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                common: CommonAttentionMetadata, k_scale: float, v_scale: float) -> None:
-        layout, cfg = self.layout, self._prefill_cfg
+    def _varlen(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
+                k_scale: float, v_scale: float, first_req: int = 0) -> None:
+        """The requests from `first_req` on; those before it are one-token decodes (so q-block
+        first_req // BLOCK_Q is the first one this launch needs)."""
+        layout, cfg, r = self.layout, self._prefill_cfg, first_req
+        qb0 = r // cfg["BLOCK_Q"]
         # q.shape[0] is the padded token count: a graph-stable bound on every request's q-blocks
-        grid = (q.shape[0] // cfg["BLOCK_Q"] + common.num_reqs, layout.num_kv_heads)
+        grid = (q.shape[0] // cfg["BLOCK_Q"] - qb0 + common.num_reqs - r, layout.num_kv_heads)
         K.varlen_attention_kernel[grid](
-            q, out, kv_cache, common.block_tables, common.seq_lens, common.query_start_loc, common.num_reqs,
-            layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            q, out, kv_cache, common.block_tables[r:], common.seq_lens[r:], common.query_start_loc[r:],
+            common.num_reqs - r, qb0, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1),
             *self._common_args(kv_cache, common), v_scale, GROUP=self.group, HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, PAGE=layout.block_size, IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache), **cfg)
 

@@ -87,8 +87,8 @@ def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
-def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, num_reqs, qk_scale,
+@triton.jit(do_not_specialize=["num_reqs", "qb0"])
+def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, num_reqs, qb0, qk_scale,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch,
                             stride_bt, v_scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -97,9 +97,11 @@ def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl
 
     Request i owns q-blocks [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): an upper bound on its
     ceil(q_len / BLOCK_Q) blocks that needs no host-side prefix sum, so the grid is
-    num_tokens // BLOCK_Q + num_reqs and a program finds its request by binary search.
+    num_tokens // BLOCK_Q + num_reqs and a program finds its request by binary search. The requests may
+    start after a batch's leading decodes (qsl_ptr past them, qsl still absolute): qb0 = qsl[0] // BLOCK_Q
+    is then the first block, and the grid that much smaller.
     """
-    qb = tl.program_id(0)
+    qb = tl.program_id(0) + qb0
     kv_head = tl.program_id(1)
     lo = 0
     hi = num_reqs - 1

@@ -69,7 +69,8 @@ def dequantized(batch: PagedBatch) -> PagedBatch:
 
 
 CASES = [([37, 1, 64, 5, 1], [0, 200, 130, 17, 333]),  # prefill, chunk after a prefix hit, decodes
-         ([1, 1, 1], [0, 95, 300])]  # uniform decode (Triton: the fused split-KV kernel)
+         ([1, 1, 1], [0, 95, 300]),  # uniform decode (Triton: the fused split-KV kernel)
+         ([1, 1, 1, 30, 1], [40, 0, 90, 0, 10])]  # leading decodes (Triton below: split off to the decode kernel)
 
 
 @pytest.mark.parametrize("q_lens,contexts", CASES)
@@ -96,7 +97,9 @@ def test_triton_kernels_match_torch_backend(q_lens: list[int], contexts: list[in
     batch = fp8_batch(q_lens, contexts, 8, 2, 64, dtype, seed=3 + len(q_lens))
     if DEVICE == "cpu":
         batch = exactly_representable(batch)
-    out, cache = run_fp8(TritonAttentionBackend(batch.layout, torch.device(DEVICE)), batch)
+    triton_backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+    triton_backend.mixed_decode_min = 2  # a mixed batch's leading decodes go to the decode kernel from 2
+    out, cache = run_fp8(triton_backend, batch)
     ref_out, ref_cache = run_fp8(TorchAttentionBackend(batch.layout, torch.device(DEVICE)), batch)
     assert rel_err(out, ref_out) <= (1e-4 if dtype == torch.float32 else 1e-2)
     # the same bytes in every slot but the null block (padding writes there in any order)

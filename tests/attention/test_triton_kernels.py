@@ -16,10 +16,12 @@ HEADS = 8
 
 
 def check(q_lens: list[int], contexts: list[int], group: int, head_dim: int, dtype: torch.dtype = torch.float32,
-          tol: float = 1e-4, seed: int = 0, **decode_cfg: int) -> None:
+          tol: float = 1e-4, seed: int = 0, mixed_decode_min: int | None = None, **decode_cfg: int) -> None:
     batch = make_batch(q_lens, contexts, HEADS, HEADS // group, head_dim, dtype, DEVICE, seed=seed)
     backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
     backend.decode_cfg.update(decode_cfg)
+    if mixed_decode_min is not None:
+        backend.mixed_decode_min = mixed_decode_min
     out, cache = run_backend(backend, batch)
     ref_out, ref_cache = reference(batch)
     assert rel_err(out, ref_out) <= tol, (q_lens, contexts, group, head_dim, rel_err(out, ref_out))
@@ -34,6 +36,23 @@ def check(q_lens: list[int], contexts: list[int], group: int, head_dim: int, dty
 def test_mixed_batch_prefill_chunks_and_decodes(group: int, head_dim: int) -> None:
     # a fresh prompt, a chunk after a prefix hit, decodes, a long chunk; contexts cross many blocks
     check([37, 1, 64, 5, 1], [0, 200, 130, 17, 333], group, head_dim, seed=group * head_dim)
+
+
+@pytest.mark.parametrize(("q_lens", "contexts", "least"), [
+    ([1, 1, 1, 37, 1, 64], [95, 0, 300, 0, 40, 130], 2),  # three leading decodes: decode kernel, varlen rest
+    ([1] * 20 + [21, 3], list(range(3, 63, 3)) + [0, 90], 8),  # 20: past the first varlen q-block
+])
+def test_mixed_batch_with_leading_decodes(q_lens: list[int], contexts: list[int], least: int) -> None:
+    # the scheduler puts running decodes first: at or above the threshold they go to the split-KV decode
+    # kernel (which writes their K/V) and the varlen kernel starts at the first longer request
+    batch = make_batch(q_lens, contexts, HEADS, 2, 64, torch.float32, DEVICE, seed=least)
+    backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+    leading = next(i for i, n in enumerate(q_lens) if n != 1)
+    for threshold, split in ((least, leading), (leading + 1, 0), (0, 0)):  # below the threshold, or off: no split
+        backend.mixed_decode_min = threshold
+        head = backend.build_metadata(batch.common).leading_decodes
+        assert (head.common.num_reqs if head else 0) == split
+    check(q_lens, contexts, 4, 64, seed=least, mixed_decode_min=least)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
