@@ -1,5 +1,5 @@
-"""The on-disk compile artifact cache (docs/cache.md): key (key.py), store (store.py), Inductor's torch_key
-remembered (torch_key.py).
+"""The on-disk compile artifact cache (docs/cache.md): key (key.py), store (store.py), Inductor's torch_key and
+Triton's triton_key remembered (torch_key.py, triton_key.py).
 
 The runtime asks `store_factory` for a factory; the compiler calls it once the pass hook exists (its
 uuid is a key factor) and hands the store to Inductor's compile step.
@@ -15,6 +15,7 @@ import torch
 from kiln.cache.key import cache_key, key_factors
 from kiln.cache.store import CompileCacheStore, cache_disabled, cache_root, compile_root
 from kiln.cache.torch_key import prime_torch_key
+from kiln.cache.triton_key import prime_triton_key
 
 __all__ = ["CompileCacheStore", "cache_disabled", "cache_key", "cache_root", "compile_root", "key_factors",
            "store_factory"]
@@ -31,6 +32,8 @@ def store_factory(*, spec: Any, dtype: torch.dtype, compilation: Any, max_num_to
 
     def make(pass_hook: Any, inductor_patches: Mapping[str, Any]) -> CompileCacheStore:
         prime_torch_key()  # before any artifact is loaded or compiled: both need Inductor's torch_key
+        if device.type == "cuda":  # and on a GPU Triton's triton_key (a CPU start may not import Triton at all)
+            prime_triton_key()
         uuid = pass_hook.uuid() if pass_hook is not None else None
         factors = key_factors(spec=spec, dtype=dtype, compilation=compilation, max_num_tokens=max_num_tokens,
                               device=device, attention_backend=attention_backend, pass_uuid=uuid,

@@ -9,7 +9,8 @@ The key changes only when torch's files do, so it is stored as `<cache root>/tor
 the fingerprint being a sha256 over torch's version and every module file's relative path, size and mtime
 (a stat walk, ~40 ms). A start that finds its fingerprint hands the stored key to Inductor's memo through
 its `set` hook (torch 2.11 and 2.13 both have one); otherwise it computes the key once and stores it.
-Compile workers get the parent's value (`primed()`) instead of walking torch again.
+Compile workers get the parent's value (`primed()`) instead of walking torch again. The fingerprint and the
+read-or-compute-and-store step (`package_fingerprint`, `remembered`) serve Triton's key too (triton_key.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,8 +37,12 @@ _primed: bytes | None = None  # this process's value, once primed or set
 
 def torch_fingerprint(root: Path | None = None) -> str:
     """A digest of the module files of the torch package at `root` (default: the imported torch)."""
-    root = root or Path(torch.__file__).resolve().parent
-    digest = hashlib.sha256(torch.__version__.encode())
+    return package_fingerprint(root or Path(torch.__file__).resolve().parent, torch.__version__)
+
+
+def package_fingerprint(root: Path, version: str) -> str:
+    """A stat digest of a package's module files: version, then each file's relative path, size and mtime."""
+    digest = hashlib.sha256(version.encode())
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         for name in sorted(filenames):
@@ -76,19 +82,24 @@ def prime_torch_key(root: Path | None = None) -> bytes | None:
     if _primed is not None or _memo() is None or os.environ.get("KILN_TORCH_KEY_MEMO", "1").strip() == "0":
         return _primed  # KILN_TORCH_KEY_MEMO=0: Inductor's own walk in every process (an A/B knob)
     path = (root or cache_root()) / TORCH_KEY_DIR / f"{torch_fingerprint()}.bin"
+    _primed = remembered(path, set_torch_key, lambda: _memo()())
+    return _primed
+
+
+def remembered(path: Path, apply: Callable[[bytes], bool], compute: Callable[[], bytes]) -> bytes:
+    """The value stored at `path` if `apply` takes it; otherwise `compute()`, stored there for the next start."""
     try:
         stored = path.read_bytes()
     except OSError:
         stored = b""
-    if stored and set_torch_key(stored):
+    if stored and apply(stored):
         return stored
-    value = _memo()()
+    value = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, value)
-    except OSError as exc:  # a read-only cache only costs the next start the walk
-        logger.info("could not store torch_key under %s: %s", path.parent, exc)
-    _primed = value
+    except OSError as exc:  # a read-only cache only costs the next start the computation
+        logger.info("could not store %s: %s", path, exc)
     return value
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import sympy
 from torch import fx
 
-from kiln.cache.torch_key import primed, set_torch_key
+from kiln.cache import torch_key, triton_key
 from kiln.compiler.ranges import CompileKey
 
 logger = logging.getLogger("kiln.compiler")
@@ -226,7 +226,8 @@ class CompilePool:
                 if self._executor is None:
                     self._executor = ProcessPoolExecutor(
                         self.workers, mp_context=self._context, initializer=_init_worker,
-                        initargs=(_worker_env(), max(1, host_cores() // self.workers), primed()))
+                        initargs=(_worker_env(), max(1, host_cores() // self.workers), torch_key.primed(),
+                                  triton_key.primed()))
                 return self._executor.submit(_compile_in_worker, task, job.key, self.symbol, job.piece_hash,
                                              self._patches_blob())
         except Exception as exc:  # noqa: BLE001 - no pool (e.g. a pickling error): compile here
@@ -287,13 +288,16 @@ def _worker_env() -> dict[str, str]:
     return {name: os.environ[name] for name in names if name in os.environ}
 
 
-def _init_worker(env: dict[str, str], compile_threads: int, torch_key: bytes | None = None) -> None:
+def _init_worker(env: dict[str, str], compile_threads: int, torch_value: bytes | None = None,
+                 triton_value: str | None = None) -> None:
     os.environ.update(env)
     import torch
     import torch._inductor.config as inductor_config
 
-    if torch_key is not None:  # the parent's: saves each worker Inductor's walk over torch's sources
-        set_torch_key(torch_key)
+    if torch_value is not None:  # the parent's: saves each worker Inductor's walk over torch's sources
+        torch_key.set_torch_key(torch_value)
+    if triton_value is not None:  # and Triton's hash of its sources and libtriton
+        triton_key.set_triton_key(triton_value)
 
     torch.set_num_threads(compile_threads)
     inductor_config.compile_threads = compile_threads
