@@ -301,7 +301,24 @@ def full_row_block_tables(rt: Runtime) -> Iterator[None]:
         del runner._upload_block_tables
 
 
-AB_ARMS = {"full_row_block_tables": full_row_block_tables}  # --ab: an arm interleaved with the defaults' runs
+@contextlib.contextmanager
+def attention_before(rt: Runtime) -> Iterator[None]:
+    """Mixed steps as before 2026-11-30's tenth session: the leading decodes in the varlen kernel with the
+    prefill chunks, at the varlen kernel's old tile (one process, rank 0's backend: a TP=1 arm)."""
+    from benchmarks.bench_attention import BEFORE_TILE, tile_cfg
+
+    backend = rt.engine.worker.backend
+    saved = backend.mixed_decode_min, backend._prefill_cfg
+    backend.mixed_decode_min = 0
+    backend._prefill_cfg = tile_cfg(BEFORE_TILE, backend._prefill_cfg["GROUP_PAD"])
+    try:
+        yield
+    finally:
+        backend.mixed_decode_min, backend._prefill_cfg = saved
+
+
+# --ab: an arm interleaved with the defaults' runs
+AB_ARMS = {"full_row_block_tables": full_row_block_tables, "attention_before": attention_before}
 
 
 def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
@@ -329,7 +346,7 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
         start = time.perf_counter()  # -O2 on a GPU compiles its exact decode sizes after ready: time them in
         rt.finish_background_compiles()
         row.update(background_wait_s=time.perf_counter() - start,
-                   inductor_options=dict(rt.engine.config.compilation.inductor_options))
+                   inductor_options=dict(rt.engine.worker.compilation.inductor_options))  # resolved: with defaults
         warm_up(rt, lens, rng)
         prompts, params = offline_requests(rt, lens, rng)
         runs, ab_runs = [], []

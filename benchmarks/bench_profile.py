@@ -34,7 +34,13 @@ KINDS = (  # first match wins
 )
 
 
+# Inductor's generated kernels are element-wise/reductions whatever ops their names list ("..._dense_gemm_mul_silu")
+INDUCTOR_KERNEL = re.compile(r"^triton_(poi|red|per)_")
+
+
 def kind_of(name: str) -> str:
+    if INDUCTOR_KERNEL.match(name):
+        return "elementwise"
     return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
 
 
@@ -114,10 +120,12 @@ def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None, ho
 
 
 def profile_config(model: str, tp: int, quant: str, batches: list[int], steps: int, trace_dir: str | None,
-                   device: str = "cuda", offline_requests: int = 0, host: bool = False) -> dict:
-    """With `offline_requests`, the offline workload (lengths U(100, 1024)) profiled mid-run, at the runtime's
-    default capture sizes; then decode at each batch size (graphs captured at exactly those sizes when there
-    is no offline part)."""
+                   device: str = "cuda", offline_requests: int = 0, host: bool = False,
+                   offline_at: tuple[int, ...] = ()) -> dict:
+    """With `offline_requests`, the offline workload (lengths U(100, 1024)) profiled at the runtime's default
+    capture sizes, once after each step count in `offline_at` (default 4 x steps: past the first prefills;
+    2 profiles the steps that carry prefill chunks); then decode at each batch size (graphs captured at
+    exactly those sizes when there is no offline part)."""
     from benchmarks.bench_gpu import throughput_workload
     from kiln import Runtime, SamplingParams
 
@@ -140,15 +148,19 @@ def profile_config(model: str, tp: int, quant: str, batches: list[int], steps: i
         for i, o in lens:
             engine.add_request([rng.randrange(vocab) for _ in range(i)],
                                SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
-        for _ in range(4 * steps):  # past the first prefills: a steady mix of chunked prefill and decode
-            engine.step()
-        row = {"batch": f"offline{offline_requests}", "running": len(engine.scheduler.running),
-               **profile_steps(engine, steps, sync, trace_dir and os.path.join(trace_dir, f"{slug}-offline.json"),
-                               host)}
+        done = 0
+        for at in offline_at or (4 * steps,):
+            for _ in range(max(0, at - done)):
+                engine.step()
+            done = max(done, at)
+            trace = trace_dir and os.path.join(trace_dir, f"{slug}-offline{at}.json")
+            row = {"batch": f"offline{offline_requests}@{at}", "running": len(engine.scheduler.running),
+                   "waiting": len(engine.scheduler.waiting), **profile_steps(engine, steps, sync, trace, host)}
+            done += 2 * steps + 2 + (steps if host else 0)
+            result["rows"].append(row)
+            print(json.dumps(row, indent=1), flush=True)
         while engine.has_unfinished():
             engine.step()
-        result["rows"].append(row)
-        print(json.dumps(row, indent=1), flush=True)
     for batch in batches:
         start_decoding(engine, batch, 128, max_tokens=(3 if host else 2) * steps + 12)
         trace = trace_dir and os.path.join(trace_dir, f"{slug}-b{batch}.json")
@@ -171,6 +183,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (no kernels to attribute)")
     parser.add_argument("--offline-requests", type=int, default=0,
                         help="profile the offline workload of this many requests instead of decode batches")
+    parser.add_argument("--offline-at", type=int, nargs="+", default=[],
+                        help="profile the offline workload after these step counts (2: prefill-carrying steps)")
     parser.add_argument("--host", action="store_true", help="also cProfile rank 0's host over the decode steps")
     args = parser.parse_args()
     if args.trace_dir:
@@ -180,7 +194,8 @@ def main() -> None:
         model, tp, quant = spec.split(":")
         try:
             results.append(profile_config(model, int(tp), quant, args.batches, args.steps, args.trace_dir,
-                                          args.device, args.offline_requests, args.host))
+                                          args.device, args.offline_requests, args.host,
+                                          tuple(args.offline_at)))
         except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others
             results.append({"config": spec, "error": f"{type(exc).__name__}: {exc}"[:400]})
             print(results[-1], flush=True)
