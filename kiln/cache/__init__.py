@@ -1,5 +1,6 @@
 """The on-disk compile artifact cache (docs/cache.md): key (key.py), store (store.py), Inductor's torch_key and
-Triton's triton_key remembered (torch_key.py, triton_key.py).
+Triton's triton_key remembered (torch_key.py, triton_key.py), unchanged Inductor cache files left alone
+(inductor_writes.py).
 
 The runtime asks `store_factory` for a factory; the compiler calls it once the pass hook exists (its
 uuid is a key factor) and hands the store to Inductor's compile step.
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kiln.cache.inductor_writes import skip_unchanged_writes
 from kiln.cache.key import cache_key, key_factors
 from kiln.cache.store import CompileCacheStore, cache_disabled, cache_root, compile_root
 from kiln.cache.torch_key import prime_torch_key
@@ -32,6 +34,7 @@ def store_factory(*, spec: Any, dtype: torch.dtype, compilation: Any, max_num_to
 
     def make(pass_hook: Any, inductor_patches: Mapping[str, Any]) -> CompileCacheStore:
         prime_torch_key()  # before any artifact is loaded or compiled: both need Inductor's torch_key
+        skip_unchanged_writes()  # a warm start's loads rewrite Inductor's cache files with the same bytes
         if device.type == "cuda":  # and on a GPU Triton's triton_key (a CPU start may not import Triton at all)
             prime_triton_key()
         uuid = pass_hook.uuid() if pass_hook is not None else None

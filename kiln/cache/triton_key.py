@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
+from kiln.cache.rebind import rebind
 from kiln.cache.store import cache_root
 from kiln.cache.torch_key import package_fingerprint, remembered
 
@@ -35,18 +35,10 @@ def set_triton_key(value: str) -> None:
     global _primed
     import triton.runtime.cache as cache
 
-    original = cache.triton_key
-
-    def remembered() -> str:
+    def stored_key() -> str:
         return value
 
-    # every module that bound it by name (which ones differs between Triton and torch versions); one imported
-    # later binds the replacement, from a module replaced here. Read through __dict__: no module __getattr__ runs
-    # (and sys.modules may hold objects that are not modules).
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and namespace.get("triton_key") is original:
-            module.triton_key = remembered
+    rebind("triton_key", cache.triton_key, stored_key)
     _primed = value
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kiln import Runtime, SamplingParams
+from kiln.cache import inductor_writes
 from kiln.cache.store import ARTIFACT_SUFFIX, CAPTURE, READY, compile_root, pack, unpack, verify_file
 from tests.conftest import random_prompts
 
@@ -93,13 +94,23 @@ def test_cold_start_fills_the_cache(cold: Runtime, cache_dir: Path) -> None:
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR", "") != str(key_dir / "inductor")  # restored afterwards
 
 
-def test_warm_start_compiles_nothing(cold: Runtime, checkpoint: Path, tmp_path: Path,
+def inodes(root: Path) -> dict[Path, int]:
+    return {path: path.stat().st_ino for path in root.rglob("*") if path.is_file()}
+
+
+def test_warm_start_compiles_nothing(cold: Runtime, checkpoint: Path, cache_dir: Path, tmp_path: Path,
                                     kernel_warmups: list[int]) -> None:
     moved = tmp_path / "elsewhere"  # the model's location is not part of the key
     shutil.copytree(checkpoint, moved)
     before = len(kernel_warmups)
+    inductor_files = inodes(compile_root(cache_dir) / cold.compile_stats.cache_key / "inductor")
+    skipped = inductor_writes.skipped
     warm = Runtime(str(moved), **OPTIONS)
     assert len(kernel_warmups) == before  # the cache is ready: no kernel warm-up either
+    # loading the artifacts wrote none of Inductor's cache files again (a rewrite renames a new inode over one)
+    after = inodes(compile_root(cache_dir) / cold.compile_stats.cache_key / "inductor")
+    assert {path: after.get(path) for path in inductor_files} == inductor_files
+    assert inductor_writes.skipped > skipped
     stats = warm.compile_stats
     assert stats.inductor_compiles == 0 and stats.cache_hits == 3, stats.summary()
     assert stats.dynamo_traces == 0 and stats.capture_loaded, stats.summary()  # the saved split graph, no trace
