@@ -1,6 +1,6 @@
 """The on-disk compile artifact cache (docs/cache.md): key (key.py), store (store.py), Inductor's torch_key and
-Triton's triton_key remembered (torch_key.py, triton_key.py), unchanged Inductor cache files left alone
-(inductor_writes.py).
+Triton's triton_key and Inductor's CPU ISA checks remembered (torch_key.py, triton_key.py, vec_isa.py),
+unchanged Inductor cache files left alone (inductor_writes.py).
 
 The runtime asks `store_factory` for a factory; the compiler calls it once the pass hook exists (its
 uuid is a key factor) and hands the store to Inductor's compile step.
@@ -18,6 +18,7 @@ from kiln.cache.key import cache_key, key_factors
 from kiln.cache.store import CompileCacheStore, cache_disabled, cache_root, compile_root
 from kiln.cache.torch_key import prime_torch_key
 from kiln.cache.triton_key import prime_triton_key
+from kiln.cache.vec_isa import prime_vec_isa
 
 __all__ = ["CompileCacheStore", "cache_disabled", "cache_key", "cache_root", "compile_root", "key_factors",
            "store_factory"]
@@ -37,6 +38,8 @@ def store_factory(*, spec: Any, dtype: torch.dtype, compilation: Any, max_num_to
         skip_unchanged_writes()  # a warm start's loads rewrite Inductor's cache files with the same bytes
         if device.type == "cuda":  # and on a GPU Triton's triton_key (a CPU start may not import Triton at all)
             prime_triton_key()
+        else:  # on a CPU the vector-ISA checks before the first C++ kernel
+            prime_vec_isa()
         uuid = pass_hook.uuid() if pass_hook is not None else None
         factors = key_factors(spec=spec, dtype=dtype, compilation=compilation, max_num_tokens=max_num_tokens,
                               device=device, attention_backend=attention_backend, pass_uuid=uuid,

@@ -35,12 +35,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing.context import SpawnContext, SpawnProcess
+from pathlib import Path
 from typing import Any
 
 import sympy
 from torch import fx
 
-from kiln.cache import torch_key, triton_key
+from kiln.cache import torch_key, triton_key, vec_isa
 from kiln.compiler.ranges import CompileKey
 
 logger = logging.getLogger("kiln.compiler")
@@ -227,7 +228,7 @@ class CompilePool:
                     self._executor = ProcessPoolExecutor(
                         self.workers, mp_context=self._context, initializer=_init_worker,
                         initargs=(_worker_env(), max(1, host_cores() // self.workers), torch_key.primed(),
-                                  triton_key.primed()))
+                                  triton_key.primed(), vec_isa.primed()))
                 return self._executor.submit(_compile_in_worker, task, job.key, self.symbol, job.piece_hash,
                                              self._patches_blob())
         except Exception as exc:  # noqa: BLE001 - no pool (e.g. a pickling error): compile here
@@ -289,7 +290,7 @@ def _worker_env() -> dict[str, str]:
 
 
 def _init_worker(env: dict[str, str], compile_threads: int, torch_value: bytes | None = None,
-                 triton_value: str | None = None) -> None:
+                 triton_value: str | None = None, vec_isa_memo: Path | None = None) -> None:
     os.environ.update(env)
     import torch
     import torch._inductor.config as inductor_config
@@ -298,6 +299,8 @@ def _init_worker(env: dict[str, str], compile_threads: int, torch_value: bytes |
         torch_key.set_torch_key(torch_value)
     if triton_value is not None:  # and Triton's hash of its sources and libtriton
         triton_key.set_triton_key(triton_value)
+    if vec_isa_memo is not None:  # and the CPU vector-ISA checks that passed
+        vec_isa.remember_checks(vec_isa_memo)
 
     torch.set_num_threads(compile_threads)
     inductor_config.compile_threads = compile_threads
