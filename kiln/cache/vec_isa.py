@@ -1,4 +1,4 @@
-"""Inductor's CPU vector-ISA probes, remembered under the cache root (docs/cache.md).
+"""Inductor's CPU vector-ISA checks that passed, remembered under the cache root (docs/cache.md).
 
 Before its first C++ kernel a process asks Inductor which vector ISAs it may compile for, and Inductor checks each
 one the CPU's flags allow (AVX512 VNNI, AVX512, AVX2 on this project's CPU machine) by building a small library
@@ -70,8 +70,8 @@ def remember_checks(path: Path) -> bool:
     global _memo
     from torch._inductor import cpu_vec_isa
 
-    vec_isa = getattr(cpu_vec_isa, "VecISA", None)
-    original = getattr(vec_isa, "check_build", None)
+    base = getattr(cpu_vec_isa, "VecISA", None)
+    original = getattr(base, "check_build", None)
     if original is None or _memo is not None:
         return _memo is not None
     passed = _passed(path)
@@ -90,7 +90,7 @@ def remember_checks(path: Path) -> bool:
             pass
         return True
 
-    vec_isa.check_build = check_build  # the base class's; its subclasses call it, none overrides it
+    base.check_build = check_build  # the base class's; its subclasses call it, none overrides it
     _memo = path
     return True
 
