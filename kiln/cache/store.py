@@ -40,6 +40,7 @@ READY = "ready.json"
 SPLIT_GRAPH = "split_graph.txt"
 FACTORS = "cache_key_factors.json"
 PEAK_DIR = "kv_peak"  # under the cache root: remembered KV-profiling peaks (kiln/runtime/kv/peak_cache.py)
+TOKENIZER_DIR = "tokenizers"  # under the cache root: loaded tokenizers, pickled (kiln/runtime/tokenizer_cache.py)
 CAPTURE = "captured_graph.bin"  # the split graph and its input sources: lets a warm start skip Dynamo
 LOCK = ".lock"
 ARTIFACT_HASH_CHARS = 32  # of a piece's structural hash in its artifact names (and in split_graph.txt)

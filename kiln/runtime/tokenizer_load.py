@@ -3,6 +3,7 @@
 `AutoTokenizer.from_pretrained` is the process's first `import transformers` (seconds on a busy host) plus
 the tokenizer files' parse; neither needs the model, only the directory, so the engine starts it first and
 joins it where it needs the tokenizer. The start-up clock's "tokenizer" phase is then the wait at the join.
+A later start of the same directory unpickles the tokenizer instead (tokenizer_cache.py).
 The thread's exception is kept and raised by `result()` in the constructor's thread: the same exception
 object, so its type and message are what a synchronous load raised.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 from typing import Any
+
+from kiln.runtime.tokenizer_cache import cached_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -23,9 +26,13 @@ def load_tokenizer(tokenizer: str | None, model_dir: Path | None) -> Any:
         return None
     if tokenizer is None and not any((Path(source) / n).is_file() for n in TOKENIZER_FILES):
         return None  # a weights-only directory: token-id prompts only
-    from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(source))
+    def auto_tokenizer() -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(source))
+
+    return cached_tokenizer(Path(source), auto_tokenizer)
 
 
 class BackgroundTokenizer:

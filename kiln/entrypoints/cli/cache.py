@@ -10,7 +10,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.cache.store import ARTIFACT_SUFFIX, FACTORS, PEAK_DIR, READY, cache_root, compile_root, verify_file
+from kiln.cache.store import (
+    ARTIFACT_SUFFIX,
+    FACTORS,
+    PEAK_DIR,
+    READY,
+    TOKENIZER_DIR,
+    cache_root,
+    compile_root,
+    verify_file,
+)
 from kiln.entrypoints.cli.main import add_runtime_args, runtime_kwargs
 
 
@@ -104,8 +113,8 @@ def run_clear(args: argparse.Namespace) -> int:
             raise ValueError(f"key prefix {args.key!r} matches {len(keys)} entries")
     for key_dir in keys:
         shutil.rmtree(key_dir, ignore_errors=True)
-    peaks = cache_root() / PEAK_DIR
-    if not args.key and peaks.is_dir():  # the remembered KV-profiling peaks go with everything
-        shutil.rmtree(peaks, ignore_errors=True)
+    for remembered in (PEAK_DIR, TOKENIZER_DIR):  # KV-profiling peaks and tokenizers go with everything
+        if not args.key and (cache_root() / remembered).is_dir():
+            shutil.rmtree(cache_root() / remembered, ignore_errors=True)
     print(f"removed {len(keys)} cache entr{'y' if len(keys) == 1 else 'ies'}")
     return 0
