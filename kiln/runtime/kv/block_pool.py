@@ -3,6 +3,12 @@
 Block 0 is the null block: never allocated, it absorbs writes of padded tokens. A free block that still
 holds a cached (hashed) prefix stays findable until it is reused; uncached free blocks are handed out
 first, then cached ones in least-recently-freed order (LRU).
+
+Blocks are made on first use: a block never handed out is only a number above `len(self.blocks)`. A small model
+on a large GPU has tens of millions of blocks (tiny-llama on the H200: 32.8 million), and an object and a queue
+entry for each took 38 s of start-up and gigabytes of host memory before the first request; the order in which
+blocks are handed out is the same as with every block queued from the start (uncached freed blocks, then the
+never-used ones in id order, then cached ones, LRU).
 """
 
 from __future__ import annotations
@@ -25,17 +31,17 @@ class BlockPool:
             raise ValueError("the KV pool needs at least 2 blocks (block 0 is the null block)")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = [Block(0)]  # every block handed out so far, by id; the rest are made on first use
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # permanently held
-        # front = next to hand out; uncached blocks go to the front, cached ones to the back
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        # freed blocks; front = next to hand out: uncached ones go to the front, cached ones to the back
+        self._free: OrderedDict[int, Block] = OrderedDict()
         self._cached: dict[Hashable, Block] = {}
         self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self.blocks)
 
     @property
     def num_usable(self) -> int:
@@ -46,11 +52,11 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[Block] | None:
         """n fresh blocks (ref 1), evicting cached ones if needed; None (and no change) if too few free."""
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            block = self._next_free()
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 block.block_hash = None
@@ -58,6 +64,14 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def _next_free(self) -> Block:
+        """An uncached freed block, else a never-used one, else the least recently freed cached one."""
+        front = next(iter(self._free.values()), None)
+        if (front is None or front.block_hash is not None) and len(self.blocks) < self.num_blocks:
+            self.blocks.append(Block(len(self.blocks)))
+            return self.blocks[-1]
+        return self._free.popitem(last=False)[1]
 
     def lookup(self, block_hash: Hashable) -> Block | None:
         return self._cached.get(block_hash) if self.enable_caching else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kiln.runtime.kv.block_pool import BlockPool
@@ -69,3 +71,51 @@ def test_chained_hashes_cover_the_prefix_and_the_salt(name: str) -> None:
     again: list = []
     extend_block_hashes(again, tokens, 16, fn, None)
     assert again == h1
+
+
+class EagerPool:
+    """The reference order: every block queued from the start (uncached freed to the front, cached to the back)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free_ids = list(range(1, num_blocks))
+        self.ref = [0] * num_blocks
+        self.hashed: dict[int, str] = {}
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self.free_ids):
+            return None
+        out, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+        for i in out:
+            self.hashed.pop(i, None)
+            self.ref[i] = 1
+        return out
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            self.ref[i] -= 1
+            if self.ref[i] == 0:
+                self.free_ids = self.free_ids + [i] if i in self.hashed else [i] + self.free_ids
+
+
+def test_blocks_are_made_on_first_use_in_the_eager_order() -> None:
+    # tens of millions of blocks (a small model on a large GPU) cost nothing until they are handed out
+    huge = BlockPool(5_000_000)
+    assert len(huge.blocks) == 1 and huge.num_free == 4_999_999
+    pool, reference, rng = BlockPool(40), EagerPool(40), random.Random(0)
+    held: list[list] = []
+    for step in range(400):
+        if held and rng.random() < 0.45:
+            blocks = held.pop(rng.randrange(len(held)))
+            if rng.random() < 0.5:  # some finished requests leave their blocks in the prefix cache
+                for block in blocks:
+                    pool.cache(block, f"h{step}-{block.block_id}")
+                    reference.hashed[block.block_id] = "cached"
+            pool.free(blocks[::-1])
+            reference.free([b.block_id for b in blocks[::-1]])
+        else:
+            n = rng.randint(1, 6)
+            blocks, expected = pool.allocate(n), reference.allocate(n)
+            assert (None if blocks is None else [b.block_id for b in blocks]) == expected
+            if blocks is not None:
+                held.append(blocks)
+        assert pool.num_free == len(reference.free_ids)
