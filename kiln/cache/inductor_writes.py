@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kiln.cache.rebind import rebind
+from kiln.cache.store import switched_off
 
 _original: Callable[..., None] | None = None  # Inductor's write_atomic, once replaced
 skipped = 0  # writes left out in this process (the number a test and a benchmark read)
@@ -38,7 +39,7 @@ def holds(path: str | os.PathLike[str], content: bytes) -> bool:
 def skip_unchanged_writes() -> None:
     """Replace Inductor's `write_atomic` (wherever it is bound) with one that skips unchanged files; idempotent."""
     global _original
-    if _original is not None or os.environ.get("KILN_SKIP_UNCHANGED_WRITES", "1").strip() == "0":
+    if _original is not None or switched_off("KILN_SKIP_UNCHANGED_WRITES"):
         return
     from torch._inductor import codecache
 

@@ -63,6 +63,11 @@ def cache_disabled() -> bool:
     return os.environ.get("KILN_DISABLE_COMPILE_CACHE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def switched_off(knob: str) -> bool:
+    """One of the start-up memos' A/B knobs set to 0 (`KILN_TORCH_KEY_MEMO=0`, ...): Inductor's or Triton's own way."""
+    return os.environ.get(knob, "1").strip() == "0"
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.cache.store import atomic_write, cache_root
+from kiln.cache.store import atomic_write, cache_root, switched_off
 
 logger = logging.getLogger("kiln.cache")
 
@@ -79,7 +79,7 @@ def prime_torch_key(root: Path | None = None) -> bytes | None:
     """Make `torch_key()` cheap in this process: the stored value for this torch's files, or compute it once
     and store it. Returns the key (None where this torch's memo cannot be set)."""
     global _primed
-    if _primed is not None or _memo() is None or os.environ.get("KILN_TORCH_KEY_MEMO", "1").strip() == "0":
+    if _primed is not None or _memo() is None or switched_off("KILN_TORCH_KEY_MEMO"):
         return _primed  # KILN_TORCH_KEY_MEMO=0: Inductor's own walk in every process (an A/B knob)
     path = (root or cache_root()) / TORCH_KEY_DIR / f"{torch_fingerprint()}.bin"
     _primed = remembered(path, set_torch_key, lambda: _memo()())

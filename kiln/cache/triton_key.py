@@ -13,11 +13,10 @@ files (torch_key.package_fingerprint); compile workers get the parent's value (`
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 from kiln.cache.rebind import rebind
-from kiln.cache.store import cache_root
+from kiln.cache.store import cache_root, switched_off
 from kiln.cache.torch_key import package_fingerprint, remembered
 
 TRITON_KEY_DIR = "triton_key"
@@ -46,7 +45,7 @@ def prime_triton_key(root: Path | None = None) -> str | None:
     """Make `triton_key()` cheap in this process: the stored value for this Triton's files, or compute it once and
     store it. None without Triton, or with KILN_TRITON_KEY_MEMO=0 (Triton's own hash every process: an A/B knob)."""
     global _primed
-    if _primed is not None or os.environ.get("KILN_TRITON_KEY_MEMO", "1").strip() == "0":
+    if _primed is not None or switched_off("KILN_TRITON_KEY_MEMO"):
         return _primed
     if importlib.util.find_spec("triton") is None:
         return None

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kiln.cache.store import atomic_write, cache_root
+from kiln.cache.store import atomic_write, cache_root, switched_off
 
 VEC_ISA_DIR = "vec_isa"
 _memo: Path | None = None  # this process's file, once primed
@@ -97,7 +97,7 @@ def remember_checks(path: Path) -> bool:
 
 def prime_vec_isa(root: Path | None = None) -> Path | None:
     """Remember this machine's ISA checks under the cache root; returns the file (None if off or unsupported)."""
-    if _memo is not None or os.environ.get("KILN_VEC_ISA_MEMO", "1").strip() == "0":
+    if _memo is not None or switched_off("KILN_VEC_ISA_MEMO"):
         return _memo
     path = (root or cache_root()) / VEC_ISA_DIR / f"{vec_isa_fingerprint()}.json"
     return path if remember_checks(path) else None
