@@ -113,8 +113,8 @@ def run_clear(args: argparse.Namespace) -> int:
             raise ValueError(f"key prefix {args.key!r} matches {len(keys)} entries")
     for key_dir in keys:
         shutil.rmtree(key_dir, ignore_errors=True)
-    for remembered in (PEAK_DIR, TOKENIZER_DIR):  # KV-profiling peaks and tokenizers go with everything
-        if not args.key and (cache_root() / remembered).is_dir():
-            shutil.rmtree(cache_root() / remembered, ignore_errors=True)
+    for remembered in (cache_root() / PEAK_DIR, cache_root() / TOKENIZER_DIR):  # they go with everything
+        if not args.key and remembered.is_dir():
+            shutil.rmtree(remembered, ignore_errors=True)
     print(f"removed {len(keys)} cache entr{'y' if len(keys) == 1 else 'ies'}")
     return 0
