@@ -13,6 +13,8 @@ measured in the same run.
     python -m benchmarks.bench_attention --sweep --vary min_tiles waves --heads 32 4 --batches 1 8
     # mixed steps (prefill chunks beside decodes): the decodes in the varlen or the decode kernel, varlen tiles
     python -m benchmarks.bench_attention --mixed --json mixed.json [--tiles 64,64,4,2 64,32,4,2]
+    # an e4m3 KV cache (kv_cache_dtype="fp8") against the same shapes in bf16: run once with each
+    python -m benchmarks.bench_attention --backends triton --batches 64 256 --contexts 2048 4096 --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import itertools
 import json
 import math
 import random
+from typing import Any
 
 import torch
 from triton.testing import do_bench
 
-from benchmarks.bench_gpu import measure_ceilings
-from benchmarks.common import stamp, table
+from benchmarks.common import measure_ceilings, stamp, table
 from kiln.attention import AttentionLayout, select_backend
 from kiln.attention.base import AttentionBackend, CommonAttentionMetadata, GraphSupport
 
@@ -226,11 +228,14 @@ def main() -> None:
                         help="--mixed: only these varlen tiles (default: all of MIXED_SWEEP)")
     parser.add_argument("--heads", type=int, nargs=2, metavar=("HQ", "HKV"), default=[HQ, HKV],
                         help="query and KV heads (one tensor-parallel rank's share)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the default mode: a cache of the model dtype, or e4m3 (kv_cache_dtype='fp8')")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     globals().update(HQ=args.heads[0], HKV=args.heads[1])  # make_step and the byte counts read them
     ceil = measure_ceilings()
-    layout = AttentionLayout(HQ, HKV, D, D ** -0.5, BS, DTYPE)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
+    layout = AttentionLayout(HQ, HKV, D, D ** -0.5, BS, DTYPE, kv_dtype)
     if args.mixed:
         mixed(layout, args.json, [tuple(int(x) for x in t.split(",")) for t in args.tiles] if args.tiles else None)
         return
@@ -244,10 +249,18 @@ def main() -> None:
         except ValueError as e:
             print(f"skipping {name}: {e}")
     elt = torch.finfo(DTYPE).bits // 8
+    kv_elt = 1 if kv_dtype is not None else elt
+
+    def step_inputs(q_lens: list[int], contexts: list[int]) -> tuple[tuple[torch.Tensor, ...], Any]:
+        tensors, common = make_step(q_lens, contexts)
+        if kv_dtype is not None:  # the same cache in e4m3 (its range clamped first)
+            tensors = (*tensors[:4], tensors[4].clamp(-448, 448).to(kv_dtype))
+        return tensors, common
+
     rows = []
     for batch, ctx, lens in decode_shapes(args.batches, args.contexts, args.varlen):
-        tensors, common = make_step([1] * batch, [n - 1 for n in lens])
-        bytes_moved = elt * D * (sum(lens) * HKV * 2 + batch * HQ * 2 + batch * HKV * 2)
+        tensors, common = step_inputs([1] * batch, [n - 1 for n in lens])
+        bytes_moved = D * (kv_elt * (sum(lens) * HKV * 2 + batch * HKV * 2) + elt * batch * HQ * 2)
         for name, backend in backends.items():
             eager = time_step(backend, tensors, common, graph=False)
             graphed = (time_step(backend, tensors, common, graph=True)
@@ -258,7 +271,7 @@ def main() -> None:
                          f"{100 * bw / ceil.copy_bytes_per_s:.0f}%"])
     for batch in [b for b in args.batches if b <= 8]:
         for length in args.contexts:
-            tensors, common = make_step([length] * batch, [0] * batch)
+            tensors, common = step_inputs([length] * batch, [0] * batch)
             flops = batch * 4 * HQ * D * length * (length + 1) / 2  # QK^T and PV over the causal half
             for name, backend in backends.items():
                 ms = time_step(backend, tensors, common, graph=False)
@@ -266,7 +279,8 @@ def main() -> None:
                 rows.append([name, "prefill", batch, length, ms * 1e3, float("nan"), f"{rate / 1e12:.0f} TFLOP/s",
                              f"{100 * rate / ceil.matmul_flops_per_s:.0f}%"])
     print(f"{stamp()}\ncopy bandwidth {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
-          f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s; {HQ} q / {HKV} kv heads, D={D}, bf16")
+          f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s; {HQ} q / {HKV} kv heads, D={D}, bf16, "
+          f"KV cache {args.kv_cache_dtype}")
     print(table(["backend", "phase", "batch", "ctx", "eager us", "graph us", "achieved", "of ceiling"], rows))
 
 

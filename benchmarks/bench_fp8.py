@@ -1,32 +1,26 @@
-"""FP8 linear weights vs bf16 on one GPU (issue 17): GEMMs inside CUDA graphs, decode steps, offline throughput.
+"""FP8 against bf16 on one GPU at real shapes (random weights, a preset): FP8 linear weights
+(`quantization="fp8"`) in decode steps and offline throughput, and an e4m3 KV cache (`kv_cache_dtype="fp8"`).
 
-Random weights at real shapes (a preset), the runtime's default settings (-O2: compiled pieces, full and
-piecewise CUDA graphs), async scheduling on, Triton attention. Four parts, each recorded even if
-another fails:
+Parts, each recorded even if another fails:
+- decode: mean engine step while `batch` requests decode (128-token prompts), bf16 then FP8;
+- throughput: N requests with input and output lengths uniform in [100, 1024] (the offline workload of
+  common.py), greedy, EOS ignored; output tokens/s, bf16 then FP8;
+- kv: one runtime per KV dtype (auto, fp8): KV blocks in the same memory budget, the decode step at long
+  contexts (BATCHxCONTEXT), and greedy agreement between the two on seeded prompts. The attention kernel alone
+  on an e4m3 cache: `bench_attention.py --kv-cache-dtype fp8`.
 
-0. kernels (benchmarks/fp8_kernel_sweep.py): per projection and M in 1..64, bf16 torch.mm, _scaled_mm and
-   kiln's Triton FP8 GEMM at the heuristic's config and at every swept tile config, in CUDA graphs that
-   rotate over more weight than L2 holds; floors at the copy bandwidth measured in the same run. Prints the
-   per-(projection, M) summary, the per-step totals and a suggested `TUNED` table (all rows in the JSON).
+--defaults builds each runtime at default settings (only model, dummy weights, attention backend and the
+quantization set); otherwise -O2 with graphs at the decode batches and async scheduling.
 
-1. gemm: each projection of the preset (qkv, o, gate_up, down) at M = 1 / 8 / 64 inside a CUDA graph
-   (triton.testing.do_bench_cudagraph): bf16 F.linear, `torch._scaled_mm` alone (row-wise scales, the
-   activation already in e4m3), and kiln's whole FP8 linear (per-token quantization + kiln::fp8_gemm, eager
-   ops, so two kernels where the compiled model fuses the quantization into the norm/SiLU kernel before
-   it). Floors: weight bytes / 4.3 TB/s (H200 HBM3e, nominal), for e4m3 and bf16.
-2. decode: mean engine step while `batch` requests decode (128-token prompts), bf16 then fp8, the same
-   compiled-runtime settings.
-3. throughput: N requests with input and output lengths uniform in [100, 1024] (bench_gpu's seeded
-   workload), greedy, EOS ignored; output tokens/s, bf16 then fp8.
-
-    python -m benchmarks.bench_fp8 --json fp8.json                       # H200: llama3-8b, ~5-6 min cold
-    python -m benchmarks.bench_fp8 --parts kernels --json k.json         # H200: the kernel sweep, ~1.5-2 min
-    python -m benchmarks.bench_fp8 --parts decode --fp8-paths triton cublas --requests 0 --json d.json
-    python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --backend torch --requests 4 --json /tmp/fp8.json
-    python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --parts kernels --kernel-m 1 16 --json /tmp/k.json
+    python -m benchmarks.bench_fp8 --defaults --parts decode throughput --json fp8.json   # H200: ~5-6 min cold
+    python -m benchmarks.bench_fp8 --parts kv --json kv.json                              # H200: ~3-5 min
+    python -m benchmarks.bench_fp8 --parts decode --fp8-paths triton cublas --json d.json
+    python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --backend torch --requests 4 --batches 1 \
+        --parts decode throughput kv --kv-configs 2x64 --json /tmp/fp8.json                # CPU dry run
 
 The decode and throughput parts run bf16, then FP8 once per --fp8-paths entry: "triton" is the default
 dispatch (kiln::fp8_gemm's Triton kernel up to TRITON_MAX_M tokens), "cublas" forces _scaled_mm everywhere.
+The projection GEMMs alone, FP8 and bf16: bench_gemm.py.
 """
 
 from __future__ import annotations
@@ -35,77 +29,28 @@ import argparse
 import gc
 import json
 import os
+import random
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks import fp8_kernel_sweep
-from benchmarks.bench_gpu import offline_requests, throughput_workload, timed_generate
-from benchmarks.common import decode_step_seconds, stamp, table
-from kiln import Runtime
+from benchmarks.common import (
+    PROMPT_LEN,
+    decode_step_seconds,
+    offline_requests,
+    stamp,
+    table,
+    throughput_workload,
+    timed_generate,
+    weight_bytes,
+)
+from kiln import Runtime, SamplingParams
 from kiln.models import dense_gemm
-from kiln.models.loader.presets import PRESETS
 from kiln.models.quant import fp8_gemm
-from kiln.models.quant.fp8 import fp8_linear, quantize_per_token, quantize_weight
 
-HBM_BYTES_PER_S = 4.3e12
 dense_gemm_max_m = dense_gemm.TRITON_MAX_M  # the default, restored after a cublas run
-PROMPT_LEN = 128
-
-
-def projection_shapes(preset: str, tp: int = 1) -> dict[str, tuple[int, int]]:
-    """name -> (K, N) of the preset's four projections; with tp > 1 also one rank's shards ("qkv/tp2": column
-    parallel projections split N, row parallel ones K)."""
-    cfg = PRESETS[preset]
-    h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    d = cfg.get("head_dim", h // heads)
-    kv = cfg["num_key_value_heads"]
-    full = {"qkv": (h, (heads + 2 * kv) * d), "o": (heads * d, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
-    if tp > 1:
-        full |= {f"{name}/tp{tp}": (k // tp, n) if name in ("o", "down") else (k, n // tp)
-                 for name, (k, n) in list(full.items())}
-    return full
-
-
-def time_us(fn: Callable[[], Any], device: str) -> float:
-    if device == "cuda":
-        from triton.testing import do_bench_cudagraph
-
-        return do_bench_cudagraph(fn, rep=50) * 1e3
-    fn()
-    start = time.perf_counter()
-    for _ in range(3):
-        fn()
-    return (time.perf_counter() - start) / 3 * 1e6
-
-
-def gemm_rows(args: argparse.Namespace) -> list[dict]:
-    rows = []
-    for name, (k, n) in projection_shapes(args.preset).items():
-        for m in args.gemm_m:
-            rows.append(dict(proj=name, K=k, N=n, M=m, **time_projection(k, n, m, args.device)))
-            print(rows[-1], flush=True)
-    return rows
-
-
-def time_projection(k: int, n: int, m: int, device: str) -> dict[str, float]:
-    """One projection at M tokens: bf16, _scaled_mm alone, kiln's FP8 linear; microseconds."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the CPU dry run: fp32 stands for bf16
-    w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
-    wq, ws = quantize_weight(w)
-    x = torch.randn(m, k, device=device, dtype=dtype)
-    xq, xs = quantize_per_token(x)
-    bf16 = time_us(lambda: F.linear(x, w), device)
-    scaled = time_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=dtype),
-                     device)
-    whole = time_us(lambda: fp8_linear(x, wq, ws), device)
-    floor = n * k / HBM_BYTES_PER_S * 1e6
-    return dict(bf16_us=bf16, scaled_mm_us=scaled, fp8_linear_us=whole, fp8_floor_us=floor, bf16_floor_us=2 * floor,
-                x_fp8_floor=scaled / floor, speedup=bf16 / scaled)
 
 
 def build(args: argparse.Namespace, quantization: str | None) -> tuple[Runtime, float]:
@@ -135,50 +80,7 @@ def throughput(rt: Runtime, requests: int) -> dict:
 
 
 def weight_gb(rt: Runtime) -> float:
-    params = {id(p): p for p in rt.engine.model.parameters()}.values()
-    return sum(p.numel() * p.element_size() for p in params) / 1e9
-
-
-def kernel_part(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
-    """The kernel sweep; on CPU its Triton kernel runs under the interpreter (the flag only for this part)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        shapes = projection_shapes(args.preset, args.kernel_tp)
-        result = fp8_kernel_sweep.kernel_table(shapes, args.device, tuple(args.kernel_m), args.kernel_budget_s,
-                                               errors)
-        layers = PRESETS[args.preset]["num_hidden_layers"]
-        result["step_totals"] = fp8_kernel_sweep.step_totals(result["summary"], layers)
-        return result
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-def print_kernels(kernels: dict[str, Any]) -> None:
-    print(f"copy bandwidth {kernels['copy_gb_per_s']:.0f} GB/s; sweep {kernels['seconds']:.0f} s"
-          + (f"; skipped (budget): {kernels['skipped']}" if kernels["skipped"] else ""))
-    cfg = (lambda c: f"{c['block_n']}x{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"
-           if c else "-")
-    print(table(["proj", "M", "bf16 us", "_scaled_mm us", "triton auto us", "triton best us", "best config",
-                 "best GB/s", "fp8 floor us", "best x floor", "_scaled_mm / best", "auto / best"],
-                [[r["proj"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["auto_us"], r["best_us"],
-                  cfg(r["best_config"]), r["best_gb_per_s"], r["fp8_floor_us"], r["best_us"] / r["fp8_floor_us"],
-                  r["scaled_mm_us"] / r["best_us"], r["auto_us"] / r["best_us"]] for r in kernels["summary"]]))
-    print(table(["proj", "M", "cuBLAS bf16 us", "triton bf16 auto us", "triton bf16 best us", "best config",
-                 "cuBLAS / best"],
-                [[r["proj"], r["M"], r["bf16_us"], r["bf16_triton_auto_us"], r["bf16_triton_best_us"],
-                  cfg(r["bf16_triton_best_config"]), r["bf16_us"] / r["bf16_triton_best_us"]]
-                 for r in kernels["summary"]]))
-    print(table(["shard", "M", "projections", "bf16 ms/step", "triton bf16 auto", "triton bf16 best",
-                 "_scaled_mm ms/step", "triton auto ms/step", "triton best ms/step", "fp8 floor ms/step"],
-                [[r["shard"], r["M"], r["projections"], r["bf16_ms"], r["bf16_triton_auto_ms"],
-                  r["bf16_triton_best_ms"], r["scaled_mm_ms"], r["auto_ms"], r["best_ms"], r["fp8_floor_ms"]]
-                 for r in kernels["step_totals"]]))
-    print(kernels["suggested_tuned"])
+    return weight_bytes(rt) / 1e9
 
 
 def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dict[str, str],
@@ -222,31 +124,138 @@ def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dic
     return decode, tput
 
 
+# -- kv: kv_cache_dtype auto vs fp8 ------------------------------------------------------------------------
+KV_DTYPES = ("auto", "fp8")
+
+
+def parse_config(text: str) -> tuple[int, int]:
+    batch, _, context = text.partition("x")
+    return int(batch), int(context)
+
+
+def build_kv(args: argparse.Namespace, kv_cache_dtype: str, configs: list[tuple[int, int]]) -> Runtime:
+    on_gpu = args.device == "cuda"
+    longest = max(c for _, c in configs) + args.steps + 64
+    return Runtime(args.preset, device=args.device, dtype="bf16" if on_gpu else "fp32", load_format="dummy",
+                   attention_backend=args.backend if on_gpu else "torch", kv_cache_dtype=kv_cache_dtype,
+                   max_num_seqs=max(b for b, _ in configs), max_num_batched_tokens=8192 if on_gpu else 512,
+                   max_model_len=max(longest, args.prompt_len + args.new_tokens + 16),
+                   gpu_memory_utilization=0.85, level=args.level,
+                   kv_cache_bytes=None if on_gpu else 64 << 20,
+                   # graphs only at the sizes this run decodes (the agreement batch, the configs' batches) and
+                   # no exact-size compiles: the range artifact serves every size, so start-up stays short
+                   cudagraph_capture_sizes=tuple(sorted({1, 2, 4, 8, args.prompts, *(b for b, _ in configs)})),
+                   compile_sizes=())
+
+
+def agreement_prompts(vocab: int, count: int, length: int) -> list[list[int]]:
+    rng = random.Random(17)
+    return [[rng.randrange(vocab) for _ in range(length - 7 * i)] for i in range(count)]
+
+
+def measure(args: argparse.Namespace, kv_cache_dtype: str, configs: list[tuple[int, int]]) -> dict:
+    row: dict = dict(kv_cache_dtype=kv_cache_dtype, steps={}, errors=[])
+    start = time.perf_counter()
+    try:
+        rt = build_kv(args, kv_cache_dtype, configs)
+    except Exception as exc:
+        row["errors"].append(f"build: {exc!r}")
+        traceback.print_exc()
+        return row
+    engine = rt.engine
+    row.update(build_s=time.perf_counter() - start, backend=engine.backend.name,
+               cache_dtype=str(engine.worker.kv_cache.dtype), kv_blocks=engine.worker.num_blocks,
+               kv_capacity_tokens=engine.kv_capacity_tokens,
+               kv_bytes=engine.worker.kv_cache.numel() * engine.worker.kv_cache.element_size())
+    print(f"{kv_cache_dtype}: built in {row['build_s']:.0f}s, {row['cache_dtype']}, {row['kv_blocks']} blocks "
+          f"= {row['kv_capacity_tokens']} tokens", flush=True)
+    try:
+        prompts = agreement_prompts(engine.loaded.spec.vocab_size, args.prompts, args.prompt_len)
+        outs = rt.generate(prompts, SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True))
+        row["greedy"] = [o.outputs[0].token_ids for o in outs]
+    except Exception as exc:
+        row["errors"].append(f"greedy: {exc!r}")
+        traceback.print_exc()
+    for batch, context in configs:
+        key = f"{batch}x{context}"
+        if batch * (context + args.steps + 16) > row["kv_capacity_tokens"]:
+            row["steps"][key] = dict(fits=False)
+            print(f"  {key}: does not fit {row['kv_capacity_tokens']} tokens", flush=True)
+            continue
+        try:
+            t0 = time.perf_counter()
+            step = decode_step_seconds(engine, batch, context, args.steps)
+            row["steps"][key] = dict(fits=True, step_ms=step * 1e3, wall_s=time.perf_counter() - t0)
+            print(f"  {key}: {step * 1e3:.2f} ms/step ({time.perf_counter() - t0:.0f}s with prefill)", flush=True)
+        except Exception as exc:
+            row["steps"][key] = dict(fits=True, error=repr(exc))
+            traceback.print_exc()
+    del rt, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def agreement(base: list[list[int]], other: list[list[int]]) -> dict:
+    """Per prompt: tokens before the first difference, and the share of equal tokens overall."""
+    firsts = [first_divergence(a, b) for a, b in zip(base, other)]
+    equal = sum(x == y for a, b in zip(base, other) for x, y in zip(a, b))
+    total = sum(min(len(a), len(b)) for a, b in zip(base, other))
+    return dict(first_divergence=firsts, identical_prompts=sum(f == len(a) for f, a in zip(firsts, base)),
+                prompts=len(base), equal_token_share=equal / max(total, 1))
+
+
+def kv_part(args: argparse.Namespace) -> dict:
+    configs = [parse_config(c) for c in args.kv_configs]
+    rows = {d: measure(args, d, configs) for d in KV_DTYPES}
+    result: dict = dict(model=args.preset, device=args.device, configs=args.kv_configs, runs=rows)
+    base, fp8 = rows["auto"], rows["fp8"]
+    if "greedy" in base and "greedy" in fp8:
+        result["agreement"] = agreement(base["greedy"], fp8["greedy"])
+    if base.get("kv_blocks") and fp8.get("kv_blocks"):
+        result["fp8_blocks_x"] = (fp8["kv_blocks"] - 1) / max(base["kv_blocks"] - 1, 1)
+    table_rows = []
+    for key in args.kv_configs:
+        a, f = base["steps"].get(key, {}), fp8["steps"].get(key, {})
+        ms_a, ms_f = a.get("step_ms", float("nan")), f.get("step_ms", float("nan"))
+        table_rows.append([key, ms_a if a.get("fits", True) else "no fit", ms_f if f.get("fits", True) else "no fit",
+                           ms_f / ms_a if ms_a == ms_a and ms_f == ms_f else "-"])
+    print(table(["batch x context", "auto ms/step", "fp8 ms/step", "fp8 / auto"], table_rows))
+    print(f"KV blocks: auto {base.get('kv_blocks')}, fp8 {fp8.get('kv_blocks')} "
+          f"(x{result.get('fp8_blocks_x', float('nan')):.2f}); greedy agreement: {result.get('agreement')}")
+    return result
+
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama3-8b")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--level", type=int, default=2)
     parser.add_argument("--backend", default="triton")
+    parser.add_argument("--parts", nargs="+", default=["decode", "throughput"], choices=["decode", "throughput", "kv"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--gemm-m", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=256, help="offline throughput requests (0: skip)")
+    parser.add_argument("--requests", type=int, default=256, help="offline throughput requests")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--defaults", action="store_true",
                         help="decode/throughput runtimes at default settings (ignores the sizing flags)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--parts", nargs="+", default=["gemm", "decode", "throughput"],
-                        choices=["kernels", "gemm", "decode", "throughput"])
-    parser.add_argument("--kernel-m", type=int, nargs="+", default=list(fp8_kernel_sweep.KERNEL_M))
-    parser.add_argument("--kernel-tp", type=int, default=1, help="kernel sweep: also one rank's shards at this TP")
-    parser.add_argument("--kernel-budget-s", type=float, default=120.0,
-                        help="kernel sweep: no new projection is started after this many seconds")
     parser.add_argument("--fp8-paths", nargs="+", default=["triton"], choices=["triton", "cublas"])
     parser.add_argument("--bf16-paths", nargs="+", default=["triton"], choices=["triton", "cublas"],
                         help="bf16 projections: kiln::dense_gemm's Triton kernel at small M, or cuBLAS only")
     parser.add_argument("--no-bf16", action="store_true", help="decode/throughput: FP8 runs only (no bf16 build)")
     parser.add_argument("--triton-max-m", type=int, default=fp8_gemm.TRITON_MAX_M)
+    parser.add_argument("--kv-configs", nargs="+", default=["64x2048", "64x4096", "256x2048", "256x4096"],
+                        help="kv: BATCHxCONTEXT decode configs (context = prompt tokens before the timed steps)")
+    parser.add_argument("--prompts", type=int, default=8, help="kv: greedy-agreement prompts")
+    parser.add_argument("--prompt-len", type=int, default=256, help="kv: greedy-agreement prompt length")
+    parser.add_argument("--new-tokens", type=int, default=64, help="kv: greedy-agreement tokens")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if "throughput" not in args.parts:
@@ -254,18 +263,6 @@ def main() -> None:
     print(stamp(), flush=True)
     errors: dict[str, str] = {}
     result: dict[str, Any] = {"stamp": stamp(), "preset": args.preset, "args": vars(args), "errors": errors}
-    if "kernels" in args.parts:
-        try:
-            result["kernels"] = kernel_part(args, errors)
-        except Exception:
-            errors["kernels"] = traceback.format_exc(limit=8)
-            print(errors["kernels"], flush=True)
-    if "gemm" in args.parts:
-        try:
-            result["gemm"] = gemm_rows(args)
-        except Exception:
-            errors["gemm"] = traceback.format_exc(limit=8)
-            print(errors["gemm"], flush=True)
     decode, tput = [], []
     if "decode" in args.parts or args.requests:
         if "decode" not in args.parts:
@@ -276,16 +273,15 @@ def main() -> None:
             decode += d
             tput += t
     result.update(decode=decode, throughput=tput)
+    if "kv" in args.parts:
+        try:
+            result["kv"] = kv_part(args)
+        except Exception:
+            errors["kv"] = traceback.format_exc(limit=8)
+            print(errors["kv"], flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if result.get("kernels"):
-        print_kernels(result["kernels"])
-    if result.get("gemm"):
-        print(table(["proj", "K", "N", "M", "bf16 us", "_scaled_mm us", "fp8 linear us", "fp8 floor us",
-                     "x fp8 floor", "bf16/fp8"],
-                    [[r["proj"], r["K"], r["N"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["fp8_linear_us"],
-                      r["fp8_floor_us"], r["x_fp8_floor"], r["speedup"]] for r in result["gemm"]]))
     if decode:
         base = {w: {r["batch"]: r["tokens_per_s"] for r in decode if r["weights"] == w}
                 for w in ("bf16-triton", "bf16-cublas", "fp8-cublas")}

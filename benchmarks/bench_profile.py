@@ -126,7 +126,7 @@ def profile_config(model: str, tp: int, quant: str, batches: list[int], steps: i
     capture sizes, once after each step count in `offline_at` (default 4 x steps: past the first prefills;
     2 profiles the steps that carry prefill chunks); then decode at each batch size (graphs captured at
     exactly those sizes when there is no offline part)."""
-    from benchmarks.bench_gpu import throughput_workload
+    from benchmarks.common import throughput_workload
     from kiln import Runtime, SamplingParams
 
     on_gpu = device == "cuda"

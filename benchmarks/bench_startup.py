@@ -16,7 +16,7 @@ then times decode steps at batch 1/8/64. Every part is run and recorded even if 
 A variant is `default` or `key=value[;key=value...]` of Runtime options (`compile_sizes=1,8,64`,
 `compile_sizes=` for none, `level=3`) and environment variables (`KILN_KERNEL_WARMUP=0`); all variants share
 one checkpoint. `--warm-repeats N` adds warm starts, the variants taking turns (an A/B of warm starts).
-KILN_BENCH_SAMPLE=1 writes where each start's main thread spent its wall time (stack_sampler.py) beside its
+KILN_BENCH_SAMPLE=1 writes where each start's main thread spent its wall time (common.StackSampler) beside its
 result; KILN_BENCH_PROFILE=1 does the same with cProfile (which slows a start by 20-30%).
 """
 
@@ -223,9 +223,9 @@ def profiled(run, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def sampled(run, spec: dict[str, Any]) -> dict[str, Any]:
-    """KILN_BENCH_SAMPLE=1: sample the main thread's stack every 5 ms (stack_sampler.py: waits included, ~1%
+    """KILN_BENCH_SAMPLE=1: sample the main thread's stack every 5 ms (common.StackSampler: waits included, ~1%
     overhead, unlike cProfile) and write the report beside the result, as <result>.sample.txt."""
-    from benchmarks.stack_sampler import StackSampler
+    from benchmarks.common import StackSampler
 
     with StackSampler() as sampler:
         result = run(spec)

@@ -1,15 +1,17 @@
-# Sourced by the benchmarks/h200*.sh call scripts: one GPU call = several bounded steps, results under $OUT.
-# Sets the multicast-off variables every multi-GPU program needs, PYTHONPATH, $OUT / $R (results) / $L (logs),
-# and helpers: `left N` (seconds until N seconds after the script started), `bounded SECONDS CMD...`
-# (CMD in its own process group, the whole group killed after SECONDS, so one hung step cannot eat the call)
-# and `finish_call [N]` (below).
+# Sourced by the scripts that run on a GPU machine (benchmarks/gpu/run.sh and any benchmarks/gpu/*.sh): one call =
+# several bounded steps, results under $OUT. Sets the multicast-off variables every multi-GPU program needs,
+# installs the wheels carried in .whl/ (packages the device image lacks) into /tmp/site, sets PYTHONPATH,
+# $OUT / $R (results) / $L (logs), and helpers: `left N` (seconds until N seconds after the script started),
+# `bounded SECONDS CMD...` (CMD in its own process group, the whole group killed after SECONDS, so one hung
+# step cannot eat the call) and `finish_call [N]` (below).
 T0=$(date +%s)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then  # packages the device image lacks, carried as wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site
-OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
+OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs
+rm -rf $R $L; mkdir -p "$OUT" $R $L  # a warm machine keeps /tmp between calls: start from empty results and logs
 left() { echo $(( $1 - ($(date +%s) - T0) )); }
 bounded() {
   local t=$1; shift

@@ -81,8 +81,8 @@ def test_triton_fp8_gemm_matches_scaled_mm_at_llama_shapes(proj: str, m: int) ->
 
 @pytest.mark.parametrize("m", [3, 64])
 def test_every_swept_tile_config_is_correct(m: int) -> None:
-    """The tiles bench_fp8's sweep may put into fp8_kernel.TUNED, each with and without split-K."""
-    from benchmarks.fp8_kernel_sweep import candidate_tiles
+    """The tiles bench_gemm's sweep may put into fp8_kernel.TUNED, each with and without split-K."""
+    from benchmarks.bench_gemm import candidate_tiles
     from kiln.models.quant.fp8_gemm import scaled_mm
     from kiln.models.quant.fp8_kernel import Fp8GemmConfig, fp8_gemm_triton
 

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.bench_step_channel import host_buffers
 from kiln.runtime.errors import EngineDeadError
 from kiln.runtime.model_runner import BatchShape
 from kiln.runtime.step_channel import StepHeader, host_views
@@ -23,7 +22,14 @@ TOKENS, SEQS, BLOCKS = 64, 8, 6
 
 
 def fake_runner() -> SimpleNamespace:
-    return host_buffers(TOKENS, SEQS, BLOCKS)
+    """The host buffers a ModelRunner has, at its dtypes (what a step channel reads and writes)."""
+    i64, i32 = torch.int64, torch.int32
+    return SimpleNamespace(
+        input_ids_cpu=torch.zeros(TOKENS, dtype=i64), positions_cpu=torch.zeros(TOKENS, dtype=i64),
+        slot_mapping_cpu=torch.zeros(TOKENS, dtype=i64), query_start_loc_cpu=torch.zeros(SEQS + 1, dtype=i32),
+        seq_lens_cpu=torch.zeros(SEQS, dtype=i32), block_tables_cpu=torch.zeros(SEQS, BLOCKS, dtype=i32),
+        logits_indices_cpu=torch.zeros(SEQS, dtype=i64), pending_dst_cpu=torch.zeros(SEQS, dtype=i64),
+        pending_src_cpu=torch.zeros(SEQS, dtype=i64), wait_host_buffers_free=lambda: None)
 
 
 def random_step(runner: SimpleNamespace, gen: torch.Generator) -> tuple[StepHeader, list[torch.Tensor]]:

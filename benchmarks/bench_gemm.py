@@ -1,16 +1,27 @@
-"""The FP8 kernel table of bench_fp8 (`--parts kernels`): bf16 torch.mm, `_scaled_mm` and kiln's Triton FP8 GEMM
-at a handful of tile configs, per projection and decode M, against the weight-bytes floor at the copy
-bandwidth measured in the same run. The lead picks `fp8_kernel.TUNED` from one H200 run of it.
+"""The projection GEMMs of a decode step, one GEMM shape at a time, each timed inside a CUDA graph whose calls
+rotate over more weight than L2 holds (50 MB on an H200), as in a decode step where every layer has its own.
 
-Timing: each measurement is one CUDA graph of GRAPH_CALLS GEMMs, replayed REPLAYS times (launch overhead
-out of the way, as in the CUDA-graphed decode step). The calls rotate over enough copies of the weight to
-exceed L2 (50 MB on an H200), so no GEMM finds its weight cached, as in a decode step where each layer has
-its own. On CPU (the dry run) the Triton kernel runs under the interpreter and times are wall clock.
+Two parts:
+- `small-m` (M = 1..64, the decode batches): bf16 torch.mm (cuBLAS), `torch._scaled_mm` (row-wise FP8), kiln's
+  Triton FP8 GEMM at the heuristic's config and at every swept tile config, and the same kernel on the bf16
+  weight; floors are the weight bytes at the copy bandwidth measured in the same run. Prints the per-(projection,
+  M) summary, the per-step totals and a suggested `TUNED` table for kiln/models/quant/fp8_kernel.py (all rows in
+  the JSON). On the CPU the Triton kernel runs under the interpreter and times are wall clock (a dry run).
+- `mid-m` (M = 64..256, an offline run's decode steps): cuBLAS against the best Triton kernel Inductor's
+  max-autotune finds per projection (Triton templates only, persistent TMA templates on, static shapes; its
+  choice is in the log as "AUTOTUNE mm").
+
+    python -m benchmarks.bench_gemm --part small-m --tp 2 --json gemm.json           # H200: ~2 min
+    python -m benchmarks.bench_gemm --part mid-m --m 256 128 192 64 --json mid.json   # H200: ~5 min
+    python -m benchmarks.bench_gemm --preset tiny-llama --device cpu --m 1 16 --json /tmp/gemm.json  # CPU dry run
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -19,6 +30,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import measure_ceilings, stamp, table
+from kiln.models.loader.presets import PRESETS
 from kiln.models.quant.fp8 import quantize_per_token, quantize_weight
 from kiln.models.quant.fp8_gemm import scaled_mm
 
@@ -66,11 +79,9 @@ def graph_time_us(calls: list[Callable[[], Any]], device: str) -> float:
 
 def copy_gb_per_s(device: str) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second), the floor's yardstick: on a GPU the one
-    every other benchmark uses (bench_gpu.measure_ceilings; a graphed uint8 copy read 2.7 TB/s on the H200
+    every other benchmark uses (common.measure_ceilings; a graphed uint8 copy read 2.7 TB/s on the H200
     where that bf16 copy reads 4.25), on the CPU dry run a wall-clock copy."""
     if device == "cuda":
-        from benchmarks.bench_gpu import measure_ceilings
-
         return measure_ceilings().copy_bytes_per_s / 1e9
     size = 64 << 20
     src = torch.empty(size, dtype=torch.uint8, device=device)
@@ -218,3 +229,145 @@ def step_totals(best: list[dict], layers: int) -> list[dict]:
             out.append(dict(shard=shard or "tp1", M=m, projections=len(sel),
                             **{k.replace("_us", "_ms"): v for k, v in total.items()}))
     return out
+
+
+def projection_shapes(preset: str, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """name -> (K, N) of the preset's four projections; with tp > 1 also one rank's shards ("qkv/tp2": column
+    parallel projections split N, row parallel ones K)."""
+    cfg = PRESETS[preset]
+    h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    d = cfg.get("head_dim", h // heads)
+    kv = cfg["num_key_value_heads"]
+    full = {"qkv": (h, (heads + 2 * kv) * d), "o": (heads * d, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+    if tp > 1:
+        full |= {f"{name}/tp{tp}": (k // tp, n) if name in ("o", "down") else (k, n // tp)
+                 for name, (k, n) in list(full.items())}
+    return full
+
+
+def weights(n: int, k: int, device: str) -> list[torch.Tensor]:
+    copies = max(1, math.ceil(ROTATE_BYTES / (2 * n * k))) if device == "cuda" else 1
+    base = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+    return [base.clone() for _ in range(copies)]
+
+
+def autotuned_mm():
+    import torch._inductor.config as inductor_config
+
+    inductor_config.max_autotune_gemm_backends = "TRITON"
+    inductor_config.triton.enable_persistent_tma_matmul = True
+    torch._dynamo.config.cache_size_limit = 64  # one compile per (projection, M)
+    torch._dynamo.config.accumulated_cache_size_limit = 256
+
+    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.t()
+
+    return torch.compile(mm, mode="max-autotune-no-cudagraphs", dynamic=False)
+
+
+def print_kernels(kernels: dict[str, Any]) -> None:
+    print(f"copy bandwidth {kernels['copy_gb_per_s']:.0f} GB/s; sweep {kernels['seconds']:.0f} s"
+          + (f"; skipped (budget): {kernels['skipped']}" if kernels["skipped"] else ""))
+    cfg = (lambda c: f"{c['block_n']}x{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"
+           if c else "-")
+    print(table(["proj", "M", "bf16 us", "_scaled_mm us", "triton auto us", "triton best us", "best config",
+                 "best GB/s", "fp8 floor us", "best x floor", "_scaled_mm / best", "auto / best"],
+                [[r["proj"], r["M"], r["bf16_us"], r["scaled_mm_us"], r["auto_us"], r["best_us"],
+                  cfg(r["best_config"]), r["best_gb_per_s"], r["fp8_floor_us"], r["best_us"] / r["fp8_floor_us"],
+                  r["scaled_mm_us"] / r["best_us"], r["auto_us"] / r["best_us"]] for r in kernels["summary"]]))
+    print(table(["proj", "M", "cuBLAS bf16 us", "triton bf16 auto us", "triton bf16 best us", "best config",
+                 "cuBLAS / best"],
+                [[r["proj"], r["M"], r["bf16_us"], r["bf16_triton_auto_us"], r["bf16_triton_best_us"],
+                  cfg(r["bf16_triton_best_config"]), r["bf16_us"] / r["bf16_triton_best_us"]]
+                 for r in kernels["summary"]]))
+    print(table(["shard", "M", "projections", "bf16 ms/step", "triton bf16 auto", "triton bf16 best",
+                 "_scaled_mm ms/step", "triton auto ms/step", "triton best ms/step", "fp8 floor ms/step"],
+                [[r["shard"], r["M"], r["projections"], r["bf16_ms"], r["bf16_triton_auto_ms"],
+                  r["bf16_triton_best_ms"], r["scaled_mm_ms"], r["auto_ms"], r["best_ms"], r["fp8_floor_ms"]]
+                 for r in kernels["step_totals"]]))
+    print(kernels["suggested_tuned"])
+
+
+def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
+    """The small-M table; on the CPU its Triton kernels run under the interpreter (set for this part only)."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        ms = tuple(args.m or KERNEL_M)
+        result = kernel_table(projection_shapes(args.preset, args.tp), args.device, ms, args.budget_s, errors)
+        result["step_totals"] = step_totals(result["summary"], PRESETS[args.preset]["num_hidden_layers"])
+        return result
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def mid_m(args: argparse.Namespace) -> dict[str, Any]:
+    shapes = projection_shapes(args.preset)
+    shapes["lm_head"] = (PRESETS[args.preset]["hidden_size"], PRESETS[args.preset]["vocab_size"])
+    layers = PRESETS[args.preset]["num_hidden_layers"]
+    peak = measure_ceilings().matmul_flops_per_s if args.device == "cuda" else None
+    ms = args.m or [256, 128, 192, 64]
+    compiled = autotuned_mm()
+    start, rows = time.perf_counter(), []
+    for m in ms:
+        for name, (k, n) in shapes.items():
+            ws = weights(n, k, args.device)
+            x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16)
+            row = {"proj": name, "M": m, "N": n, "K": k,
+                   "cublas_us": graph_time_us([lambda w=w, x=x: torch.mm(x, w.t()) for w in ws], args.device)}
+            if time.perf_counter() - start < args.budget_s:
+                try:
+                    row["triton_us"] = graph_time_us([lambda w=w, x=x: compiled(x, w) for w in ws], args.device)
+                except Exception as exc:  # noqa: BLE001 - one shape's failure must not lose the table
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if peak:
+                row["floor_us"] = 2 * m * n * k / peak * 1e6
+            rows.append(row)
+            print(row, flush=True)
+            del ws
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+    out = []
+    for m in ms:
+        mrows = [r for r in rows if r["M"] == m]
+        for r in mrows:
+            per_step = 1 if r["proj"] == "lm_head" else layers
+            triton_us = r.get("triton_us", float("nan"))
+            out.append([r["proj"], m, r["cublas_us"] * per_step / 1e3, triton_us * per_step / 1e3,
+                        r["cublas_us"] / triton_us,
+                        r.get("floor_us", float("nan")) / r["cublas_us"]])
+    print(table(["proj", "M", "cuBLAS ms/step", "Triton ms/step", "cuBLAS / Triton", "cuBLAS of peak"], out))
+    return {"matmul_flops_per_s": peak, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["small-m", "mid-m"], default="small-m")
+    parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--m", type=int, nargs="+", default=None,
+                        help="token counts (default: 1..64 for small-m, 256 128 192 64 for mid-m)")
+    parser.add_argument("--tp", type=int, default=1, help="small-m: also one rank's shards at this TP (bf16 only)")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="no new shape or autotune after this")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    print(stamp(), flush=True)
+    errors: dict[str, str] = {}
+    result: dict[str, Any] = {"stamp": stamp(), "args": vars(args), "errors": errors}
+    if args.part == "small-m":
+        result["small_m"] = small_m(args, errors)
+        print_kernels(result["small_m"])
+    else:
+        result["mid_m"] = mid_m(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if errors:
+        print("errors in: " + ", ".join(errors))
+
+
+if __name__ == "__main__":
+    main()

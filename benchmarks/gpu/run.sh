@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Runs named benchmark sets on a GPU machine, one after another, each step bounded in time. Every step's JSON
+# lands in $OUT, the logs in $OUT/logs.tgz, and a table of the steps (exit code, seconds, JSON) ends the output.
+# From the repository root:
+#
+#   OUT=/tmp/out bash benchmarks/gpu/run.sh [--budget SECONDS] SET...    e.g. ... run.sh decode offline
+#   bash benchmarks/gpu/run.sh --list                                     the sets and their commands
+#
+# --budget (default 570): the whole call's wall-clock bound, compiles included; a step gets the smaller of its
+# own bound and what is left, and one with under 20 s left is skipped (rc 124). Sets run in the order given on
+# the GPUs the caller makes visible; `tp` needs two. These are the commands docs/BENCHMARKS.md cites. The
+# sourced gpu_call.sh sets the multicast-off variables and installs the wheels carried in .whl/.
+set -u
+set_decode() {  # Llama-3-8B and SmolLM2-135M decode at default settings, floors and transformers beside
+  step decode 300 python3 -m benchmarks.bench_gpu decode --defaults --backend triton --models llama3-8b smollm2-135m \
+    --async-scheduling on --hf --json "$R/decode.json"
+}
+set_offline() {  # 256 requests, lengths U(100, 1024), default settings; transformers on the first 64
+  step offline 420 python3 -m benchmarks.bench_gpu throughput --defaults --backend triton --repeats 2 --hf \
+    --hf-requests 64 --hf-batch 64 --hf-max-seconds 90 --json "$R/offline.json"
+}
+set_serve() {  # kiln serve at default settings under kiln bench serve, four request rates
+  step serve 420 python3 -m benchmarks.bench_serve --model llama3-8b --ready-timeout 200 \
+    --num-prompts 16 48 128 192 --json "$R/serve.json"
+}
+set_startup() {  # the on-disk 8B checkpoint: a cold and a warm start by phase, decode in the warm process
+  step startup 340 python3 -m benchmarks.bench_startup --variants default --budget-s 330 --json "$R/startup.json"
+}
+set_fp8() {  # FP8 weights against bf16 at default settings: decode and offline
+  step fp8 420 python3 -m benchmarks.bench_fp8 --defaults --parts decode throughput --json "$R/fp8.json"
+}
+set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64
+  step profile 300 python3 -m benchmarks.bench_profile --configs llama3-8b:1:bf16 llama3-8b:1:fp8 --batches 1 64 \
+    --json "$R/profile.json"
+}
+set_attention() {  # attention kernels per backend (FlashInfer when installed), decode and prefill
+  step attention 240 python3 -m benchmarks.bench_attention --backends triton flashinfer
+}
+set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm
+  step gemm 240 python3 -m benchmarks.bench_gemm --part small-m --json "$R/gemm.json"
+}
+set_compile_plan() {  # exact-size artifacts against the range artifact, one process
+  step compile_plan 300 python3 -m benchmarks.bench_compile_plan --json "$R/compile_plan.json"
+}
+set_tp() {  # two GPUs: all-reduce kernels, then 8B TP=1/TP=2 and 70B TP=2 decode, sync and async
+  step tp 570 python3 -m benchmarks.bench_tp --json "$R/tp.json"
+}
+set_tests() {  # the GPU tests
+  step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+}
+
+BUDGET=570
+SETS=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --budget) BUDGET=$2; shift 2 ;;
+    --list) for f in $(declare -F | awk '$3 ~ /^set_/ {print $3}'); do
+              echo "${f#set_}:"; declare -f "$f" | sed '1,2d;$d'; done
+            exit 0 ;;
+    *) SETS+=("$1"); shift ;;
+  esac
+done
+
+[ ${#SETS[@]} -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh [--budget SECONDS] SET... (--list)"; exit 2; }
+for name in "${SETS[@]}"; do
+  declare -F "set_${name//-/_}" >/dev/null || { echo "unknown set: $name (--list shows them)"; exit 2; }
+done
+
+source benchmarks/gpu_call.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 4
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), python $(python3 -c 'import sys; print(sys.version.split()[0])')"
+
+# step LABEL SECONDS CMD...: CMD under `bounded`, its output in $L/LABEL.log, its outcome a row of the table
+step() {
+  local label=$1 t=$2; shift 2
+  local cap=$(( $(left "$BUDGET") - 10 ))
+  [ "$t" -gt "$cap" ] && t=$cap
+  local s; s=$(date +%s)
+  bounded "$t" "$@" > "$L/$label.log" 2>&1
+  local rc=$?
+  printf '%s\t%s\t%s\n' "$label" "$rc" "$(( $(date +%s) - s ))" >> "$R/steps.tsv"
+  echo "$label: rc=$rc"
+}
+
+for name in "${SETS[@]}"; do "set_${name//-/_}"; done
+finish_call 12
+cp "$R/steps.tsv" "$OUT/" 2>/dev/null
+echo
+echo "| step | rc | seconds | result |"
+echo "|---|---|---|---|"
+while IFS=$'\t' read -r label rc seconds; do
+  result=$(ls "$OUT/$label.json" 2>/dev/null || echo "(log only: logs.tgz)")
+  echo "| $label | $rc | $seconds | $result |"
+done < "$R/steps.tsv"
