@@ -235,7 +235,8 @@ def cmd_throughput(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
         except Exception as exc:
             traceback.print_exc()
             row["hf_error"] = f"{type(exc).__name__}: {exc}"
-    print(table(list(row), [list(row.values())]))
+    scalars = {k: v for k, v in row.items() if not isinstance(v, (dict, list))}  # timelines: in the JSON
+    print(table(list(scalars), [list(scalars.values())]))
     return [row]
 
 
