@@ -4,7 +4,7 @@ A warm start loads each artifact through `torch.compiler.load_cache_artifacts`, 
 artifact carries (its AOTAutograd and FX-graph entries, an autotune record per Triton kernel) back into
 Inductor's cache under the key directory (store.own_caches), where the cold start that compiled it left the
 same bytes. Each write is a temp file renamed over the old one. On the H200 host one sampled warm 8B start spent
-2.6 s in those renames, four others 0.1 s (2026-11-30, s10f and s10d): a rename over a file can wait for the
+2.6 s in those renames, four others 0.1 s (2x H200, 2026-12-01): a rename over a file can wait for the
 file system to write back what the previous start left, which is the usual order when `kiln serve` follows
 `kiln warmup`. So `write_atomic` leaves a file alone when it already holds the bytes to be written: the cache
 ends exactly as the write would have left it. Text content (not on the load path) is always written.

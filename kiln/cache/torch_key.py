@@ -3,7 +3,7 @@
 Inductor stamps every compiled artifact with `torch_key()`, a sha256 over the source of every module of the
 torch package, memoised per process; loading an artifact checks it, and each compile worker process computes
 it again before its first compile. On the H200 host that walk took 2.2-2.9 s of a 13 s warm 8B start
-(benchmarks/stack_sampler.py, 2026-11-30): the largest single item of the warm compile phase.
+(a sampled start, 2026-11-30): the largest single item of the warm compile phase.
 
 The key changes only when torch's files do, so it is stored as `<cache root>/torch_key/<fingerprint>.bin`,
 the fingerprint being a sha256 over torch's version and every module file's relative path, size and mtime

@@ -2,8 +2,8 @@
 
 `triton_key()` is a sha256 over Triton's compiler sources and its whole `libtriton` shared library, memoised per
 process. Inductor asks for it when it loads an artifact's Triton kernels (the autotune cache's key) and Triton
-when it compiles one; on the H200 host it was 1.4 s of a 10.9 s warm 8B start (benchmarks/stack_sampler.py,
-2026-11-30), the largest single item left after torch_key. Triton's function has no setter, so the stored value
+when it compiles one; on the H200 host it was 1.4 s of a 10.9 s warm 8B start (a sampled start,
+2026-12-01), the largest single item left after torch_key. Triton's function has no setter, so the stored value
 replaces the function where Triton and Inductor bind it by name (Triton's own worker pools do the same).
 
 Stored as `<cache root>/triton_key/<fingerprint>.txt`, the fingerprint a stat digest of the triton package's module

@@ -2,7 +2,7 @@
 
 Before its first C++ kernel a process asks Inductor which vector ISAs it may compile for, and Inductor checks each
 one the CPU's flags allow (AVX512 VNNI, AVX512, AVX2 on this project's CPU machine) by building a small library
-with the ISA's flags and loading it in a child Python: 1.5-1.7 s a process there, about a fifth of a warm start of
+with the ISA's flags and loading it in a child Python: 1.5-1.7 s a process there, about 20% of a warm start of
 the embedded model, paid again by every compile worker. The answer changes only with the CPU, the compiler and
 torch, so a check that passed is stored as `<cache root>/vec_isa/<fingerprint>.json` (the ISA's flags and code,
 hashed) and later processes skip it. Only passes are stored: a failure (a timeout on a loaded host, say) is

@@ -3,7 +3,7 @@
 safetensors' own `device="cuda"` path copies each tensor from its memory map with a pageable, blocking
 host-to-device copy; on the H200 that streamed an 8B checkpoint at ~1.6 GB/s (10 s of a warm start,
 2026-11-30). A copy from the memory map into pinned buffers reads 25-34 GB/s on a quiet H200 host but 8 GB/s
-while another process keeps its cores busy (benchmarks/bench_load.py; a shared host, a second runtime). So the
+while another process keeps its cores busy (a read-rate script, since removed; a shared host). So the
 shard is not mapped: its header is parsed here (8-byte length, JSON), consecutive tensors are grouped up to
 one buffer's size, and each group's byte span is read with `os.preadv` straight into a pinned buffer by 8
 threads at once (preadv releases the GIL; the kernel copies out of the page cache: 21-25 GB/s, busy host or

@@ -15,7 +15,7 @@ the scales and casts: deterministic, unlike atomics, at the cost of SPLIT_K * M 
 (small next to the weight at decode M, and mostly L2-resident; the sweep shows where split-K pays).
 
 Tile configs are chosen per shape by `pick_config` (a rule plus the `TUNED` table filled from an H200 sweep,
-benchmarks/bench_fp8.py --parts kernels), never autotuned at run time: the op runs inside CUDA graphs and
+benchmarks/bench_gemm.py --part small-m), never autotuned at run time: the op runs inside CUDA graphs and
 compiled pieces, where a first-call benchmark would be captured or would cost start-up time.
 """
 
@@ -41,7 +41,7 @@ class Fp8GemmConfig:
     num_stages: int = 4
 
 
-# (N, K, largest M) -> config, measured on an H200 (benchmarks/bench_fp8.py --parts kernels). The first
+# (N, K, largest M) -> config, measured on an H200 (benchmarks/bench_gemm.py --part small-m). The first
 # entry whose N, K match and whose largest M is >= M wins; shapes not listed fall back to the rule below.
 TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {  # H200, 2026-11-30 (docs/BENCHMARKS.md)
     (4096, 4096, 1): Fp8GemmConfig(64, 128, 4, 4, 6),
@@ -190,7 +190,7 @@ def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor
 
 def bf16_gemm_triton(x: torch.Tensor, weight: torch.Tensor, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """The same kernel on 16-bit operands without scales: x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype.
-    Measured against cuBLAS by benchmarks/bench_fp8.py --parts kernels (bf16 rows, TP-sharded shapes too)."""
+    Measured against cuBLAS by benchmarks/bench_gemm.py --part small-m (bf16 rows, TP-sharded shapes too)."""
     return _small_m_gemm(x, weight, None, None, x.dtype, config)
 
 
