@@ -1,4 +1,4 @@
-"""Start-up from a checkpoint on disk, as a user meets it: process start -> first token, cold and warm (issue 14).
+"""Start-up from a checkpoint on disk, as a user meets it: process start -> first token, cold and warm.
 
 Writes a random bf16 checkpoint of a preset's shape once (sharded HF safetensors + index, config.json and
 a tokenizer of the model's vocabulary size) to a local directory, then for each variant of Runtime options
@@ -7,8 +7,8 @@ CUDA_CACHE_PATH) and warm (the same directories again). Each reports the time fr
 the first token of a short generate, split by start-up phase (kiln/runtime/startup.py); the warm process
 then times decode steps at batch 1/8/64. Every part is run and recorded even if another one fails.
 
-    # H200, llama3-8b: ~6 min for two variants at today's plan (cold 190 s), ~3 min once cold is ~40 s
-    python -m benchmarks.bench_startup --variants default "compile_sizes=1,8,64" --json $OUT/startup.json
+    # H200, llama3-8b: ~30 s to write the checkpoint once, then ~2 min a variant (a cold and a warm start, decode)
+    python -m benchmarks.bench_startup --variants default KILN_TRITON_KEY_MEMO=0 --json $OUT/startup.json
     # dry run on a CPU
     python -m benchmarks.bench_startup --preset tiny-llama --device cpu --workdir /tmp/kiln-startup \\
         --decode-batches 1 2 --json /tmp/kiln-startup/startup.json
