@@ -10,8 +10,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # packages the device image lacks, carri
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site
-OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs
-rm -rf $R $L; mkdir -p "$OUT" $R $L  # a warm machine keeps /tmp between calls: start from empty results and logs
+OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
 left() { echo $(( $1 - ($(date +%s) - T0) )); }
 bounded() {
   local t=$1; shift

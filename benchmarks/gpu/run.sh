@@ -12,7 +12,7 @@
 # sourced gpu_call.sh sets the multicast-off variables and installs the wheels carried in .whl/.
 set -u
 set_decode() {  # Llama-3-8B and SmolLM2-135M decode at default settings, floors and transformers beside
-  step decode 300 python3 -m benchmarks.bench_gpu decode --defaults --backend triton --models llama3-8b smollm2-135m \
+  step decode 360 python3 -m benchmarks.bench_gpu decode --defaults --backend triton --models llama3-8b smollm2-135m \
     --async-scheduling on --hf --json "$R/decode.json"
 }
 set_offline() {  # 256 requests, lengths U(100, 1024), default settings; transformers on the first 64
@@ -67,6 +67,7 @@ for name in "${SETS[@]}"; do
 done
 
 source benchmarks/gpu_call.sh
+: > "$R/steps.tsv"  # this call's steps only (a warm machine keeps /tmp between calls)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 4
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), python $(python3 -c 'import sys; print(sys.version.split()[0])')"
 
