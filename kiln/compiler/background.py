@@ -20,12 +20,10 @@ so a warm start serves with the exact sizes from its first step and never re-cap
 
 A process that ends before the compiles do must not wait for them: `cancel()` (from `Engine.shutdown()`, and
 at interpreter exit for a runtime never shut down) drops the compiles not started and terminates the workers
-running the others; nothing is swapped in afterwards and the sizes stay on their ranges. Without it, a
-one-prompt script waited at exit for every running compile (~13 s on an 8B model): concurrent.futures joins
-its pools in an exit hook, and that hook runs before `atexit` handlers (it is a `threading._register_atexit`
-hook, run when the interpreter joins its threads). So the cancel is registered the same way, after
-concurrent.futures registered its own (imported with kiln.compiler.parallel); those hooks run last
-registered first, so ours runs before its join.
+running the others; nothing is swapped in afterwards and the sizes stay on their ranges. (With concurrent.futures'
+process pool, a one-prompt script waited at exit for every running compile, ~13 s on an 8B model; kiln's pool,
+kiln/compiler/process_pool.py, keeps nothing that exit would wait for, and the cancel at exit ends its worker
+processes rather than leaving them compiling for no one.)
 """
 
 from __future__ import annotations
@@ -205,11 +203,7 @@ class BackgroundCompiles:
 
 
 def _cancel_at_exit(background: BackgroundCompiles) -> None:
-    """Cancel at interpreter exit unless cancelled before, holding the object weakly (it may be long gone).
-
-    A `threading` exit hook, not `atexit`: concurrent.futures joins its pools (waiting for every running
-    compile) in a hook of that kind, and those all run before any `atexit` handler; ours, registered later,
-    runs before its join. `atexit` only where that private hook is missing (it exists on 3.9-3.14)."""
+    """Cancel at interpreter exit unless cancelled before, holding the object weakly (it may be long gone)."""
     ref = weakref.ref(background)
 
     def cancel() -> None:
@@ -217,12 +211,4 @@ def _cancel_at_exit(background: BackgroundCompiles) -> None:
         if target is not None:
             target.cancel()
 
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is not None:
-            register(cancel)
-            return
-    except RuntimeError:  # the interpreter is already shutting down: too late to start compiles anyway
-        background.cancel()
-        return
     atexit.register(cancel)
