@@ -30,6 +30,7 @@ from kiln.config import RuntimeConfig
 logger = logging.getLogger("kiln")
 
 
+RANK0_PID_ENV = "KILN_TP_RANK0_PID"  # set in the workers rank 0 starts (their parent's pid)
 UNCLEAN_EXIT = 3  # a worker whose process groups were not destroyed within KILN_TP_SHUTDOWN_TIMEOUT
 
 
@@ -50,6 +51,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def in_local_worker() -> bool:
+    """Whether this process is a tensor-parallel rank that rank 0 started on its host."""
+    return RANK0_PID_ENV in os.environ
+
+
 def watch_parent(parent_pid: int, poll: float = 1.0) -> None:
     """A spawned worker leaves when rank 0 (its parent) is gone, wherever it waits: the step channel notices
     that too, but a collective whose peer died may never return (NCCL waits until the group's timeout)."""
@@ -65,7 +71,7 @@ def watch_parent(parent_pid: int, poll: float = 1.0) -> None:
 
 
 def _spawned_worker(config: RuntimeConfig, rank: int, world: int, env: dict[str, str]) -> None:
-    watch_parent(int(env["KILN_TP_RANK0_PID"]))
+    watch_parent(int(env[RANK0_PID_ENV]))
     os.environ.update(env)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from kiln.runtime.distributed import worker_main
@@ -84,7 +90,7 @@ def spawn_workers(config: RuntimeConfig, world: int) -> LocalWorkers:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     env = {"MASTER_ADDR": os.environ["MASTER_ADDR"], "MASTER_PORT": os.environ["MASTER_PORT"],
-           "WORLD_SIZE": str(world), "KILN_TP_RANK0_PID": str(os.getpid())}
+           "WORLD_SIZE": str(world), RANK0_PID_ENV: str(os.getpid())}
     workers = LocalWorkers([])
     for rank in range(1, world):
         proc = ChildProcess(f"kiln-tp-rank{rank}")

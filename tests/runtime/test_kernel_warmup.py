@@ -62,3 +62,18 @@ def test_the_warmup_process_runs_the_plan() -> None:
     assert warmup.launches == expected
     processes = warmup._pool.processes
     assert len(processes) == 1 and processes[0].exitcode == 0  # it ran there and exited once told to
+
+
+def test_a_tensor_parallel_worker_warms_up_on_a_thread(monkeypatch) -> None:
+    """In a rank that rank 0 started, the plan runs on a thread (docs/startup.md says why)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kiln.runtime.tp_processes import RANK0_PID_ENV
+
+    monkeypatch.setenv(RANK0_PID_ENV, "1")
+    model = load_model("tiny-llama", device="cpu", dtype="fp32", load_format="dummy").model
+    backend = TritonAttentionBackend(AttentionLayout(8, 2, 32, 32 ** -0.5, 16, torch.float32), DEVICE)
+    warmup = KernelWarmup(model, backend, [1, 2, 8], [1, 2, 8], 16)
+    assert isinstance(warmup._pool, ThreadPoolExecutor)
+    warmup.join()
+    assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1
