@@ -16,7 +16,9 @@ than with them up front (docs/compiler.md).
 
 Where every artifact is already in the compile cache (a warm start), nothing is left to do in the
 background: the constructor reads them and `install_compiler` swaps them in before any graph is captured,
-so a warm start serves with the exact sizes from its first step and never re-captures.
+so a warm start serves with the exact sizes from its first step and never re-captures. Those the cache lacks
+(the start that filled it ended before they were done) compile in the background as on a cold start: a
+captured graph loaded from the cache keeps the token count's symbol and the pieces' input layouts for them.
 
 A process that ends before the compiles do must not wait for them: `cancel()` (from `Engine.shutdown()`, and
 at interpreter exit for a runtime never shut down) drops the compiles not started and terminates the workers
@@ -72,10 +74,6 @@ class BackgroundCompiles:
                 self._results.append((job, payload, False))
             else:
                 todo.append(job)
-        if todo and self._symbol is False:
-            logger.warning("background compiles need the traced graph (this start loaded it from the "
-                           "cache without its example values); %d stay on their ranges", len(todo))
-            todo = []
         self._todo = todo
         self._workers = workers
         self._thread: threading.Thread | None = None

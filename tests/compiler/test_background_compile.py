@@ -110,8 +110,8 @@ def test_background_swap_is_token_identical(tiny_checkpoint, caplog: pytest.LogC
 
 def test_a_script_without_the_main_guard_compiles_in_its_workers(tmp_path) -> None:
     """kiln's compile workers start from kiln's own entry point, so a plain script that builds a runtime at top
-    level (no `if __name__ == "__main__":`) runs once: its start-up compiles and its background compiles run in
-    the two worker processes, the background sizes are swapped in, and no worker prints a traceback."""
+    level (no `if __name__ == "__main__":`) runs once, its compiles run in the two worker processes (the pool
+    that background compiles use too) and no worker prints a traceback."""
     import os
     import subprocess
     import sys
@@ -122,19 +122,17 @@ def test_a_script_without_the_main_guard_compiles_in_its_workers(tmp_path) -> No
         "from kiln import Runtime, SamplingParams\n"
         "print('script body', flush=True)\n"
         "rt = Runtime('tiny-llama', device='cpu', dtype='fp32', level=2, compile_sizes=(), compile_workers=2, "
-        "background_compile_sizes=(4,), max_num_batched_tokens=32, max_num_seqs=4)\n"
-        "assert rt.finish_background_compiles()\n"
+        "max_num_batched_tokens=32, max_num_seqs=4)\n"
         "s = rt.compile_stats\n"
         "print('compiles', s.inductor_compiles, 'in workers', s.worker_compiles, flush=True)\n"
-        "print('background', s.background_swapped, s.background_failed, flush=True)\n"
         "print(len(rt.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids))\n")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # the three distinct pieces' range compiles, all in the workers; then the background size, swapped in
-    assert proc.stdout.splitlines() == ["script body", "compiles 3 in workers 3", "background 3 0", "3"], proc.stdout
+    # the three distinct pieces' range compiles, all in the workers
+    assert proc.stdout.splitlines() == ["script body", "compiles 3 in workers 3", "3"], proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
@@ -155,7 +153,8 @@ def _no_partial_cache_entries(cache_dir) -> None:
 def test_cancel_stops_running_compiles_and_the_ranges_serve(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch,
                                                             tmp_path) -> None:
     """`cancel()` while the worker compiles: the worker process is gone, nothing is swapped in (not then, not at
-    a later step boundary), and the engine goes on serving the same tokens from its range artifacts."""
+    a later step boundary), and the engine goes on serving the same tokens from its range artifacts; the next
+    (warm) start compiles that size in the background and serves the same tokens from it."""
     import time
 
     path = str(tiny_checkpoint("tiny-llama")[0])
@@ -185,6 +184,16 @@ def test_cancel_stops_running_compiles_and_the_ranges_serve(tiny_checkpoint, mon
     assert BATCH not in runtime.engine.worker.compiled.backend.dispatcher.sizes
     runtime.shutdown()  # cancels again (a no-op) and returns
     _no_partial_cache_entries(tmp_path / "cache")
+    # a warm start loads the captured graph and the ranges from the cache, and compiles the background size that
+    # the cancelled start never saved (the saved capture keeps the symbol and input layouts its workers need)
+    warm = Runtime(path, background_compile_sizes=(BATCH,), **OPTIONS)
+    stats = warm.compile_stats
+    assert stats.capture_loaded and (stats.cache_hits, stats.background_pending) == (3, 3)
+    assert warm.finish_background_compiles()
+    assert (stats.background_swapped, stats.background_failed) == (3, 0)
+    assert _tokens(warm) == expected
+    assert all(r.last_key == CompileKey.size(BATCH) for r in warm.engine.worker.compiled.capture.runners.values())
+    warm.shutdown()
 
 
 # The script sends its compile workers a compile function that never ends (from a module of its own directory,
