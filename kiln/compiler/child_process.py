@@ -3,17 +3,17 @@
 multiprocessing's `spawn` (and `forkserver`) start method prepares each child by importing the parent's
 `__main__` again: a plain script that builds a `Runtime` at top level, without `if __name__ == "__main__":`,
 would build one in every compile worker. So kiln's workers (the compile pool, the kernel warm-up, the
-tensor-parallel ranks) are `python -m kiln.compiler.child_process`, as Inductor's compile workers run a main
-of their own: the child imports kiln, says hello, and then runs the calls its parent sends over a pipe.
+tensor-parallel ranks) run `kiln.compiler.child_process.main` as their main, as Inductor's compile workers run
+a main of their own: the child imports kiln, says hello, and then runs the calls its parent sends over a pipe.
 
-The parent's import path goes to the child (PYTHONPATH, as spawn sends `sys.path`), so a function pickled by
-reference from any module the parent can import is found there; the user's script is not a module the child
-imports. Calls travel as length-prefixed pickles on two pipes of their own (stdin is /dev/null, stdout and
-stderr are the parent's, so a worker's prints and logs appear as before). A reply is (True, result) or
-(False, exception). `start` sends one call with no reply wanted and closes the pipe: the child runs it and
-exits when it returns (a tensor-parallel rank's whole life), an exception printing its traceback as a
-`multiprocessing.Process` target's would. The child ignores SIGINT: Ctrl-C reaches every process of the
-terminal's group, and the parent alone decides what to stop (it terminates its workers).
+The parent's import path goes to the child (PYTHONPATH, as spawn sends `sys.path`), after the directory of the
+parent's own kiln, so a function pickled by reference from any module the parent can import is found there; the
+user's script is not a module the child imports. Calls travel as length-prefixed pickles on two pipes of their
+own (stdin is /dev/null, stdout and stderr are the parent's, so a worker's prints and logs appear as before). A
+reply is (True, result) or (False, exception). `start` sends one call with no reply wanted and closes the pipe:
+the child runs it and exits when it returns (a tensor-parallel rank's whole life), an exception printing its
+traceback as a `multiprocessing.Process` target's would. The child ignores SIGINT: Ctrl-C reaches every process
+of the terminal's group, and the parent alone decides what to stop (it terminates its workers).
 """
 
 from __future__ import annotations
@@ -27,10 +27,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any
 
-ENTRY = "kiln.compiler.child_process"
+# `-c` puts the working directory ('') first on the child's path: dropped, so the child imports what the parent
+# would (its path comes as PYTHONPATH), not some other checkout of kiln that happens to be the working directory
+ENTRY = ("import sys; sys.path[:] = [p for p in sys.path if p]; "
+         "from kiln.compiler.child_process import main; main(sys.argv)")
 HELLO = b"kiln"
+KILN_ROOT = str(Path(__file__).resolve().parents[2])  # the directory this kiln was imported from
 _LENGTH = struct.Struct("<Q")
 _WITH_REPLY, _NO_REPLY = b"r", b"n"
 
@@ -58,9 +63,9 @@ class ChildProcess:
         self.name = name
         child_in, to_child = os.pipe()
         from_child, child_out = os.pipe()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([KILN_ROOT, *(p or os.getcwd() for p in sys.path)])}
         try:
-            self._popen = subprocess.Popen([sys.executable, "-m", ENTRY, str(child_in), str(child_out), name],
+            self._popen = subprocess.Popen([sys.executable, "-c", ENTRY, str(child_in), str(child_out), name],
                                            stdin=subprocess.DEVNULL, pass_fds=(child_in, child_out), env=env)
         except BaseException:
             os.close(to_child)
@@ -187,6 +192,3 @@ def main(argv: list[str]) -> None:
             continue
         _send(outgoing, _reply_for(fn, args))
 
-
-if __name__ == "__main__":
-    main(sys.argv)
