@@ -66,7 +66,7 @@ def measure(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         rt = Runtime(args.preset, device=args.device, dtype=args.dtype, load_format="dummy",
-                     **arm_options(arm, args.exact_sizes))
+                     gpu_memory_utilization=args.gpu_memory_utilization, **arm_options(arm, args.exact_sizes))
         row["build_s"] = time.perf_counter() - start
         wait = time.perf_counter()
         row["background_finished"] = rt.finish_background_compiles(timeout=args.background_timeout_s)
@@ -74,7 +74,8 @@ def measure(arm: str, args: argparse.Namespace) -> dict[str, Any]:
         row.update(background_wait_s=time.perf_counter() - wait, background_swapped=stats.background_swapped,
                    background_failed=stats.background_failed, cache_hits=stats.cache_hits,
                    inductor_compiles=stats.inductor_compiles, startup=dict(stats.startup),
-                   exact_sizes=sorted(rt.engine.worker.compiled.backend.dispatcher.sizes))
+                   exact_sizes=sorted(rt.engine.worker.compiled.backend.dispatcher.sizes),
+                   kv_blocks=rt.engine.worker.num_blocks)  # equal in every build, or memory leaked between them
         for batch in args.batches:
             try:
                 row[f"b{batch}_ms"] = decode_step_seconds(rt.engine, batch) * 1e3
@@ -118,6 +119,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=200.0, help="no new build past this many seconds")
     parser.add_argument("--arm-estimate-s", type=float, default=40.0, help="a build is started only if this fits")
     parser.add_argument("--background-timeout-s", type=float, default=120.0)
+    # below half the GPU: a build's KV cache must not depend on what the previous build may have left allocated
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     start = time.perf_counter()
@@ -147,10 +150,11 @@ def main() -> None:
     print(f"{args.preset} {args.dtype} {args.device}: -O2 with its exact sizes (swapped in) vs without, one process; "
           f"medians of {len(by_arm['exact'])} / {len(by_arm['range'])} builds")
     print(table(["measure", "exact", "range", "exact / range", "exact runs", "range runs"], lines))
-    print(table(["arm", "build s", "bg wait s", "swapped", "failed", "cache hits", "compiles", "exact sizes", "error"],
+    print(table(["arm", "build s", "bg wait s", "swapped", "failed", "cache hits", "compiles", "exact sizes",
+                 "KV blocks", "error"],
                 [[r["arm"], r.get("build_s", "-"), r.get("background_wait_s", "-"), r.get("background_swapped", "-"),
                   r.get("background_failed", "-"), r.get("cache_hits", "-"), r.get("inductor_compiles", "-"),
-                  r.get("exact_sizes", "-"), r.get("error", "")] for r in rows]))
+                  r.get("exact_sizes", "-"), r.get("kv_blocks", "-"), r.get("error", "")] for r in rows]))
 
 
 if __name__ == "__main__":

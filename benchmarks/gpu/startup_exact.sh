@@ -39,6 +39,9 @@ KILN_CACHE_DIR=$U/kiln TORCHINDUCTOR_CACHE_DIR=$U/inductor TRITON_CACHE_DIR=$U/t
 
 echo "== start-up (llama3-8b, on-disk checkpoint, process start -> first token)"
 sed -n '/^20[0-9][0-9]-[0-9][0-9]-[0-9][0-9] |/,$p' $L/startup.log
+echo "== where the sampled warm start's main thread went (inclusive s, then self s)"
+S=$(ls $R/startup.logs/*warm-sampled*.sample.txt 2>/dev/null | head -1)
+[ -n "$S" ] && { sed -n 1,45p "$S" | cut -c1-150; grep -A15 "^self s" "$S" | cut -c1-150; }
 echo "== exact sizes A/B (one process)"
 sed -n '/^20[0-9][0-9]-[0-9][0-9]-[0-9][0-9] |/,$p' $L/exact_sizes.log
 echo "== unguarded script: $(cat $R/unguarded.json 2>/dev/null); tracebacks: $(grep -c Traceback $L/unguarded.log)"
