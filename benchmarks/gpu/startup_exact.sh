@@ -26,7 +26,8 @@ U=/tmp/kiln-unguarded; rm -rf $U; mkdir -p $U
 cat > $U/plain.py <<'PY'
 import json, sys
 from kiln import Runtime, SamplingParams
-rt = Runtime("smollm2-135m", load_format="dummy", compile_workers=2, gpu_memory_utilization=0.3)
+rt = Runtime("smollm2-135m", load_format="dummy", compile_workers=2, background_compile_sizes=(1,),
+             gpu_memory_utilization=0.3)
 rt.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 done = rt.finish_background_compiles(timeout=60)
 s = rt.compile_stats
