@@ -50,9 +50,8 @@ class Capture:
     record: bool = True
     saved: bytes | None = None  # this capture for the artifact cache (saved_capture.py); None if not picklable
     inputs: list[saved_capture.InputInfo] = field(default_factory=list)  # set when loaded from the cache
-    # the token count's symbol in the pieces' example values (None: static); False when loaded from the
-    # cache, whose pieces carry no example values (nothing more can be compiled for them)
-    symbol: sympy.Symbol | None | bool = None
+    # the token count's symbol in the pieces' example values (None: static)
+    symbol: sympy.Symbol | None = None
     # each distinct piece's input layouts (fakes.input_specs) as traced: later compiles (background.py)
     # need them, and the shape environment may specialise the token count once the trace is done
     piece_specs: dict[str, list[Any]] = field(default_factory=dict)
@@ -85,7 +84,8 @@ class KilnBackend:
         specs = {h: input_specs(group[0].module) for h, group in split.distinct().items()}
         runners = self._compile(split, symbol)
         sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
-        saved = _save(split, runners, sources, list(example_inputs)) if self.compiler.store is not None else None
+        saved = _save(split, runners, sources, list(example_inputs), symbol, specs) \
+            if self.compiler.store is not None else None
         install_runners(split, runners)
         if self.dump is not None:
             self.dump.write_split_graph(split, self.dispatcher)
@@ -124,7 +124,7 @@ class KilnBackend:
         record_split(self.stats, split)
         self.stats.capture_loaded = True
         self.capture = Capture(split.module, split, runners, [i.source for i in saved.inputs], record=False,
-                               inputs=saved.inputs, symbol=False)
+                               inputs=saved.inputs, symbol=saved.symbol, piece_specs=saved.piece_specs)
         return self.capture
 
     def _compile(self, split: SplitGraph, symbol: sympy.Symbol | None) -> dict[str, PieceRunner]:
@@ -176,7 +176,7 @@ def check_token_count_guards(gm: fx.GraphModule, symbol: sympy.Symbol | None, ma
 
 
 def _save(split: SplitGraph, runners: dict[str, PieceRunner], sources: list[str | None],
-          example_inputs: list[Any]) -> bytes | None:
+          example_inputs: list[Any], symbol: sympy.Symbol | None, specs: dict[str, list[Any]]) -> bytes | None:
     """Inputs whose source does not go through the model (`L['self']`) are the per-call token tensors."""
     try:
         per_call = {i for i, src in enumerate(sources) if src is not None and "L['self']" not in src}
@@ -184,8 +184,8 @@ def _save(split: SplitGraph, runners: dict[str, PieceRunner], sources: list[str 
                                           None if p.is_attention else runners[p.name].token_arg,
                                           False if p.is_attention else runners[p.name].token_arg_is_tensor)
                   for p in split.pieces]
-        return saved_capture.dump(split.module, pieces, saved_capture.describe_inputs(sources, example_inputs,
-                                                                                      per_call))
+        inputs = saved_capture.describe_inputs(sources, example_inputs, per_call)
+        return saved_capture.dump(split.module, pieces, inputs, symbol, specs)
     except Exception as exc:  # noqa: BLE001 - only a later start's shortcut is lost
         logger.info("the captured graph cannot be saved (%s); warm starts will trace it again", exc)
         return None

@@ -16,16 +16,16 @@ than with them up front (docs/compiler.md).
 
 Where every artifact is already in the compile cache (a warm start), nothing is left to do in the
 background: the constructor reads them and `install_compiler` swaps them in before any graph is captured,
-so a warm start serves with the exact sizes from its first step and never re-captures.
+so a warm start serves with the exact sizes from its first step and never re-captures. Those the cache lacks
+(the start that filled it ended before they were done) compile in the background as on a cold start: a
+captured graph loaded from the cache keeps the token count's symbol and the pieces' input layouts for them.
 
 A process that ends before the compiles do must not wait for them: `cancel()` (from `Engine.shutdown()`, and
 at interpreter exit for a runtime never shut down) drops the compiles not started and terminates the workers
-running the others; nothing is swapped in afterwards and the sizes stay on their ranges. Without it, a
-one-prompt script waited at exit for every running compile (~13 s on an 8B model): concurrent.futures joins
-its pools in an exit hook, and that hook runs before `atexit` handlers (it is a `threading._register_atexit`
-hook, run when the interpreter joins its threads). So the cancel is registered the same way, after
-concurrent.futures registered its own (imported with kiln.compiler.parallel); those hooks run last
-registered first, so ours runs before its join.
+running the others; nothing is swapped in afterwards and the sizes stay on their ranges. (With concurrent.futures'
+process pool, a one-prompt script waited at exit for every running compile, ~13 s on an 8B model; kiln's pool,
+kiln/compiler/process_pool.py, keeps nothing that exit would wait for, and the cancel at exit ends its worker
+processes rather than leaving them compiling for no one.)
 """
 
 from __future__ import annotations
@@ -74,10 +74,6 @@ class BackgroundCompiles:
                 self._results.append((job, payload, False))
             else:
                 todo.append(job)
-        if todo and self._symbol is False:
-            logger.warning("background compiles need the traced graph (this start loaded it from the "
-                           "cache without its example values); %d stay on their ranges", len(todo))
-            todo = []
         self._todo = todo
         self._workers = workers
         self._thread: threading.Thread | None = None
@@ -205,11 +201,7 @@ class BackgroundCompiles:
 
 
 def _cancel_at_exit(background: BackgroundCompiles) -> None:
-    """Cancel at interpreter exit unless cancelled before, holding the object weakly (it may be long gone).
-
-    A `threading` exit hook, not `atexit`: concurrent.futures joins its pools (waiting for every running
-    compile) in a hook of that kind, and those all run before any `atexit` handler; ours, registered later,
-    runs before its join. `atexit` only where that private hook is missing (it exists on 3.9-3.14)."""
+    """Cancel at interpreter exit unless cancelled before, holding the object weakly (it may be long gone)."""
     ref = weakref.ref(background)
 
     def cancel() -> None:
@@ -217,12 +209,4 @@ def _cancel_at_exit(background: BackgroundCompiles) -> None:
         if target is not None:
             target.cancel()
 
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is not None:
-            register(cancel)
-            return
-    except RuntimeError:  # the interpreter is already shutting down: too late to start compiles anyway
-        background.cancel()
-        return
     atexit.register(cancel)

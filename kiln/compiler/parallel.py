@@ -8,15 +8,13 @@ modules pickle as their code), its inputs' layouts as `fakes.input_specs`, the k
 (and saves them to the compile cache, which it alone writes, under its lock), exactly as it loads a cached
 artifact, so a parallel start and a warm start run the same code.
 
-Workers are spawned, never forked: the parent has usually initialised CUDA. Anything that cannot go to a
-worker (a graph or hook that does not pickle, a worker that fails, a hook whose uuid differs there)
-compiles in the parent instead, serially, as with one worker.
+Workers are kiln's own processes (process_pool.py), never forked (the parent has usually initialised CUDA)
+and never multiprocessing children (those import the user's main script again: child_process.py). Anything
+that cannot go to a worker (a graph or hook that does not pickle, a worker that fails, a hook whose uuid
+differs there) compiles in the parent instead, serially, as with one worker.
 
 A pool can be stopped mid-compile (`terminate`, for background compiles a process no longer needs): the
-executor's own `shutdown(cancel_futures=True)` only drops compiles not yet started and waits for the running
-ones, so the pool spawns its workers through a context that keeps a handle on each (`_TrackedSpawnContext`,
-no private executor attribute) and terminates them; the executor then finds its workers gone, fails their
-futures and its manager thread ends, so nothing is left for concurrent.futures' exit hook to join.
+worker processes are killed, their running compiles fail and the ones not started are cancelled.
 
 The worker count (`default_workers`) is half the host's cores, at most 16: each compile is mostly
 single-threaded Python (lowering, scheduling, code generation), and the other half stays for the
@@ -32,9 +30,8 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +39,12 @@ import sympy
 from torch import fx
 
 from kiln.cache import torch_key, triton_key, vec_isa
+from kiln.compiler.process_pool import WorkerPool
 from kiln.compiler.ranges import CompileKey
 
 logger = logging.getLogger("kiln.compiler")
 
 MAX_WORKERS = 16  # every worker on a GPU host holds a CUDA context of its own (a few hundred MiB)
-TERMINATE_GRACE_SECONDS = 2.0  # after SIGTERM, before SIGKILL
 
 
 def host_cores() -> int:
@@ -79,29 +76,15 @@ class CompileResult:
     in_worker: bool
 
 
-class _TrackedSpawnContext(SpawnContext):
-    """The spawn context, keeping every process the executor starts through it (to terminate them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.processes: list[SpawnProcess] = []
-
-    def Process(self, *args: Any, **kwargs: Any) -> SpawnProcess:  # noqa: N802 - the context's API name
-        process = SpawnProcess(*args, **kwargs)
-        self.processes.append(process)
-        return process
-
-
 class CompilePool:
-    """A spawned process pool for Inductor compiles; `compile(jobs)` falls back to the parent per job."""
+    """A pool of worker processes for Inductor compiles; `compile(jobs)` falls back to the parent per job."""
 
     def __init__(self, compiler: Any, symbol: sympy.Symbol | None, workers: int) -> None:
         self.compiler = compiler
         self.symbol = symbol
         self.workers = workers
-        self._executor: ProcessPoolExecutor | None = None
-        self._context = _TrackedSpawnContext()
-        self._lock = threading.Lock()  # the executor is made and used on one thread, terminated from another
+        self._pool: WorkerPool | None = None
+        self._lock = threading.Lock()  # the pool is made and used on one thread, terminated from another
         self._stopped: Future = Future()  # done once terminated: wakes a thread waiting for a compile
         self._tasks: dict[int, bytes | None] = {}  # id(gm) -> pickled (gm, input specs), None: not picklable
 
@@ -109,13 +92,20 @@ class CompilePool:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+        if exc[0] is None:
+            self.shutdown()
+        else:  # e.g. an interrupt: do not wait for the compiles still running
+            self.terminate()
+
+    @property
+    def processes(self) -> list[Any]:
+        return self._pool.processes if self._pool is not None else []
 
     def shutdown(self) -> None:
         with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+            pool = self._pool
+        if pool is not None:
+            pool.shutdown()
 
     @property
     def terminated(self) -> bool:
@@ -129,20 +119,9 @@ class CompilePool:
             if self._stopped.done():
                 return
             self._stopped.set_result(None)
-            executor, self._executor = self._executor, None
-        if executor is None:
-            return
-        executor.shutdown(wait=False, cancel_futures=True)
-        processes = list(self._context.processes)
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():  # SIGTERM ignored or delayed (e.g. inside a C extension)
-                process.kill()
-                process.join(TERMINATE_GRACE_SECONDS)
+            pool = self._pool
+        if pool is not None:
+            pool.terminate()
 
     def compile(self, jobs: Iterable[CompileJob], done: Callable[[CompileResult], Any] | None = None
                 ) -> list[CompileResult]:
@@ -224,13 +203,13 @@ class CompilePool:
             with self._lock:
                 if self.terminated:
                     return None
-                if self._executor is None:
-                    self._executor = ProcessPoolExecutor(
-                        self.workers, mp_context=self._context, initializer=_init_worker,
+                if self._pool is None:
+                    self._pool = WorkerPool(
+                        self.workers, "kiln-compile", initializer=_init_worker,
                         initargs=(_worker_env(), max(1, host_cores() // self.workers), torch_key.primed(),
                                   triton_key.primed(), vec_isa.primed()))
-                return self._executor.submit(_compile_in_worker, task, job.key, self.symbol, job.piece_hash,
-                                             self._patches_blob())
+                return self._pool.submit(_compile_in_worker, task, job.key, self.symbol, job.piece_hash,
+                                         self._patches_blob())
         except Exception as exc:  # noqa: BLE001 - no pool (e.g. a pickling error): compile here
             logger.warning("cannot compile in worker processes (%s); compiling serially", exc)
             self.workers = 0

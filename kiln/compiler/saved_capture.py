@@ -3,7 +3,9 @@
 What a warm start needs besides the compiled artifacts is exactly what the trace produced: the split
 graph (its generated code and the attention pieces; compiled pieces are replaced by their artifacts),
 which piece input carries the token count, and each graph input's source expression with the shape and
-dtype it had. FX graph modules pickle as their code, so this is small. Loading re-checks every input
+dtype it had; and, for compiles after start-up (background.py), the token count's symbol and each distinct
+piece's input layouts (fakes.input_specs), which a piece loaded from here has no example values to give. FX
+graph modules pickle as their code, so this is small. Loading re-checks every input
 against the live model (parameters by shape and dtype); any mismatch, unreadable blob or missing
 artifact means "trace with Dynamo as usual", never a wrong graph.
 """
@@ -11,7 +13,7 @@ artifact means "trace with Dynamo as usual", never a wrong graph.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from torch import fx
 
 from kiln.compiler.split import Piece, SplitGraph
 
-FORMAT = 1
+FORMAT = 2  # 2: the symbol and the pieces' input layouts
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class SavedCapture:
     split_module: fx.GraphModule
     pieces: list[PieceInfo]
     inputs: list[InputInfo]
+    symbol: Any = None  # the token count's sympy symbol (None: static shapes)
+    piece_specs: dict[str, list[Any]] = field(default_factory=dict)  # by structural hash
 
     def split_graph(self) -> SplitGraph:
         modules = dict(self.split_module.named_children())
@@ -64,17 +68,19 @@ def describe_inputs(sources: list[str | None], example_inputs: list[Any], per_ca
     return infos
 
 
-def dump(split_module: fx.GraphModule, pieces: list[PieceInfo], inputs: list[InputInfo]) -> bytes:
+def dump(split_module: fx.GraphModule, pieces: list[PieceInfo], inputs: list[InputInfo], symbol: Any = None,
+         piece_specs: dict[str, list[Any]] | None = None) -> bytes:
     """`split_module` must still hold its FX pieces (call before the compiled runners are installed)."""
     return pickle.dumps({"format": FORMAT, "torch": torch.__version__, "split": pickle.dumps(split_module),
-                         "pieces": pieces, "inputs": inputs})
+                         "pieces": pieces, "inputs": inputs, "symbol": symbol, "piece_specs": piece_specs or {}})
 
 
 def load(blob: bytes) -> SavedCapture:
     data = pickle.loads(blob)  # noqa: S301 - our own cache file, checksummed by the store
     if data.get("format") != FORMAT or data.get("torch") != torch.__version__:
         raise ValueError(f"saved capture has format {data.get('format')} / torch {data.get('torch')}")
-    return SavedCapture(pickle.loads(data["split"]), data["pieces"], data["inputs"])  # noqa: S301
+    return SavedCapture(pickle.loads(data["split"]), data["pieces"], data["inputs"],  # noqa: S301
+                        data["symbol"], data["piece_specs"])
 
 
 def matches(info: InputInfo, value: Any) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -52,22 +51,11 @@ class EngineStats:
     requests_finished: dict[str, int] = field(default_factory=dict)
 
 
-def _refuse_in_a_spawned_import() -> None:
-    """kiln's compile workers and tensor-parallel workers are spawned, and a spawned process first re-imports
-    the main script: top-level code that builds a runtime would build one in every worker (on a GPU, the model
-    again in each of them). Raised there, this ends that worker, whose parent compiles in its own process or
-    reports the dead worker."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):  # the child's bootstrap import
-        raise RuntimeError("a kiln runtime was built while a spawned worker process (compile or tensor-parallel) "
-                           "re-imported the main script; build it under `if __name__ == \"__main__\":`")
-
-
 class Engine:
     def __init__(self, config: RuntimeConfig, loaded: LoadedModel | None = None,
                  clock: StartupClock | None = None) -> None:
         """`loaded`: weights the caller loaded already; then pass the `clock` it timed that load on (its
         "load" phase), or start-up times will not count the load (`kiln serve` does this for its progress bar)."""
-        _refuse_in_a_spawned_import()
         self.device = resolve_device(config.device)
         # per-device defaults (batch limits, async scheduling) are fixed here, before any worker sees the config
         config = dataclasses.replace(config, scheduler=config.scheduler.resolve(self.device))

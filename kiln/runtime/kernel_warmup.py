@@ -9,9 +9,10 @@ the serving process's first launches.
 
 A process rather than a thread: Triton's compile holds the GIL through its Python front end and MLIR passes, and
 as a thread (the first version) it slowed the main thread's Dynamo trace (8B: 8.0-12.6 s beside the thread,
-5.1-5.5 s beside the process). Tensor-parallel ranks are daemonic processes, which may not start children:
-there the plan still runs on a thread. A warm start (its compile cache ready) starts none: the start that
-filled the cache compiled these kernels into Triton's. The capture phase joins the warm-up first, so its GPU
+5.1-5.5 s beside the process). The process is one of kiln's own (kiln/compiler/process_pool.py), which never
+imports the user's main script. In a tensor-parallel rank that rank 0 started the plan runs on a thread (with a
+process there, a GPU test once stalled: docs/startup.md). A warm start (its compile cache ready) starts none: the
+start that filled the cache compiled these kernels into Triton's. The capture phase joins the warm-up first, so its GPU
 memory is free before the KV cache is sized. Any failure is logged and left to the capture to meet again
 (docs/startup.md).
 """
@@ -19,18 +20,19 @@ memory is free before the KV cache is sized. Any failure is logged and left to t
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kiln.attention.base import AttentionBackend, AttentionLayout, CommonAttentionMetadata
+from kiln.compiler.process_pool import WorkerPool
 from kiln.models import dense_gemm
 from kiln.models.layers import _ParallelLinear
+from kiln.runtime.tp_processes import in_local_worker
 
 logger = logging.getLogger("kiln")
 
@@ -139,17 +141,16 @@ class KernelWarmup:
         self.plan = WarmupPlan(gemms, tuple(sorted(set(sizes))), type(backend) if backend.name == "triton" else None,
                                backend.layout, tuple(sorted(set(decode_sizes))), block_table_width,
                                str(backend.device))
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: WorkerPool | Executor | None = None
         self._future: Future[int] | None = None
         if self.plan.empty:
             return
-        if multiprocessing.current_process().daemon:
-            # a tensor-parallel rank, which may not start processes of its own: the plan runs on a thread
+        if in_local_worker():
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-kernel-warmup")
         else:
-            # spawned now, before the compile phase points TRITON_CACHE_DIR at the compile cache: the child
-            # keeps the directory the serving process's own launches will look in
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            # started now, before the compile phase points TRITON_CACHE_DIR at the compile cache: the child keeps
+            # the directory the serving process's own launches will look in
+            self._pool = WorkerPool(1, "kiln-kernel-warmup")
         self._future = self._pool.submit(run_plan, self.plan)
 
     def join(self) -> None:
@@ -160,7 +161,7 @@ class KernelWarmup:
             except Exception as exc:  # noqa: BLE001 - an optimisation: the capture compiles what is left
                 logger.warning("kernel warm-up failed (%s: %s)", type(exc).__name__, exc)
             finally:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown()
                 self._future = None
         self.seconds = time.perf_counter() - self._started
         logger.info("kernel warm-up: %d launches in %.1f s beside the compile phase", self.launches, self.seconds)

@@ -2,16 +2,21 @@
 
 Rank 0 must never wait on a worker that is gone. Three places could: the env:// rendezvous (a TCP
 store that waits for every rank until the group timeout), the per-step broadcast, and the join at
-shutdown. So a spawned worker signals `started` as its first act, before the rendezvous: a worker that
-dies before that (typically at import of the main script, see `_UNGUARDED_HINT`) makes rank 0 fail at
-once instead of after KILN_TP_TIMEOUT; every step checks liveness first; and the shutdown join is
-bounded, escalating to SIGTERM and SIGKILL with an error in the log.
+shutdown. So rank 0 waits for each worker's hello (kiln imported) before the rendezvous: a worker that dies
+before that makes rank 0 fail at once instead of after KILN_TP_TIMEOUT; every step checks liveness first;
+and the shutdown join is bounded, escalating to SIGTERM and SIGKILL with an error in the log.
+
+The workers start from kiln's own entry point (kiln/compiler/child_process.py), not as multiprocessing
+children, which would import the user's main script again: a plain script that builds
+`Runtime(tensor_parallel_size=2)` at top level needs no `if __name__ == "__main__":`. A worker still running
+when rank 0's interpreter exits (a runtime never shut down) is terminated then, as multiprocessing did with
+its daemonic children.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
-import multiprocessing as mp
 import os
 import socket
 import sys
@@ -19,16 +24,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kiln.compiler.child_process import ChildProcess
 from kiln.config import RuntimeConfig
 
 logger = logging.getLogger("kiln")
 
-# the 'spawn' start method re-imports the main module in each child: unguarded top-level code runs again there
-_UNGUARDED_HINT = ("tensor-parallel workers are started with the 'spawn' start method, which re-imports the "
-                   "main script in each worker: a script that builds Runtime(tensor_parallel_size>1) at top "
-                   "level must do it under `if __name__ == \"__main__\":` (the worker's own traceback is above)")
 
-
+RANK0_PID_ENV = "KILN_TP_RANK0_PID"  # set in the workers rank 0 starts (their parent's pid)
 UNCLEAN_EXIT = 3  # a worker whose process groups were not destroyed within KILN_TP_SHUTDOWN_TIMEOUT
 
 
@@ -38,16 +40,20 @@ class WorkerStartError(RuntimeError):
 
 @dataclass
 class LocalWorkers:
-    """Ranks 1..world-1 on this host; `started[i]` is set by rank i+1 before it joins the rendezvous."""
+    """Ranks 1..world-1 on this host (procs[i] is rank i+1)."""
 
-    procs: list[mp.Process]
-    started: list
+    procs: list[ChildProcess]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def in_local_worker() -> bool:
+    """Whether this process is a tensor-parallel rank that rank 0 started on its host."""
+    return RANK0_PID_ENV in os.environ
 
 
 def watch_parent(parent_pid: int, poll: float = 1.0) -> None:
@@ -64,9 +70,8 @@ def watch_parent(parent_pid: int, poll: float = 1.0) -> None:
     threading.Thread(target=watch, name="kiln-tp-parent-watch", daemon=True).start()
 
 
-def _spawned_worker(config: RuntimeConfig, rank: int, world: int, env: dict[str, str], started) -> None:
-    started.set()  # past the import of the main script: from here on rank 0 waits in the rendezvous
-    watch_parent(int(env["KILN_TP_RANK0_PID"]))
+def _spawned_worker(config: RuntimeConfig, rank: int, world: int, env: dict[str, str]) -> None:
+    watch_parent(int(env[RANK0_PID_ENV]))
     os.environ.update(env)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from kiln.runtime.distributed import worker_main
@@ -85,36 +90,36 @@ def spawn_workers(config: RuntimeConfig, world: int) -> LocalWorkers:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     env = {"MASTER_ADDR": os.environ["MASTER_ADDR"], "MASTER_PORT": os.environ["MASTER_PORT"],
-           "WORLD_SIZE": str(world), "KILN_TP_RANK0_PID": str(os.getpid())}
-    ctx = mp.get_context("spawn")
-    workers = LocalWorkers([], [])
+           "WORLD_SIZE": str(world), RANK0_PID_ENV: str(os.getpid())}
+    workers = LocalWorkers([])
     for rank in range(1, world):
-        started = ctx.Event()
-        proc = ctx.Process(target=_spawned_worker,
-                           args=(config, rank, world, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, started),
-                           name=f"kiln-tp-rank{rank}", daemon=True)
-        proc.start()
+        proc = ChildProcess(f"kiln-tp-rank{rank}")
         workers.procs.append(proc)
-        workers.started.append(started)
+        proc.start(_spawned_worker, config, rank, world, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    atexit.register(_terminate_at_exit, list(workers.procs))
     return workers
 
 
-def wait_until_started(workers: LocalWorkers, timeout: float, poll: float = 0.05) -> None:
+def wait_until_started(workers: LocalWorkers, timeout: float) -> None:
     """Return once every worker is past its imports; raise WorkerStartError as soon as one dies before that."""
     deadline = time.monotonic() + timeout
-    while True:
-        for rank, (proc, started) in enumerate(zip(workers.procs, workers.started), start=1):
-            if not started.is_set() and not proc.is_alive():
-                raise WorkerStartError(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}) before "
-                                       f"it started; {_UNGUARDED_HINT}")
-        if all(s.is_set() for s in workers.started):
-            return
-        if time.monotonic() > deadline:
-            raise WorkerStartError(f"tensor-parallel workers did not start within {timeout:.0f} s")
-        time.sleep(poll)
+    for rank, proc in enumerate(workers.procs, start=1):
+        if not proc.wait_ready(max(0.0, deadline - time.monotonic())):
+            if proc.is_alive():
+                raise WorkerStartError(f"tensor-parallel workers did not start within {timeout:.0f} s")
+            proc.join(1.0)
+            raise WorkerStartError(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}) before it "
+                                   "started (its error is above)")
 
 
-def watch_start_up(procs: list[mp.Process], ready: threading.Event) -> None:
+def _terminate_at_exit(procs: list[ChildProcess]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(5.0)
+
+
+def watch_start_up(procs: list[ChildProcess], ready: threading.Event) -> None:
     """Until `ready`, report a worker that dies during start-up (after the rendezvous: its model load or
     warm-up). Rank 0's pending gloo collective then fails when the peer's connection closes; an NCCL one
     only at the group's timeout (KILN_TP_TIMEOUT), so the log names the cause first."""
@@ -131,7 +136,7 @@ def watch_start_up(procs: list[mp.Process], ready: threading.Event) -> None:
     threading.Thread(target=watch, name="kiln-tp-start-up-watch", daemon=True).start()
 
 
-def check_workers(procs: list[mp.Process]) -> None:
+def check_workers(procs: list[ChildProcess]) -> None:
     from kiln.runtime.distributed import EngineDeadError
 
     for rank, proc in enumerate(procs, start=1):
@@ -140,7 +145,7 @@ def check_workers(procs: list[mp.Process]) -> None:
                                   "the engine has stopped")
 
 
-def stop_workers(procs: list[mp.Process], timeout: float) -> list[int]:
+def stop_workers(procs: list[ChildProcess], timeout: float) -> list[int]:
     """Join every worker within `timeout` seconds in all; one still running is terminated, then killed.
     Returns the ranks that had to be ended that way (logged as errors: their shutdown hung)."""
     deadline = time.monotonic() + timeout

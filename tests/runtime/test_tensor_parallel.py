@@ -171,22 +171,32 @@ def test_tp2_shutdown_returns_and_every_rank_exits() -> None:
     assert not dist.is_initialized() and tp_size() == 1
 
 
-def test_unguarded_script_fails_fast_naming_the_main_guard(tmp_path: Path) -> None:
-    """Without `if __name__ == "__main__":` the spawned worker dies importing the script; rank 0 must raise at
-    once instead of waiting in the rendezvous for KILN_TP_TIMEOUT (left at its 300 s default here)."""
+def test_unguarded_script_builds_and_exits(reference, tmp_path: Path) -> None:
+    """The worker starts from kiln's own entry point, so a script without `if __name__ == "__main__":` runs once:
+    it builds, generates the same tokens as in-process TP=1 and exits without a shutdown, printing no traceback;
+    its worker does not outlive it (terminated at rank 0's exit)."""
     script = tmp_path / "unguarded.py"
-    script.write_text(textwrap.dedent("""
-        from kiln import Runtime
+    script.write_text(textwrap.dedent(f"""
+        import json
+        from kiln import Runtime, SamplingParams
 
-        Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
-        print("built")
+        print("script body", flush=True)
+        runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
+        outs = runtime.generate({PROMPTS[:2]!r}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+        print("worker", runtime.engine._tp_procs[0].pid, flush=True)
     """))
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "KILN_TP_TIMEOUT")}
     env["PYTHONPATH"] = str(root)
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode != 0 and "built" not in proc.stdout
-    assert "WorkerStartError" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "script body" and lines.count("script body") == 1, proc.stdout
+    assert json.loads(lines[1]) == reference[:2]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    pid = int(lines[2].split()[1])
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
 
 
 @pytest.mark.slow
@@ -228,6 +238,30 @@ def test_dead_worker_stops_the_engine_with_a_clear_error() -> None:
             runtime.generate(PROMPTS[:1], PARAMS)
     finally:
         runtime.engine.shutdown()
+
+
+def test_a_worker_that_dies_before_its_hello_fails_the_start_at_once() -> None:
+    """Rank 0 must not go on to the rendezvous (which waits for every rank until KILN_TP_TIMEOUT) with a dead peer."""
+    import time
+
+    from kiln.runtime.tp_processes import LocalWorkers, WorkerStartError, wait_until_started
+
+    class DiedAtImport:
+        exitcode = 1
+
+        def wait_ready(self, timeout: float) -> bool:
+            return False
+
+        def is_alive(self) -> bool:
+            return False
+
+        def join(self, timeout: float) -> None:
+            pass
+
+    start = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"rank 1 exited \(code 1\) before it started"):
+        wait_until_started(LocalWorkers([DiedAtImport()]), timeout=300)
+    assert time.monotonic() - start < 60  # not the timeout
 
 
 def test_start_up_watch_reports_a_worker_that_died(caplog: pytest.LogCaptureFixture) -> None:
