@@ -120,11 +120,10 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         fn = tool.get("function") if isinstance(tool, dict) else None
         if tool.get("type", "function") != "function" or not isinstance(fn, dict) or \
                 not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise APIError.bad_request("each tool must be {'type': 'function', 'function': {'name': ...}}",
-                                       f"tools.{i}")
+            raise APIError.bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                                       "tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise APIError.bad_request("function parameters must be a JSON schema object",
-                                       f"tools.{i}.function.parameters")
+            raise APIError.bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         functions.append(fn)
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":

@@ -51,7 +51,8 @@ def test_required_and_named_plans_constrain_and_parse() -> None:
 
 
 @pytest.mark.parametrize("tools, choice, param", [
-    ([{"type": "function", "function": {}}], "auto", "tools.0"),
+    ([{"type": "function", "function": {}}], "auto", "tools"),
+    ([ADD, {"type": "function", "function": {"name": "x", "parameters": []}}], "auto", "tools"),
     ([ADD], {"type": "function", "function": {"name": "sub"}}, "tool_choice"),
     ([ADD], "sometimes", "tool_choice"),
     (None, "required", "tool_choice"),
