@@ -50,7 +50,7 @@ ASK = [{"role": "user", "content": "Describe a toy as JSON: color, count, name a
 
 @pytest.fixture(scope="module")
 def runtime(embedded_dir) -> Runtime:
-    rt = Runtime(str(embedded_dir), level=0, device="cpu", dtype="fp32", max_num_batched_tokens=1024)
+    rt = Runtime(str(embedded_dir), level=0, device="cpu", kv_cache_bytes=256 << 20, max_num_batched_tokens=1024)
     yield rt
     rt.shutdown()
 
