@@ -5,16 +5,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Runtime", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["Runtime", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from kiln.runtime.outputs import CompletionOutput, RequestOutput
     from kiln.runtime.runtime import Runtime
     from kiln.runtime.sampling_params import SamplingParams
+    from kiln.runtime.structured.params import StructuredOutputsParams
 
 _LAZY = {
     "Runtime": "kiln.runtime.runtime",
     "SamplingParams": "kiln.runtime.sampling_params",
+    "StructuredOutputsParams": "kiln.runtime.structured.params",
     "RequestOutput": "kiln.runtime.outputs",
     "CompletionOutput": "kiln.runtime.outputs",
 }

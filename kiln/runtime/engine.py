@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from kiln.runtime.sampler import needs_output_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.startup import StartupClock, StartupTimes
+from kiln.runtime.structured.manager import StructuredOutputs
 from kiln.runtime.tokenizer_load import BackgroundTokenizer, load_tokenizer
 from kiln.runtime.worker import Worker
 
@@ -105,6 +107,7 @@ class Engine:
         # sampled ids to the workers on the device (the next step's pending input tokens).
         self.async_scheduling = bool(config.scheduler.async_scheduling)
         self._inflight: LaunchedStep | None = None  # launched, not yet processed (async scheduling only)
+        self.structured: StructuredOutputs | None = None  # built by the first constrained request
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
         self.startup_times: StartupTimes = clock.finish()
@@ -169,6 +172,8 @@ class Engine:
         background = getattr(self.worker.compiled, "background", None)
         if background is not None:
             background.cancel()
+        if self.structured is not None:
+            self.structured.shutdown()
         if self._channel is None:
             return
         from kiln.runtime import distributed as tp
@@ -249,7 +254,7 @@ class Engine:
             "generation_tokens": self.stats.generation_tokens,
             "requests_finished": dict(self.stats.requests_finished),
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(self.scheduler.waiting) + (len(self.structured.held) if self.structured else 0),
             "preemptions": self.scheduler.num_preemptions,
             "kv_usage": self.pool.usage(),
             "kv_capacity_tokens": kv.capacity_tokens,
@@ -294,6 +299,9 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None and self.structured is None:
+            self.structured = StructuredOutputs(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids,
+                                                self.config.scheduler.max_num_seqs, self.device)
         children, detoks = [], []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -304,6 +312,8 @@ class Engine:
             child = Request(child_id, token_ids, params, self.eos_token_ids, self.max_model_len, generator,
                             arrival_time)
             child.parent_id, child.child_index = request_id, i
+            if params.structured_outputs is not None:
+                child.grammar = self.structured.new_state(params.structured_outputs)
             children.append(child)
             detoks.append(None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
@@ -311,7 +321,11 @@ class Engine:
         added: list[Request] = []
         try:
             for child in children:
-                self.scheduler.add(child)
+                self.scheduler.check_fits(child)
+                if child.grammar is not None:  # the scheduler sees it once its grammar is compiled
+                    self.structured.held.append(child)
+                else:
+                    self.scheduler.add(child)
                 added.append(child)
         except ValueError:
             for child in added:
@@ -342,12 +356,13 @@ class Engine:
         Async scheduling: launch step k, then process step k-1 (append, stop checks, detokenize) while the
         device runs k, and return k-1's outputs; with nothing left to launch, finish the step in flight.
         """
+        failed = self._release_compiled() if self.structured is not None and self.structured.held else []
         if not self.async_scheduling:
             if self._inflight is not None:  # left over from before async scheduling was switched off
                 return self._complete(self._take_inflight())
             sched = self.scheduler.schedule()
-            return [] if sched.is_empty else self._complete(self._launch(sched))
-        outputs: list[RequestOutput] = []
+            return failed if sched.is_empty else failed + self._complete(self._launch(sched))
+        outputs: list[RequestOutput] = failed
         if self._inflight is not None and self._inflight.needs_drain:
             outputs = self._complete(self._take_inflight())  # penalties read those tokens' values on the host
         sched = self.scheduler.schedule()
@@ -357,22 +372,60 @@ class Engine:
             sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        previous, self._inflight = self._inflight, self._launch(sched)
-        if previous is None:  # outputs (if any) came from a drain above, which left nothing in flight
+        previous, completed = self._inflight, []
+
+        def complete_previous() -> None:  # constrained rows: their masks need the previous step's tokens
+            nonlocal previous
+            if previous is not None:
+                completed.extend(self._complete(previous))
+                previous = None
+
+        overlapped = previous is not None
+        self._inflight = self._launch(sched, complete_previous)
+        if not overlapped:  # outputs (if any) came from a drain above, which left nothing in flight
             return outputs
         self.stats.overlapped_steps += 1
-        return self._complete(previous)
+        return outputs + completed + (self._complete(previous) if previous is not None else [])
 
     def _take_inflight(self) -> LaunchedStep:
         step, self._inflight = self._inflight, None
         assert step is not None
         return step
 
-    def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
+    def _release_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar compiled join the scheduler; those whose grammar failed end (aborted). With
+        nothing else to run, wait a little for a grammar instead of spinning."""
+        ready, failed = self.structured.take_compiled()
+        if not ready and not failed and not self.scheduler.has_unfinished() and self._inflight is None:
+            self.structured.wait_for_any(0.05)
+            ready, failed = self.structured.take_compiled()
+        for req in ready:
+            self.scheduler.add(req)
+        outputs = []
+        for req in failed:
+            logger.warning("request %s: %s", req.request_id, req.grammar.error)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self._count_finished("abort", 1)
+            parent = self.parents[req.parent_id]
+            if parent.finished:
+                del self.parents[parent.request_id]
+                outputs.append(parent.make_output())
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput, before_mask: Callable[[], None] | None = None) -> LaunchedStep:
+        """`before_mask`: run once the forward is queued and before a constrained row's mask is filled."""
         background = getattr(self.worker.compiled, "background", None)
         if background is not None:  # a step boundary: finished background compiles are swapped in here
             background.swap_if_done()
-        step = self.runner.execute(sched)
+        mask_fn = None
+        if self.structured is not None and any(r.grammar is not None for r in sched.requests):
+            structured = self.structured
+
+            def mask_fn(requests: list[Request]) -> torch.Tensor | None:
+                if before_mask is not None:
+                    before_mask()
+                return structured.mask(requests)
+        step = self.runner.execute(sched, mask_fn)
         self.scheduler.advance(sched)
         self.stats.steps += 1
         self.stats.scheduled_tokens += sched.total_tokens
@@ -389,11 +442,12 @@ class Engine:
             if req.finished:  # stopped or aborted after this step launched: the token is void, its blocks freed
                 continue
             req.append_output(token, logprobs)
+            grammar_ended = req.grammar is not None and self.structured.accept(req, token)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             self.stats.generation_tokens += 1
             parent = self.parents[req.parent_id]
-            self._process_token(parent, req)
+            self._process_token(parent, req, grammar_ended)
             touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
@@ -403,8 +457,10 @@ class Engine:
                 outputs.append(parent.make_output())
         return outputs
 
-    def _process_token(self, parent: ParentRequest, req: Request) -> None:
+    def _process_token(self, parent: ParentRequest, req: Request, grammar_ended: bool = False) -> None:
         status = req.check_stop_token()
+        if status is None and grammar_ended:  # a complete constrained output (ignore_eos kept it going)
+            status = RequestStatus.FINISHED_STOPPED
         detok = parent.detokenizers[req.child_index]
         if detok is not None:
             stop = detok.update(req.output_token_ids[-1:])

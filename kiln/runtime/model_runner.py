@@ -26,6 +26,7 @@ from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import Sampler, SamplingBatch, plain_greedy
 from kiln.runtime.scheduler import SchedulerOutput
+from kiln.runtime.structured.bitmask import apply_token_mask
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -119,8 +120,9 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> PreparedBatch:
         """Host buffers filled (and sent to tensor-parallel workers), copied to the device, pending tokens in."""
         shape, sampling_rows, num_pending = self.fill_host(sched)
+        # a constrained row needs its logits masked on rank 0: no local argmax
         local_greedy = tp_size() > 1 and bool(sampling_rows) and all(
-            plain_greedy(sched.requests[i].params) for i in sampling_rows)
+            plain_greedy(sched.requests[i].params) and sched.requests[i].grammar is None for i in sampling_rows)
         if self.on_batch is not None:
             self.on_batch(shape, num_pending, local_greedy)
         batch = self.to_device(shape, sampling_rows)
@@ -319,8 +321,12 @@ class ModelRunner:
                 return self.forward_fn(ids, pos)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> LaunchedStep:
-        """Queue one step (inputs, forward, sampling, token read-back) on the device without waiting for it."""
+    def execute(self, sched: SchedulerOutput,
+                grammar_mask: Callable[[list[Request]], torch.Tensor | None] | None = None) -> LaunchedStep:
+        """Queue one step (inputs, forward, sampling, token read-back) on the device without waiting for it.
+
+        `grammar_mask` (structured outputs): called with the sampling requests once the forward is queued, so
+        the host fills the mask while the device runs it; the mask applies to the logits before sampling."""
         batch = self.prepare(sched)
         # Built before the event, not inside the forward: a backend may copy from the pinned host buffers while
         # planning (flashinfer copies query_start_loc_cpu non-blocking), and the next fill must wait for that too.
@@ -338,6 +344,9 @@ class ModelRunner:
         if batch.local_greedy:
             logprobs: list = [None] * len(reqs)
         else:
+            mask = grammar_mask(reqs) if grammar_mask is not None else None
+            if mask is not None:
+                apply_token_mask(logits, mask)
             tokens, logprobs = self.sampler.sample(logits, SamplingBatch(
                 params=[r.params for r in reqs],
                 generators=[r.generator for r in reqs],

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.runtime.outputs import RequestMetrics, TokenLogprobs
 from kiln.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.runtime.structured.matcher import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +58,7 @@ class Request:
         # which user request this is a sample of (Engine.add_request sets both for n > 1)
         self.parent_id = request_id
         self.child_index = 0
+        self.grammar: GrammarState | None = None  # structured outputs: this sample's matcher (Engine.add_request)
 
     @property
     def num_tokens(self) -> int:

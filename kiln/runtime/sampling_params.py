@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.runtime.structured.params import StructuredOutputsParams
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,6 +30,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +64,10 @@ class SamplingParams:
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
                    f"must be None or an integer in [0, 20], got {value!r}")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -51,6 +51,12 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        self.check_fits(req)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def check_fits(self, req: Request) -> None:
+        """ValueError if the request could never run: its id is taken, or it needs more KV than the pool has."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.max_total_tokens > self.kv.capacity_tokens:
@@ -58,8 +64,6 @@ class Scheduler:
                 f"request {req.request_id!r} may need {req.max_total_tokens} tokens of KV cache but the pool "
                 f"holds only {self.kv.capacity_tokens}; lower max_tokens or give the KV cache more memory"
             )
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -18,7 +18,11 @@ from kiln.entrypoints.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallOut,
     UsageInfo,
 )
 from kiln.entrypoints.server.serving_common import (
@@ -35,7 +39,8 @@ from kiln.entrypoints.server.serving_common import (
     to_api_error,
     unless_disconnected,
 )
-from kiln.runtime.outputs import RequestOutput
+from kiln.entrypoints.server.tool_calls import ToolCall, ToolPlan, plan_tools
+from kiln.runtime.outputs import CompletionOutput, RequestOutput
 
 _RESERVED_TEMPLATE_ARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict", "tools"}
 
@@ -54,6 +59,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
         if msg.name is not None:
             entry["name"] = msg.name
+        for extra in ("tool_calls", "tool_call_id"):  # a tool-calling conversation sent back
+            if (msg.model_extra or {}).get(extra) is not None:
+                entry[extra] = msg.model_extra[extra]
         out.append(entry)
     return out
 
@@ -72,12 +80,6 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
 
 def _check_chat(req: ChatCompletionRequest) -> None:
     check_common(req)
-    if req.tools:
-        raise APIError.bad_request("tools are not supported", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise APIError.bad_request("tool_choice is not supported", "tool_choice")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError.bad_request("only response_format {'type': 'text'} is supported", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
 
@@ -95,8 +97,18 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
                        if k not in _RESERVED_TEMPLATE_ARGS}
     tokenizer = ctx.tokenizer
-    prompt = lambda: render_chat(tokenizer, messages, req.add_generation_prompt, **template_kwargs)
     fields = sampling_fields(req)
+    plan = plan_tools(req.tools, req.tool_choice)
+    if plan is not None:
+        messages, tool_kwargs = plan.render(messages, getattr(tokenizer, "chat_template", None))
+        template_kwargs.update(tool_kwargs)
+        tool_constraint = plan.structured()
+        if tool_constraint is not None:
+            if "structured_outputs" in fields:
+                raise APIError.bad_request("tool_choice required or a named function constrains the output "
+                                           "already; drop response_format / structured_outputs", "tool_choice")
+            fields["structured_outputs"] = tool_constraint
+    prompt = lambda: render_chat(tokenizer, messages, req.add_generation_prompt, **template_kwargs)
     if req.logprobs:
         fields["logprobs"] = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -111,24 +123,47 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     top_k = req.top_logprobs or 0
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(ctx, streams[0], request_id, created, model, req, top_k, include_usage)
+        body = _stream(ctx, streams[0], request_id, created, model, req, top_k, include_usage, plan)
         return StreamingResponse(body, media_type="text/event-stream")
     try:
         final = (await unless_disconnected(raw, collect(streams), lambda: abort_all(ctx, streams)))[0]
     except Exception as exc:
         abort_all(ctx, streams)
         raise to_api_error(exc) from exc
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=chat_logprobs(c.logprobs or [], top_k) if req.logprobs else None,
-                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-               for c in final.outputs]
+    choices = []
+    for c in final.outputs:
+        content, calls = plan.parse(c.text) if plan is not None else (c.text, [])
+        choices.append(ChatChoice(
+            index=c.index, message=AssistantMessage(content=content, tool_calls=[
+                ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls]
+                or None),
+            logprobs=chat_logprobs(c.logprobs or [], top_k) if req.logprobs else None,
+            finish_reason=_finish_reason(c, calls), stop_reason=c.stop_reason))
     response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                       usage=_usage(final))
     return JSONResponse(response.model_dump())
 
 
+def _finish_reason(comp: CompletionOutput, calls: list[ToolCall]) -> str | None:
+    return "tool_calls" if calls and comp.finish_reason == "stop" else comp.finish_reason
+
+
+def _tool_deltas(content: str | None, calls: list[ToolCall]) -> list[DeltaMessage]:
+    """A tool-calling choice's text, parsed once it is complete, as OpenAI streams it: any content, then per
+    call a delta with its id and name and one with its arguments."""
+    deltas = [DeltaMessage(content=content)] if content else []
+    for i, call in enumerate(calls):
+        deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=call.id, type="function",
+                                                             function=DeltaFunctionCall(name=call.name,
+                                                                                        arguments=""))]))
+        deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, function=DeltaFunctionCall(
+            arguments=call.arguments))]))
+    return deltas
+
+
 async def _stream(ctx: ServerContext, stream: RequestStream, request_id: str, created: int, model: str,
-                  req: ChatCompletionRequest, top_k: int, include_usage: bool) -> AsyncIterator[str]:
+                  req: ChatCompletionRequest, top_k: int, include_usage: bool,
+                  plan: ToolPlan | None = None) -> AsyncIterator[str]:
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
 
@@ -140,6 +175,16 @@ async def _stream(ctx: ServerContext, stream: RequestStream, request_id: str, cr
         async for out in stream:
             for comp in out.outputs:
                 finish = comp.finish_reason if comp.finished and comp.index not in done else None
+                if plan is not None:  # a tool call is known only once its text is complete
+                    if finish:
+                        done.add(comp.index)
+                        content, calls = plan.parse(comp.text)
+                        for delta in _tool_deltas(content, calls):
+                            yield chunk([ChatStreamChoice(index=comp.index, delta=delta)])
+                        yield chunk([ChatStreamChoice(index=comp.index, delta=DeltaMessage(),
+                                                      finish_reason=_finish_reason(comp, calls),
+                                                      stop_reason=comp.stop_reason)])
+                    continue
                 new_logprobs = req.logprobs and bool(comp.delta_logprobs)
                 if not (comp.delta_text or finish or new_logprobs):
                     continue

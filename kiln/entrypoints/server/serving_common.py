@@ -23,6 +23,7 @@ from kiln.entrypoints.server.async_engine import (
 from kiln.entrypoints.server.context import ServerContext
 from kiln.entrypoints.server.errors import APIError
 from kiln.entrypoints.server.protocol import _SamplingRequest
+from kiln.entrypoints.server.structured_request import structured_params
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -58,6 +59,9 @@ def sampling_fields(req: _SamplingRequest) -> dict[str, Any]:
         fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     if req.stop_token_ids:
         fields["stop_token_ids"] = tuple(req.stop_token_ids)
+    structured = structured_params(req.response_format, req.structured_outputs)
+    if structured is not None:
+        fields["structured_outputs"] = structured
     return fields
 
 
