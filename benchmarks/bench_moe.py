@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_gpu import measure_ceilings, offline_requests, throughput_workload, warm_up
-from benchmarks.common import decode_step_seconds, stamp, table
+from benchmarks.common import decode_step_seconds, graphed_microseconds, stamp, table
 from kiln import Runtime
 from kiln.models.base import ModelSpec
 from kiln.models.fused_moe.kernels import fused_moe_triton
@@ -57,12 +57,14 @@ def step_bytes(spec: ModelSpec, batch: int, all_experts: bool, context: int = PR
     return 2 * (params + kv)
 
 
-def part_layer(spec: ModelSpec, rows: list[dict]) -> None:
-    """One layer's experts: the torch loop (reference.py) vs the fused op, random routing, CUDA-event timed."""
+def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
+    """One layer's experts: the torch loop (reference.py) vs the fused op, called eagerly on random routing
+    (wall clock, synchronised), and the fused op inside a CUDA graph beside the bytes of the experts touched."""
     moe = spec.moe
     h, inter, e, k = spec.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k
     w13 = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    copies = [(w13, w2)] + [(w13.clone(), w2.clone()) for _ in range(3)]  # rotated: past L2
     for tokens in (1, 8, 64, 256, 1024):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(tokens, e, device="cuda")
@@ -77,10 +79,16 @@ def part_layer(spec: ModelSpec, rows: list[dict]) -> None:
                 fn(x, w13, w2, weights, ids)
             torch.cuda.synchronize()
             times[name] = (time.perf_counter() - start) / 10 * 1e6
+        times["graphed"] = graphed_microseconds(
+            lambda i, x=x, weights=weights, ids=ids: fused_moe_triton(x, *copies[i % len(copies)], weights, ids),
+            calls=8)
         ref = fused_moe_reference(x, w13, w2, weights, ids).float()
         err = (fused_moe_triton(x, w13, w2, weights, ids).float() - ref).abs().max().item() / ref.abs().max().item()
+        touched = expected_experts_touched(e, k, tokens) if tokens < 1024 else e
+        floor_us = touched * 3 * h * inter * 2 / copy_bps * 1e6
         rows.append(dict(part="layer", tokens=tokens, loop_us=times["torch loop"], fused_us=times["fused"],
-                         speedup=times["torch loop"] / times["fused"], rel_err=err))
+                         speedup=times["torch loop"] / times["fused"], graphed_us=times["graphed"],
+                         floor_us=floor_us, x_floor=times["graphed"] / floor_us, rel_err=err))
         print(f"layer tokens={tokens}: loop {times['torch loop']:.0f} us, fused {times['fused']:.0f} us", flush=True)
 
 
@@ -139,7 +147,7 @@ def main() -> None:
         save()
 
     if "layer" in args.parts:
-        attempt("layer", part_layer, spec, rows)
+        attempt("layer", part_layer, spec, ceil.copy_bytes_per_s, rows)
         torch.cuda.empty_cache()
     if {"decode", "offline"} & set(args.parts):
         start = time.perf_counter()
@@ -159,7 +167,8 @@ def main() -> None:
         if rt is not None and "offline" in args.parts:
             attempt("offline", part_offline, rt, spec, ceil.copy_bytes_per_s, args.requests, rows)
     print(report["stamp"], f"copy {report['copy_gb_per_s']:.0f} GB/s", f"build {report.get('build_s', 0):.0f} s")
-    for part, cols in (("layer", ["tokens", "loop_us", "fused_us", "speedup", "rel_err"]),
+    for part, cols in (("layer", ["tokens", "loop_us", "fused_us", "speedup", "graphed_us", "floor_us", "x_floor",
+                                  "rel_err"]),
                        ("decode", ["batch", "step_ms", "active_floor_ms", "x_active_floor", "full_floor_ms",
                                    "x_full_floor"]),
                        ("offline", ["requests", "seconds", "output_tokens_per_s", "decode_floor_s", "x_floor",

@@ -7,7 +7,7 @@ import platform
 import random
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -75,3 +75,24 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
+
+
+def graphed_microseconds(fn: Callable[[int], object], calls: int = 10, replays: int = 3) -> float:
+    """GPU time of one fn(i) call, i = 0..calls-1 captured into one CUDA graph and replayed: what the call costs
+    inside kiln's graphed steps, without the host's launch overhead. fn(0) runs first (compiles, allocations)."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) * 1e3 / (calls * replays)

@@ -1,6 +1,6 @@
 """Regenerates kiln/models/fused_moe/configs/h200.json: the fused MoE kernels' launch configuration per layer
-shape and token-count bucket, the fastest of a small candidate set on this GPU (CUDA-event timing of the op's
-Triton path on random routing, weights well past L2).
+shape and token-count bucket, the fastest of a small candidate set on this GPU (the op's Triton path on random
+routing, timed inside a CUDA graph as kiln runs it, weight copies rotated so that none is served from L2).
 
     python -m benchmarks.tune_fused_moe --out kiln/models/fused_moe/configs/h200.json   # Qwen3-30B-A3B shape
     python -m benchmarks.tune_fused_moe --shape 8,14336,4096,2 --out mixtral.json        # E,N,K,top_k
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import stamp, table
+from benchmarks.common import graphed_microseconds, stamp, table
 from kiln.models.fused_moe.configs import MoeKernelConfig, heuristic, shape_key
 from kiln.models.fused_moe.kernels import fused_moe_triton
 
@@ -38,17 +38,10 @@ def candidates(tokens: int, top_k: int, num_experts: int) -> list[MoeKernelConfi
     return pair + grouped
 
 
-def time_config(x, w13, w2, weights, ids, config: MoeKernelConfig, reps: int = 20) -> float:
-    for _ in range(3):
-        fused_moe_triton(x, w13, w2, weights, ids, config=config)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fused_moe_triton(x, w13, w2, weights, ids, config=config)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3  # us
+def time_config(x, weights, tw, ids, config: MoeKernelConfig) -> float:
+    """us per call inside a CUDA graph (as kiln runs it), the weight copies rotated so L2 holds none."""
+    return graphed_microseconds(
+        lambda i: fused_moe_triton(x, *weights[i % len(weights)], tw, ids, config=config), calls=2 * len(weights))
 
 
 def routing(tokens: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,15 +77,14 @@ def main() -> None:
         timings = {}
         for config in candidates(bucket, top_k, num_experts):
             try:
-                w13, w2 = weights[len(timings) % copies]
-                timings[config] = time_config(x, w13, w2, tw, ids, config)
+                timings[config] = time_config(x, weights, tw, ids, config)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate here
                 print(f"  {bucket} {config}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         if not timings:
             continue
         best = min(timings, key=timings.get)
         rule = heuristic(num_experts, top_k, bucket)
-        rule_us = timings.get(rule) or time_config(x, *weights[0], tw, ids, rule)
+        rule_us = timings.get(rule) or time_config(x, weights, tw, ids, rule)
         chosen[str(bucket)] = best.to_json()
         rows.append([bucket, str(tuple(best.to_json().values())), timings[best], rule_us, rule_us / timings[best]])
         print(f"tokens {bucket}: best {best} {timings[best]:.1f} us (rule {rule_us:.1f} us)", flush=True)

@@ -14,9 +14,10 @@ from tests.conftest import define_interpreted  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
-    define_interpreted("kiln.models.fused_moe.kernels")
+    define_interpreted("kiln.models.fused_moe.align_triton", "kiln.models.fused_moe.kernels")
 
 from kiln.models.fused_moe.align import align_by_expert, max_padded_pairs  # noqa: E402
+from kiln.models.fused_moe.align_triton import align_by_expert_triton  # noqa: E402
 from kiln.models.fused_moe.configs import MoeKernelConfig, heuristic, pick_config  # noqa: E402
 from kiln.models.fused_moe.kernels import fused_moe_triton  # noqa: E402
 from kiln.models.fused_moe.reference import fused_moe_reference  # noqa: E402
@@ -57,7 +58,7 @@ def test_reference_is_the_dense_formula() -> None:
     (5, 8, 3, MoeKernelConfig(1, 32, 16)),     # N and K not multiples of the tile
     (37, 8, 2, MoeKernelConfig(16, 32, 32)),
     (37, 6, 4, MoeKernelConfig(32, 16, 16)),
-    (1000, 8, 2, MoeKernelConfig(64, 32, 32)),
+    (1000, 8, 5, MoeKernelConfig(64, 32, 32)),  # 5000 pairs: the torch layout (align.py)
 ])
 def test_kernels_match_reference(tokens: int, experts: int, top_k: int, config: MoeKernelConfig) -> None:
     x, w13, w2, weights, ids = problem(tokens, experts, top_k, 40, 24, seed=tokens, unused=2)
@@ -96,6 +97,17 @@ def test_align_by_expert_lays_every_pair_out_once() -> None:
         else:
             assert rows.numel() > 0 and (flat[rows] == expert).all()
     assert 5 not in block_expert.tolist()
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 8, 2, 16), (50, 8, 2, 4), (64, 128, 8, 16),
+                                                             (13, 6, 3, 64)])
+def test_triton_align_equals_torch_align(tokens: int, experts: int, top_k: int, block_m: int) -> None:
+    """The one-program Triton layout (decode and short prefills) is exactly the torch one."""
+    ids = torch.randint(0, experts + 1, (tokens, top_k), generator=torch.Generator().manual_seed(tokens))
+    ids = ids.to(torch.int32)
+    want = align_by_expert(ids, experts, block_m)
+    got = align_by_expert_triton(ids.to(DEVICE), experts, block_m)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
 def test_config_table_and_rule() -> None:

@@ -2,10 +2,11 @@
 
 Two shapes of the same two GEMMs (h = silu(x W_gate^T) * (x W_up^T), then y = h W_down^T weighted by the router):
 
-- grouped (BLOCK_M >= 16): pairs sorted and padded per expert (align.py); each program multiplies a BLOCK_M-row
-  block of one expert's pairs by a BLOCK_N slice of that expert's weight with tl.dot. The gate and up slices are
-  read by the same program, so SiLU-and-mul happens on the accumulators and only h is written. The down kernel
-  scales each row by its routing weight and writes it to its pair's row; the K rows of a token are summed after.
+- grouped (BLOCK_M >= 16): pairs sorted and padded per expert (align.py, align_triton.py); each program
+  multiplies a BLOCK_M-row block of one expert's pairs by a BLOCK_N slice of that expert's weight with tl.dot.
+  The gate and up slices are read by the same program, so SiLU-and-mul happens on the accumulators and only h is
+  written. The down kernel scales each row by its routing weight and writes it to its pair's row; the K rows of
+  a token are summed after.
 - pairs (BLOCK_M == 1, decode): no sorting at all. One program per (pair, N slice) streams its expert's weight
   as a matrix-vector product; the down kernel runs one program per (token, N slice) and sums the token's K
   experts in registers, routing weights applied, so the output is written once. A repeated expert is read once
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kiln.models.fused_moe.align import align_by_expert
+from kiln.models.fused_moe.align_triton import MAX_PAIRS, align_by_expert_triton
 from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
 
 
@@ -197,7 +199,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             h, w2, ws2, tw, ids, out, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
             out.stride(0), TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
         return out
-    sorted_pairs, block_expert = align_by_expert(ids, num_experts, config.block_m)
+    align = align_by_expert_triton if num_pairs <= MAX_PAIRS else align_by_expert
+    sorted_pairs, block_expert = align(ids, num_experts, config.block_m)
     blocks = block_expert.numel()
     ieee = x.dtype == torch.float32
     _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
