@@ -37,6 +37,27 @@ def test_fused_op_matches_reference_bf16(tokens: int, block_m: int | None) -> No
     assert err < 2e-2, err
 
 
+@pytest.mark.parametrize("tokens, block_m", [(1, 1), (8, 1), (257, 16), (1000, 64)])
+def test_fused_op_with_fp8_experts_matches_reference(tokens: int, block_m: int) -> None:
+    """quantization="fp8": e4m3 expert weights, a scale per (expert, output channel), bf16 activations."""
+    from kiln.models.fused_moe.configs import MoeKernelConfig
+    from kiln.models.fused_moe.kernels import fused_moe_triton
+    from kiln.models.fused_moe.reference import fused_moe_reference
+    from kiln.models.quant.fp8 import quantize_weight
+
+    e, h, inter, k = 128, 2048, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    w13, s13 = quantize_weight(torch.randn(e, 2 * inter, h, device="cuda", generator=g) * 0.03)
+    w2, s2 = quantize_weight(torch.randn(e, h, inter, device="cuda", generator=g) * 0.03)
+    weights, ids = torch.topk(torch.randn(tokens, e, device="cuda", generator=g).softmax(-1), k, dim=-1)
+    ids = ids.to(torch.int32)
+    out = fused_moe_triton(x, w13, w2, weights, ids, s13, s2, config=MoeKernelConfig(block_m, 64, 64, 4, 3)).float()
+    ref = fused_moe_reference(x.float(), w13, w2, weights, ids, s13, s2)
+    err = (out - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 2e-2, err
+
+
 def test_moe_graphs_match_no_graphs(tiny_checkpoint) -> None:
     path = str(tiny_checkpoint("tiny-qwen3-moe")[0])
     common = dict(device="cuda", dtype="fp32", level=1, max_num_batched_tokens=256, max_num_seqs=32,
