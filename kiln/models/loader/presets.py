@@ -49,9 +49,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                         rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 128}, **_TINY),
     "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, **_TINY),
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False, head_dim=32, **_TINY),
-    # three layers, the middle one dense (mlp_only_layers); 8 experts, so a step leaves some without tokens
+    # three layers, the middle one dense (mlp_only_layers); 8 experts, so a step leaves some without tokens;
+    # routing weights not renormalised (tiny-mixtral covers renormalised ones)
     "tiny-qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], tie_word_embeddings=False, head_dim=32,
-                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                            decoder_sparse_step=1, mlp_only_layers=[1], rope_theta=10000.0,
                            **{**_TINY, "num_hidden_layers": 3}),
     "tiny-mixtral": dict(architectures=["MixtralForCausalLM"], tie_word_embeddings=False, num_local_experts=4,
