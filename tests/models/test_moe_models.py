@@ -99,3 +99,14 @@ def test_online_fp8_experts_match_fake_quantized_transformers(tiny_checkpoint) -
     quant_error = ((unquantized - reference).norm() / reference.norm()).item()
     our_error = ((got - reference).norm() / reference.norm()).item()
     assert our_error < quant_error / 20, (our_error, quant_error)
+
+
+def test_fp8_moe_checkpoint_is_refused_by_name(tiny_checkpoint, tmp_path) -> None:
+    import json
+
+    path, _ = tiny_checkpoint("tiny-mixtral")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"FP8 checkpoints \(fp8\) of mixture-of-experts models are not supported"):
+        Runtime(str(tmp_path), level=0, device="cpu")
