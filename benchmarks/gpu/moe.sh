@@ -17,4 +17,8 @@ tail -n 18 $L/tune.log
 [ -s $R/fused_moe_h200.json ] && export KILN_FUSED_MOE_CONFIGS=$R/fused_moe_h200.json
 bounded "$(left 405)" python3 -m benchmarks.bench_moe --json $R/bench_moe.json > $L/bench_moe.log 2>&1
 grep -v "Warning\|warn" $L/bench_moe.log | tail -n 30
+# with time to spare: the TP=2 shard of the same layer (intermediate 384 per rank) into the same table
+T2=$(( $(left 415) - 10 ))
+bounded "$T2" python3 -m benchmarks.tune_fused_moe --shape 128,384,2048,8 --budget-s $(( T2 - 20 )) \
+  --out $R/fused_moe_h200.json > $L/tune_tp2.log 2>&1 && tail -n 15 $L/tune_tp2.log
 finish_call 8
