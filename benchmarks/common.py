@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -302,3 +302,24 @@ class StackSampler:
         lines += ["", "self s       function"]
         lines += [f"{n * scale:11.2f}  {name}" for name, n in self.leaf.most_common(top // 2)]
         return "\n".join(lines)
+
+
+def graphed_microseconds(fn: Callable[[int], object], calls: int = 10, replays: int = 3) -> float:
+    """GPU time of one fn(i) call, i = 0..calls-1 captured into one CUDA graph and replayed: what the call costs
+    inside kiln's graphed steps, without the host's launch overhead. fn(0) runs first (compiles, allocations)."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) * 1e3 / (calls * replays)

@@ -316,6 +316,7 @@ class RuntimeConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     tensor_parallel_size: int = 1
     quantization: str | None = None  # "fp8": FP8 linear weights (an FP8 checkpoint is used as it is)
+    enable_expert_parallel: bool = False  # MoE models: whole experts per rank instead of split experts
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):

@@ -12,6 +12,33 @@ from kiln.models.quant.fp8 import Fp8Scheme
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """The routed-experts part of a mixture-of-experts config (Qwen3-MoE, Mixtral)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert (a dense layer of a mixed model uses ModelSpec.intermediate_size)
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead (mlp_only_layers, decoder_sparse_step)
+    # whole experts placed on ranks (tensor parallelism otherwise splits every expert's intermediate dim);
+    # set by the loader from the runtime option
+    expert_parallel: bool = False
+
+    @classmethod
+    def from_hf(cls, config: Any, arch: str, num_layers: int) -> MoeSpec | None:
+        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        if not num_experts:
+            return None
+        if arch == "MixtralForCausalLM":  # every layer sparse, weights always renormalised
+            return cls(num_experts, config.num_experts_per_tok, config.intermediate_size, True)
+        only = set(getattr(config, "mlp_only_layers", None) or ())
+        step = getattr(config, "decoder_sparse_step", None) or 1
+        dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+        return cls(num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                   bool(getattr(config, "norm_topk_prob", False)), dense)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The fields of an HF config that shape a decoder-only model, normalised across transformers versions."""
 
@@ -35,6 +62,7 @@ class ModelSpec:
     # FP8 linear weights (kiln/models/quant): set by the loader from the checkpoint or the runtime option;
     # part of the spec so it reaches the model's layers and the compile-cache key with everything else
     quantization: Fp8Scheme | None = None
+    moe: MoeSpec | None = None  # a mixture-of-experts model's routed experts
 
     @classmethod
     def from_hf(cls, config: Any) -> ModelSpec:
@@ -63,9 +91,10 @@ class ModelSpec:
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(config, "attention_bias", False)) or arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+            moe=MoeSpec.from_hf(config, arch, config.num_hidden_layers),
         )
 
 

@@ -77,7 +77,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = self.make_mlp(spec, layer_idx)
+
+    def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
+        """The feed-forward block; a mixture-of-experts decoder (moe_lm.py) returns its expert layer."""
+        return MLP(spec)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
         # The residual add is carried into the next norm, so add + RMSNorm sit together for fusion.
@@ -99,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
         ("gate_proj", "gate_up_proj", "gate"),
         ("up_proj", "gate_up_proj", "up"),
     )
+    decoder_layer: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -106,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         scaling = dict(spec.rope_scaling) if spec.rope_scaling else None
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, scaling)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.rotary) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(spec, i, self.rotary) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
         if spec.tie_word_embeddings:

@@ -2,7 +2,8 @@
 
 Graph capture runs every capture size once, and the first run of each of kiln's Triton kernels at a new
 specialization compiles it (the small-M GEMM of `kiln::dense_gemm` per projection shape and M, the decode
-attention per split count, the varlen attention): on a cold 8B start on the H200 they made the capture phase
+attention per split count, the varlen attention, a mixture of experts' `kiln::fused_moe` kernels per launch
+config): on a cold 8B start on the H200 they made the capture phase
 15.6 s instead of ~3 s. Those kernels need no compiled model, so a process started with the compile phase runs
 each once on zeros of the same shapes (a `WarmupPlan`), and Triton's on-disk cache hands the compiled kernels to
 the serving process's first launches.
@@ -32,6 +33,7 @@ from kiln.attention.base import AttentionBackend, AttentionLayout, CommonAttenti
 from kiln.compiler.process_pool import WorkerPool
 from kiln.models import dense_gemm
 from kiln.models.layers import _ParallelLinear
+from kiln.models.moe import SparseMoeBlock
 from kiln.runtime.tp_processes import in_local_worker
 
 logger = logging.getLogger("kiln")
@@ -65,6 +67,40 @@ def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
             if 0 < m <= dense_gemm.TRITON_MAX_M:
                 bf16_gemm_triton(weight.new_zeros(m, weight.shape[1]), weight)
                 launches += 1
+    return launches
+
+
+# (experts on this rank, intermediate per rank, hidden, top_k, weight dtype, activation dtype, FP8 scales)
+MoeShape = tuple[int, int, int, int, torch.dtype, torch.dtype, bool]
+
+
+def moe_shapes(model: torch.nn.Module) -> list[MoeShape]:
+    """The distinct expert layers that run `kiln::fused_moe`'s Triton kernels (CUDA weights)."""
+    seen: dict[MoeShape, None] = {}
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock) and module.w13_weight.is_cuda:
+            w13 = module.w13_weight
+            seen[(w13.shape[0], module.inter, w13.shape[2], module.top_k, w13.dtype, module.gate.weight.dtype,
+                  module.w13_scale is not None)] = None
+    return list(seen)
+
+
+def run_moe(shapes: Iterable[MoeShape], sizes: Iterable[int], device: torch.device) -> int:
+    """Each expert layer at each token count, on zeros (every token on expert 0: the kernels and launch configs
+    compile the same whatever the routing). -> launches."""
+    from kiln.models.fused_moe.kernels import fused_moe_triton  # triton: imported where a GPU start needs it
+
+    launches = 0
+    for experts, inter, hidden, top_k, dtype, act_dtype, scaled in shapes:
+        w13 = torch.zeros(experts, 2 * inter, hidden, dtype=dtype, device=device)
+        w2 = torch.zeros(experts, hidden, inter, dtype=dtype, device=device)
+        scales = (torch.ones(experts, 2 * inter, device=device), torch.ones(experts, hidden, device=device)) \
+            if scaled else (None, None)
+        for m in sizes:
+            x = torch.zeros(m, hidden, dtype=act_dtype, device=device)
+            ids = torch.zeros(m, top_k, dtype=torch.int32, device=device)
+            fused_moe_triton(x, w13, w2, torch.zeros(m, top_k, device=device), ids, *scales)
+            launches += 1
     return launches
 
 
@@ -108,10 +144,11 @@ class WarmupPlan:
     decode_sizes: tuple[int, ...]
     block_table_width: int
     device: str
+    moe: tuple[MoeShape, ...] = ()  # expert layers, run at `sizes` tokens
 
     @property
     def empty(self) -> bool:
-        return not self.gemms and self.attention is None
+        return not self.gemms and self.attention is None and not self.moe
 
 
 def run_plan(plan: WarmupPlan) -> int:
@@ -122,7 +159,7 @@ def run_plan(plan: WarmupPlan) -> int:
         torch.cuda.set_device(device)
     weights = [torch.zeros(n, k, dtype=dtype, device=device) for n, k, dtype in plan.gemms]
     with torch.inference_mode():
-        launches = run_gemms(weights, plan.sizes)
+        launches = run_gemms(weights, plan.sizes) + run_moe(plan.moe, plan.sizes, device)
         if plan.attention is not None:
             launches += run_attention(plan.attention(plan.layout, device), plan.decode_sizes,
                                       plan.block_table_width)
@@ -140,7 +177,7 @@ class KernelWarmup:
         gemms = tuple((w.shape[0], w.shape[1], w.dtype) for w in gemm_shapes(model) if _served(w))
         self.plan = WarmupPlan(gemms, tuple(sorted(set(sizes))), type(backend) if backend.name == "triton" else None,
                                backend.layout, tuple(sorted(set(decode_sizes))), block_table_width,
-                               str(backend.device))
+                               str(backend.device), tuple(moe_shapes(model)))
         self._pool: WorkerPool | Executor | None = None
         self._future: Future[int] | None = None
         if self.plan.empty:

@@ -68,6 +68,7 @@ class Worker:
             self.loaded = loaded or load_model(config.model, device=device, dtype=config.dtype,
                                                load_format=config.load_format, seed=config.seed,
                                                quantization=config.quantization,
+                                               expert_parallel=config.enable_expert_parallel,
                                                background=device.type in BACKGROUND_WEIGHT_DEVICES)
         spec = self.loaded.spec
         self.model = self.loaded.model

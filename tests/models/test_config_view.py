@@ -18,7 +18,7 @@ from kiln.models.loader.presets import PRESETS, preset_config, preset_view
 from kiln.models.quant.config import resolve_quantization
 from kiln.models.registry import model_class
 
-TINY_KINDS = ("tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3")
+TINY_KINDS = ("tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral")
 
 
 def _transformers_config(path: Path):

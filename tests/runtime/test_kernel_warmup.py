@@ -10,7 +10,7 @@ import torch
 from kiln.attention.base import AttentionLayout
 from kiln.attention.triton_backend import TritonAttentionBackend
 from kiln.models.loader.load import load_model
-from kiln.runtime.kernel_warmup import KernelWarmup, gemm_shapes, run_attention, run_gemms
+from kiln.runtime.kernel_warmup import KernelWarmup, gemm_shapes, moe_shapes, run_attention, run_gemms, run_moe
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -35,6 +35,16 @@ def test_gemm_shapes_are_the_distinct_projections() -> None:
     assert shapes == expected
     if DEVICE.type == "cpu":  # kiln::dense_gemm is CUDA-only: nothing to compile
         assert run_gemms(gemm_shapes(model), [1, 2, 4, 8, 16, 32]) == 0
+
+
+def test_moe_shapes_are_the_distinct_expert_layers() -> None:
+    model = load_model("tiny-qwen3-moe", device=DEVICE, dtype="bf16", load_format="dummy").model
+    shapes = moe_shapes(model)
+    if DEVICE.type == "cpu":  # kiln::fused_moe runs its Triton kernels on CUDA only: nothing to compile
+        assert shapes == []
+        return
+    assert shapes == [(8, 32, 64, 2, torch.bfloat16, torch.bfloat16, False)]  # two sparse layers, one shape
+    assert run_moe(shapes, [1, 4, 64], DEVICE) == 3
 
 
 def test_the_warmup_leaves_other_backends_alone() -> None:

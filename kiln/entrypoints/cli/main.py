@@ -55,6 +55,8 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
                              "(default: on with one GPU, off on the CPU and under tensor parallelism)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                         help="shard the model over N GPUs (or N CPU processes) of this host")
+    parser.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                        help="mixture-of-experts models: place whole experts on the ranks instead of splitting each")
     parser.add_argument("--cudagraph-mode", default=None, choices=CUDAGraphMode.ALL,
                         help="override the level's CUDA graph mode")
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
@@ -98,7 +100,7 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["tokenizer"] = args.tokenizer
     for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n", "kv_cache_bytes",
                  "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode", "compile_workers",
-                 "quantization", "kv_cache_dtype"):
+                 "quantization", "kv_cache_dtype", "enable_expert_parallel"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     for name in ("cudagraph_capture_sizes", "compile_sizes", "background_compile_sizes"):

@@ -55,6 +55,7 @@ def build_engine(model: str | None, kwargs: dict[str, Any], progress: bool = Tru
         with clock.phase("load"):  # on a GPU the weights go on streaming in while the engine compiles
             loaded = load_model(config.model, device=device, dtype=config.dtype, load_format=config.load_format,
                                 seed=config.seed, quantization=config.quantization,
+                                expert_parallel=config.enable_expert_parallel,
                                 background=device.type in BACKGROUND_WEIGHT_DEVICES)
         bar.update(1)
         bar.set_description("building engine (KV cache, compile, warm-up)")

@@ -21,14 +21,17 @@ from types import MappingProxyType
 from typing import Any
 
 # the model types ModelSpec.from_hf has been checked against (their transformers config classes' defaults)
-KNOWN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+KNOWN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 # read by ModelSpec.from_hf and defaulted by the transformers classes to values that from_hf would not
 # guess (e.g. Qwen2/Qwen3 num_key_value_heads=32, Llama eos_token_id=2): the JSON must state them
 REQUIRED_FIELDS = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                    "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
                    "tie_word_embeddings", "eos_token_id")
 # Qwen3's class default head_dim is 128, not hidden_size // num_attention_heads as from_hf assumes
-HEAD_DIM_REQUIRED = frozenset({"qwen3"})
+HEAD_DIM_REQUIRED = frozenset({"qwen3", "qwen3_moe"})
+# the routing fields MoeSpec.from_hf reads without a default (Qwen3-MoE's expert count under either name)
+MOE_REQUIRED = {"qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"), "mixtral": ("num_experts_per_tok",)}
+EXPERT_COUNT = ("num_experts", "num_local_experts")
 # rope schemes transformers keeps as written (apart from adding rope_theta): checked by the tests
 PLAIN_ROPE_TYPES = frozenset({"default", "llama3"})
 
@@ -79,6 +82,10 @@ def _missing(values: Mapping[str, Any]) -> str | None:
     absent = [f for f in REQUIRED_FIELDS if f not in values]
     if model_type in HEAD_DIM_REQUIRED and "head_dim" not in values:
         absent.append("head_dim")
+    if model_type in MOE_REQUIRED:
+        absent += [f for f in MOE_REQUIRED[model_type] if f not in values]
+        if not any(f in values for f in EXPERT_COUNT):
+            absent.append("num_experts")
     if absent:
         return f"no {', '.join(absent)}"
     if not isinstance(values["architectures"], list) or not values["architectures"]:

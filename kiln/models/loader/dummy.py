@@ -30,6 +30,12 @@ def checkpoint_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
         if spec.qk_norm:
             yield p + "self_attn.q_norm.weight", (d,)
             yield p + "self_attn.k_norm.weight", (d,)
+        if spec.moe is not None and i not in spec.moe.dense_layers:  # the router, then experts stacked
+            e, inter = spec.moe.num_experts, spec.moe.intermediate_size
+            yield p + "mlp.gate.weight", (e, h)
+            yield p + "mlp.experts.gate_up_proj", (e, 2 * inter, h)
+            yield p + "mlp.experts.down_proj", (e, h, inter)
+            continue
         yield p + "mlp.gate_proj.weight", (spec.intermediate_size, h)
         yield p + "mlp.up_proj.weight", (spec.intermediate_size, h)
         yield p + "mlp.down_proj.weight", (h, spec.intermediate_size)

@@ -142,17 +142,19 @@ def safetensors_weights(model_dir: Path, device: torch.device) -> Iterator[tuple
 
 def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dtype = "auto",
                load_format: str = "auto", seed: int = 0, quantization: str | None = None,
-               background: bool = False) -> LoadedModel:
+               background: bool = False, expert_parallel: bool = False) -> LoadedModel:
     """`background=True`: return once the model is materialised, the weights streaming in on a thread
-    (`LoadedModel.wait_for_weights()`); not for quantized models, whose loaders build new parameters."""
+    (`LoadedModel.wait_for_weights()`); not for quantized models, whose loaders build new parameters.
+    `expert_parallel`: a mixture-of-experts model places whole experts on the tensor-parallel ranks."""
     start = time.perf_counter()
     model_dir, hf_config = resolve_model_source(model)
     config_seconds = time.perf_counter() - start
     if load_format == "dummy" or model_dir is None:
         load_format = "dummy"
     cls = model_class(hf_config)
-    spec = dataclasses.replace(ModelSpec.from_hf(hf_config),
-                               quantization=resolve_quantization(quantization, hf_config))
+    spec = ModelSpec.from_hf(hf_config)
+    moe = dataclasses.replace(spec.moe, expert_parallel=expert_parallel) if spec.moe else None
+    spec = dataclasses.replace(spec, quantization=resolve_quantization(quantization, hf_config), moe=moe)
     ckpt_dtype = getattr(torch, spec.torch_dtype, None) if spec.torch_dtype else None
     torch_dtype = resolve_dtype(dtype, ckpt_dtype, device)
     previous = torch.get_default_dtype()

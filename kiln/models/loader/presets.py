@@ -33,15 +33,34 @@ PRESETS: dict[str, dict[str, Any]] = {
                      vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=False,
                      dtype="bfloat16"),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645,
+                          tie_word_embeddings=False, dtype="bfloat16"),
+    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                         num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                         rope_theta=1000000.0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                         dtype="bfloat16"),
     "tiny-llama": dict(architectures=["LlamaForCausalLM"], tie_word_embeddings=False, **_TINY),
     "tiny-llama3": dict(architectures=["LlamaForCausalLM"], tie_word_embeddings=True, rope_theta=500000.0,
                         rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 128}, **_TINY),
     "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, **_TINY),
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False, head_dim=32, **_TINY),
+    # three layers, the middle one dense (mlp_only_layers); 8 experts, so a step leaves some without tokens;
+    # routing weights not renormalised (tiny-mixtral covers renormalised ones)
+    "tiny-qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], tie_word_embeddings=False, head_dim=32,
+                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                           decoder_sparse_step=1, mlp_only_layers=[1], rope_theta=10000.0,
+                           **{**_TINY, "num_hidden_layers": 3}),
+    "tiny-mixtral": dict(architectures=["MixtralForCausalLM"], tie_word_embeddings=False, num_local_experts=4,
+                         num_experts_per_tok=2, rope_theta=10000.0, **_TINY),
 }
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3"}
+                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 
 
 def preset_view(name: str) -> ConfigView:

@@ -1,0 +1,216 @@
+"""The Triton kernels of `kiln::fused_moe`, and their launcher.
+
+Two shapes of the same two GEMMs (h = silu(x W_gate^T) * (x W_up^T), then y = h W_down^T weighted by the router):
+
+- grouped (BLOCK_M >= 16): pairs sorted and padded per expert (align.py, align_triton.py); each program
+  multiplies a BLOCK_M-row block of one expert's pairs by a BLOCK_N slice of that expert's weight with tl.dot.
+  The gate and up slices are read by the same program, so SiLU-and-mul happens on the accumulators and only h is
+  written. The down kernel scales each row by its routing weight and writes it to its pair's row; the K rows of
+  a token are summed after.
+- pairs (BLOCK_M == 1, decode): no sorting at all. One program per (pair, N slice) streams its expert's weight
+  as a matrix-vector product; the down kernel runs one program per (token, N slice) and sums the token's K
+  experts in registers, routing weights applied, so the output is written once. A repeated expert is read once
+  per pair that chose it, which is why this only pays while pairs are few (the tuned table says where).
+
+Weights may be e4m3 with one fp32 scale per (expert, output channel): the tile is widened to the activation's
+dtype before the product and the scale applied to the accumulator (exact: the scale is constant along K).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.models.fused_moe.align import align_by_expert
+from kiln.models.fused_moe.align_triton import MAX_PAIRS, align_by_expert_triton
+from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, h_ptr, num_pairs, H, INTER, NUM_E,
+                            s_xt, s_we, s_wn, s_ht, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                            IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= NUM_E:
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pairs < num_pairs
+    tokens = (pairs // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * s_xt + offs_k[None, :]
+    g_ptrs = w_ptr + expert * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + INTER * s_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = k0 + offs_k < H
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
+        u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
+        if IEEE:  # fp32 models: no TF32 rounding
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if SCALED:
+        acc_g *= tl.load(ws_ptr + expert * 2 * INTER + offs_n, mask=n_mask, other=0.0)[None, :]
+        acc_u *= tl.load(ws_ptr + expert * 2 * INTER + INTER + offs_n, mask=n_mask, other=0.0)[None, :]
+    h = _silu_mul(acc_g, acc_u)
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * s_ht + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _grouped_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, sorted_ptr, block_expert_ptr, y_ptr, num_pairs, H, INTER, NUM_E,
+                         s_ht, s_we, s_wn, s_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= NUM_E:
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + pairs[:, None].to(tl.int64) * s_ht + offs_k[None, :]
+    b_ptrs = w_ptr + expert * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        k_mask = k0 + offs_k < INTER
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if SCALED:
+        acc *= tl.load(ws_ptr + expert * H + offs_n, mask=n_mask, other=0.0)[None, :]
+    acc *= tl.load(tw_ptr + pairs, mask=m_mask, other=0.0)[:, None]
+    y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * s_yt + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, s_xt, s_we, s_wn, s_ht,
+                         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert >= NUM_E:
+        return
+    token = pair // TOPK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + expert * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + INTER * s_wn
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = k0 + offs_k < H
+        a = tl.load(x_ptr + token * s_xt + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc_g += tl.sum(g * a[None, :], axis=1)
+        acc_u += tl.sum(u * a[None, :], axis=1)
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if SCALED:
+        acc_g *= tl.load(ws_ptr + expert * 2 * INTER + offs_n, mask=n_mask, other=0.0)
+        acc_u *= tl.load(ws_ptr + expert * 2 * INTER + INTER + offs_n, mask=n_mask, other=0.0)
+    h = _silu_mul(acc_g, acc_u)
+    tl.store(h_ptr + pair.to(tl.int64) * s_ht + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _pair_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, out_ptr, H, INTER, NUM_E, s_ht, s_we, s_wn, s_ot,
+                      TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+    token = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOPK):
+        pair = token * TOPK + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        if expert < NUM_E:
+            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            b_ptrs = w_ptr + expert * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+            for k0 in range(0, INTER, BLOCK_K):
+                k_mask = k0 + offs_k < INTER
+                a = tl.load(h_ptr + pair.to(tl.int64) * s_ht + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                part += tl.sum(b * a[None, :], axis=1)
+                b_ptrs += BLOCK_K
+            if SCALED:
+                part *= tl.load(ws_ptr + expert * H + offs_n, mask=n_mask, other=0.0)
+            acc += tl.load(tw_ptr + pair) * part
+    tl.store(out_ptr + token.to(tl.int64) * s_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                     w2_scale: torch.Tensor | None = None, config: MoeKernelConfig | None = None) -> torch.Tensor:
+    """The same contract as fused_moe_reference (reference.py), on the Triton kernels."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden size {hidden}")
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("expert weights: the input dimension must be contiguous")
+    config = config or pick_config(num_experts, inter, hidden, top_k, num_tokens, w13.dtype)
+    x = x.contiguous()
+    ids = topk_ids.contiguous()
+    tw = topk_weights.float().contiguous()
+    scaled = w13_scale is not None
+    ws13, ws2 = (w13_scale.float().contiguous(), w2_scale.float().contiguous()) if scaled else (tw, tw)
+    num_pairs = num_tokens * top_k
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.block_m == 1:
+        _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, config.block_n))](
+            x, w13, ws13, ids, h, hidden, inter, num_experts, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+            TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
+        out = torch.empty_like(x)
+        _pair_down_kernel[(num_tokens, triton.cdiv(hidden, config.block_n))](
+            h, w2, ws2, tw, ids, out, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
+            out.stride(0), TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
+        return out
+    align = align_by_expert_triton if num_pairs <= MAX_PAIRS else align_by_expert
+    sorted_pairs, block_expert = align(ids, num_experts, config.block_m)
+    blocks = block_expert.numel()
+    ieee = x.dtype == torch.float32
+    _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
+        x, w13, ws13, sorted_pairs, block_expert, h, num_pairs, hidden, inter, num_experts, x.stride(0),
+        w13.stride(0), w13.stride(1), h.stride(0), TOPK=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, SCALED=scaled, IEEE=ieee, **launch)
+    # rows of pairs routed to another rank's experts are never written: they must be zero in the sum
+    y = torch.zeros((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    _grouped_down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
+        h, w2, ws2, tw, sorted_pairs, block_expert, y, num_pairs, hidden, inter, num_experts, h.stride(0),
+        w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, SCALED=scaled, IEEE=ieee, **launch)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)

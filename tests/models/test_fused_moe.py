@@ -1,0 +1,117 @@
+"""`kiln::fused_moe`: the torch reference against a dense formula, and the Triton kernels (both shapes: the pair
+kernels of decode and the grouped ones over tokens sorted per expert) against the reference on random routing,
+with experts that get no tokens, pairs routed to another rank's experts, FP8 weights, and 1 to 1000 tokens.
+Without a GPU the kernels run under Triton's CPU interpreter (small shapes: it is slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tests.conftest import define_interpreted  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    define_interpreted("kiln.models.fused_moe.align_triton", "kiln.models.fused_moe.kernels")
+
+from kiln.models.fused_moe.align import align_by_expert, max_padded_pairs  # noqa: E402
+from kiln.models.fused_moe.align_triton import align_by_expert_triton  # noqa: E402
+from kiln.models.fused_moe.configs import MoeKernelConfig, heuristic, pick_config  # noqa: E402
+from kiln.models.fused_moe.kernels import fused_moe_triton  # noqa: E402
+from kiln.models.fused_moe.reference import fused_moe_reference  # noqa: E402
+from kiln.models.quant.fp8 import quantize_weight  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def problem(tokens: int, experts: int, top_k: int, hidden: int, inter: int, seed: int, unused: int = 0):
+    """Random x, stacked weights and top-k routing; the first `unused` experts are never chosen."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.1
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, :unused] = -1e4
+    weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    return x, w13, w2, weights, ids.to(torch.int32)
+
+
+def test_reference_is_the_dense_formula() -> None:
+    x, w13, w2, weights, ids = problem(9, 6, 2, 16, 8, seed=1, unused=2)
+    ids[0, 1] = 6  # a pair on another rank's expert: contributes nothing
+    gate, up = torch.einsum("th,enh->ten", x, w13).chunk(2, dim=-1)
+    every = torch.einsum("tei,ehi->teh", torch.nn.functional.silu(gate) * up, w2)  # [T, E, H]
+    dense = torch.zeros(9, 7).scatter_add_(1, ids.long(), weights)[:, :6]  # routing weight per (token, expert)
+    expected = (every * dense.unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(fused_moe_reference(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, config", [
+    (1, 8, 2, MoeKernelConfig(1, 16, 32)),     # decode: pair kernels
+    (1, 8, 2, MoeKernelConfig(16, 16, 16)),    # one token through the grouped kernels
+    (5, 8, 3, MoeKernelConfig(1, 32, 16)),     # N and K not multiples of the tile
+    (37, 8, 2, MoeKernelConfig(16, 32, 32)),
+    (37, 6, 4, MoeKernelConfig(32, 16, 16)),
+    (1000, 8, 5, MoeKernelConfig(64, 32, 32)),  # 5000 pairs: the torch layout (align.py)
+])
+def test_kernels_match_reference(tokens: int, experts: int, top_k: int, config: MoeKernelConfig) -> None:
+    x, w13, w2, weights, ids = problem(tokens, experts, top_k, 40, 24, seed=tokens, unused=2)
+    ids[::3, 0] = experts  # expert parallelism: pairs whose expert lives on another rank
+    x, w13, w2, weights, ids = (t.to(DEVICE) for t in (x, w13, w2, weights, ids))
+    got = fused_moe_triton(x, w13, w2, weights, ids, config=config)
+    torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_kernels_with_fp8_weights_match_reference(block_m: int) -> None:
+    x, w13, w2, weights, ids = problem(6, 4, 2, 32, 16, seed=7)
+    w13, s13 = quantize_weight(w13)
+    w2, s2 = quantize_weight(w2)
+    assert s13.shape == (4, 32) and s2.shape == (4, 32)  # one scale per (expert, output channel)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, s13, s2)]
+    got = fused_moe_triton(*args, config=MoeKernelConfig(block_m, 16, 16))
+    torch.testing.assert_close(got, fused_moe_reference(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_align_by_expert_lays_every_pair_out_once() -> None:
+    g = torch.Generator().manual_seed(3)
+    experts, block_m = 8, 4
+    ids = torch.randint(0, experts + 1, (50, 2), generator=g)  # value 8: another rank's expert
+    ids[ids == 5] = 6  # expert 5 gets nothing
+    sorted_pairs, block_expert = align_by_expert(ids, experts, block_m)
+    assert sorted_pairs.numel() == max_padded_pairs(100, experts, block_m) == block_expert.numel() * block_m
+    flat = ids.reshape(-1)
+    real = sorted_pairs[sorted_pairs < 100].long()
+    assert sorted(real.tolist()) == [p for p in range(100) if flat[p] < experts]  # each local pair once
+    for block, expert in enumerate(block_expert.tolist()):
+        rows = sorted_pairs[block * block_m:(block + 1) * block_m].long()
+        rows = rows[rows < 100]
+        if expert == experts:
+            assert rows.numel() == 0
+        else:
+            assert rows.numel() > 0 and (flat[rows] == expert).all()
+    assert 5 not in block_expert.tolist()
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 8, 2, 16), (50, 8, 2, 4), (64, 128, 8, 16),
+                                                             (13, 6, 3, 64)])
+def test_triton_align_equals_torch_align(tokens: int, experts: int, top_k: int, block_m: int) -> None:
+    """The one-program Triton layout (decode and short prefills) is exactly the torch one."""
+    ids = torch.randint(0, experts + 1, (tokens, top_k), generator=torch.Generator().manual_seed(tokens))
+    ids = ids.to(torch.int32)
+    want = align_by_expert(ids, experts, block_m)
+    got = align_by_expert_triton(ids.to(DEVICE), experts, block_m)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_config_table_and_rule() -> None:
+    assert heuristic(128, 8, 1).block_m == 1 and heuristic(128, 8, 64).block_m == 16
+    assert heuristic(128, 8, 4096).block_m == 64
+    # a shape the table does not hold takes the rule
+    assert pick_config(7, 24, 40, 2, 3, torch.float32) == heuristic(7, 2, 3)
