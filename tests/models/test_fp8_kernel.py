@@ -104,8 +104,7 @@ def test_split_k_reduction_is_deterministic() -> None:
     assert all(torch.equal(first, fp8_gemm_triton(xq, wq, xs, ws, torch.float32, config)) for _ in range(2))
 
 
-FOLDED = [(17, 96, 520, Fp8GemmConfig(block_n=64, block_k=64, split_k=3)),   # uneven splits
-          (70, 48, 128, Fp8GemmConfig(block_n=32, block_k=64, split_k=2)),   # several M tiles
+FOLDED = [(70, 48, 200, Fp8GemmConfig(block_n=32, block_k=64, split_k=3)),   # several M tiles, uneven splits
           (9, 72, 384, Fp8GemmConfig(block_n=32, block_k=64, split_k=2))]    # bf16 output
 
 
