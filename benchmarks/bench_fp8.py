@@ -24,7 +24,8 @@ quantization set); otherwise -O2 with graphs at the decode batches and async sch
 The decode and throughput parts run bf16, then FP8 once per --fp8-paths entry: "triton" is the default
 dispatch (kiln::fp8_gemm's Triton kernel up to TRITON_MAX_M tokens), "cublas" forces _scaled_mm everywhere,
 "fold" is "triton" with split-K's reduction folded into the GEMM kernel (fp8_kernel.FOLD_SPLIT_K). On a GPU each
-decode row has its floor: weights and KV once at the copy bandwidth measured in the same run.
+decode row has its floor (benchmarks/common.py: weights and KV once at the copy bandwidth, or the FLOPs at the
+matmul rate, both measured in the same run, whichever is longer).
 The projection GEMMs alone, FP8 and bf16: bench_gemm.py.
 """
 
@@ -129,7 +130,7 @@ def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dic
     try:
         for batch in args.batches:
             step = decode_step_seconds(rt.engine, batch, PROMPT_LEN, args.steps)
-            floor = decode_floor_seconds(rt, batch, ceil)[0] if args.device == "cuda" else float("nan")
+            floor = max(decode_floor_seconds(rt, batch, ceil)) if args.device == "cuda" else float("nan")
             decode.append(dict(weights=label, batch=batch, step_ms=step * 1e3, tokens_per_s=batch / step,
                                floor_ms=floor * 1e3, x_floor=step / floor, build_s=build_s, weight_gb=weight_gb(rt)))
             print(decode[-1], flush=True)
