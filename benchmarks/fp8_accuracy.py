@@ -160,17 +160,18 @@ def measure(model: str | None = None, *, dtype: str = "bf16", device: str = "cpu
         rows.append(row)
         print(row, flush=True)
 
+    static = any(g.endswith("/static") for g in granularities)
+    input_amax: dict[str, float] = {}  # calibrated on the fp32 model, for the static input scales
     for ref_dtype in (("fp32",) if fp32_reference and dtype != "fp32" else ()) + (dtype,):
         rt = Runtime(model, dtype=ref_dtype, **options)
-        passages = passage_tokens(rt, texts)
-        logits = model_logits(rt, passages)
-        if any(r.startswith("tensor") or r.endswith("static") for r in granularities) and ref_dtype == "fp32":
+        passages, source = passage_tokens(rt, texts), Path(rt.engine.loaded.model_dir)
+        if static and ref_dtype == "fp32":
             input_amax = calibrate_input_amax(rt)
-        source = Path(rt.engine.loaded.model_dir)
+        logits = model_logits(rt, passages)
         del rt
         add(ref_dtype, logits)
         refs[ref_dtype] = logits
-    if any(g != "channel/token" for g in granularities) and "fp32" not in refs:
+    if static and not input_amax:
         input_amax = calibrate_input_amax(Runtime(model, dtype="fp32", **options))
     with tempfile.TemporaryDirectory(prefix="kiln-fp8-acc-") as tmp:
         for granularity in granularities:
