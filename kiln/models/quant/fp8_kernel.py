@@ -13,6 +13,8 @@ small N side (padded to 16 with masks). Both operands are K-contiguous, the layo
 Split-K writes fp32 partials [SPLIT_K, M, N] and a second tiny kernel sums them in a fixed order, applies
 the scales and casts: deterministic, unlike atomics, at the cost of SPLIT_K * M * N * 8 bytes of traffic
 (small next to the weight at decode M, and mostly L2-resident; the sweep shows where split-K pays).
+FOLD_SPLIT_K moves that sum into the GEMM kernel itself (the last split per tile does it, in the same order),
+saving the second launch.
 
 Tile configs are chosen per shape by `pick_config` (a rule plus the `TUNED` table filled from an H200 sweep,
 benchmarks/bench_gemm.py --part small-m), never autotuned at run time: the op runs inside CUDA graphs and
