@@ -17,7 +17,7 @@ quantization set); otherwise -O2 with graphs at the decode batches and async sch
     python -m benchmarks.bench_fp8 --defaults --parts decode throughput --json fp8.json   # H200: ~5-6 min cold
     python -m benchmarks.bench_fp8 --parts kv --json kv.json                              # H200: ~3-5 min
     python -m benchmarks.bench_fp8 --parts decode --fp8-paths triton cublas --json d.json
-    python -m benchmarks.bench_fp8 --parts accuracy --device cpu --json acc.json              # CPU: ~40 min
+    python -m benchmarks.bench_fp8 --parts accuracy --device cpu --json acc.json              # CPU: ~11 min
     python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --backend torch --requests 4 --batches 1 \
         --parts decode throughput kv --kv-configs 2x64 --json /tmp/fp8.json                # CPU dry run
 
