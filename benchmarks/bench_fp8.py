@@ -5,6 +5,8 @@ Parts, each recorded even if another fails:
 - decode: mean engine step while `batch` requests decode (128-token prompts), bf16 then FP8;
 - throughput: N requests with input and output lengths uniform in [100, 1024] (the offline workload of
   common.py), greedy, EOS ignored; output tokens/s, bf16 then FP8;
+- accuracy: teacher-forced next-token distributions of FP8 models against bf16 and fp32 on ~900 tokens of real
+  text, per scale granularity (benchmarks/fp8_accuracy.py; the embedded model on the CPU by default);
 - kv: one runtime per KV dtype (auto, fp8): KV blocks in the same memory budget, the decode step at long
   contexts (BATCHxCONTEXT), and greedy agreement between the two on seeded prompts. The attention kernel alone
   on an e4m3 cache: `bench_attention.py --kv-cache-dtype fp8`.
@@ -15,11 +17,15 @@ quantization set); otherwise -O2 with graphs at the decode batches and async sch
     python -m benchmarks.bench_fp8 --defaults --parts decode throughput --json fp8.json   # H200: ~5-6 min cold
     python -m benchmarks.bench_fp8 --parts kv --json kv.json                              # H200: ~3-5 min
     python -m benchmarks.bench_fp8 --parts decode --fp8-paths triton cublas --json d.json
+    python -m benchmarks.bench_fp8 --parts accuracy --device cpu --json acc.json              # CPU: ~11 min
     python -m benchmarks.bench_fp8 --preset tiny-llama --device cpu --backend torch --requests 4 --batches 1 \
         --parts decode throughput kv --kv-configs 2x64 --json /tmp/fp8.json                # CPU dry run
 
 The decode and throughput parts run bf16, then FP8 once per --fp8-paths entry: "triton" is the default
-dispatch (kiln::fp8_gemm's Triton kernel up to TRITON_MAX_M tokens), "cublas" forces _scaled_mm everywhere.
+dispatch (kiln::fp8_gemm's Triton kernel up to TRITON_MAX_M tokens), "cublas" forces _scaled_mm everywhere,
+"fold" is "triton" with split-K's reduction folded into the GEMM kernel (fp8_kernel.FOLD_SPLIT_K). On a GPU each
+decode row has its floor (benchmarks/common.py: weights and KV once at the copy bandwidth, or the FLOPs at the
+matmul rate, both measured in the same run, whichever is longer).
 The projection GEMMs alone, FP8 and bf16: bench_gemm.py.
 """
 
@@ -38,7 +44,11 @@ import torch
 
 from benchmarks.common import (
     PROMPT_LEN,
+    Ceilings,
+    decode_floor_seconds,
     decode_step_seconds,
+    measure_ceilings,
+    no_ceilings,
     offline_requests,
     stamp,
     table,
@@ -46,9 +56,11 @@ from benchmarks.common import (
     timed_generate,
     weight_bytes,
 )
+from benchmarks.fp8_accuracy import GRANULARITIES
+from benchmarks.fp8_accuracy import measure as measure_accuracy
 from kiln import Runtime, SamplingParams
 from kiln.models import dense_gemm
-from kiln.models.quant import fp8_gemm
+from kiln.models.quant import fp8_gemm, fp8_kernel
 
 dense_gemm_max_m = dense_gemm.TRITON_MAX_M  # the default, restored after a cublas run
 
@@ -79,15 +91,30 @@ def throughput(rt: Runtime, requests: int) -> dict:
                 timeline=timeline)
 
 
+def save(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def accuracy_table(acc: dict) -> str:
+    refs = acc["references"]
+    return table(["model", *(f"{h} {r}" for r in refs for h in ("top-1 vs", "KL vs")), "perplexity"],
+                 [[row["model"], *(row[r][k] if r in row else "-" for r in refs for k in ("top1", "mean_kl")),
+                   row["perplexity"]] for row in acc["rows"]])
+
+
 def weight_gb(rt: Runtime) -> float:
     return weight_bytes(rt) / 1e9
 
 
 def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dict[str, str],
-                 fp8_path: str = "triton") -> tuple[list, list]:
+                 fp8_path: str = "triton", ceil: Ceilings | None = None) -> tuple[list, list]:
     label = f"{quantization or 'bf16'}-{fp8_path}"
+    ceil = ceil or no_ceilings()
+    # read per call by the kernels; set before the build so its CUDA graphs capture this path
+    fp8_kernel.FOLD_SPLIT_K = quantization is not None and fp8_path == "fold"
     if quantization:
-        # read per call by kiln::fp8_gemm; set before the build so its CUDA graphs capture this path
         fp8_gemm.TRITON_MAX_M = 0 if fp8_path == "cublas" else args.triton_max_m
     else:  # bf16: "cublas" keeps F.linear (no kiln::dense_gemm in the trace; the env var is in the cache key)
         dense_gemm.TRITON_MAX_M = 0 if fp8_path == "cublas" else dense_gemm_max_m
@@ -103,8 +130,9 @@ def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dic
     try:
         for batch in args.batches:
             step = decode_step_seconds(rt.engine, batch, PROMPT_LEN, args.steps)
+            floor = max(decode_floor_seconds(rt, batch, ceil)) if args.device == "cuda" else float("nan")
             decode.append(dict(weights=label, batch=batch, step_ms=step * 1e3, tokens_per_s=batch / step,
-                               build_s=build_s, weight_gb=weight_gb(rt)))
+                               floor_ms=floor * 1e3, x_floor=step / floor, build_s=build_s, weight_gb=weight_gb(rt)))
             print(decode[-1], flush=True)
     except Exception:
         errors[f"decode {label}"] = traceback.format_exc(limit=8)
@@ -238,7 +266,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--level", type=int, default=2)
     parser.add_argument("--backend", default="triton")
-    parser.add_argument("--parts", nargs="+", default=["decode", "throughput"], choices=["decode", "throughput", "kv"])
+    parser.add_argument("--parts", nargs="+", default=["decode", "throughput"],
+                        choices=["decode", "throughput", "kv", "accuracy"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--requests", type=int, default=256, help="offline throughput requests")
@@ -246,7 +275,7 @@ def main() -> None:
     parser.add_argument("--defaults", action="store_true",
                         help="decode/throughput runtimes at default settings (ignores the sizing flags)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--fp8-paths", nargs="+", default=["triton"], choices=["triton", "cublas"])
+    parser.add_argument("--fp8-paths", nargs="+", default=["triton"], choices=["triton", "cublas", "fold"])
     parser.add_argument("--bf16-paths", nargs="+", default=["triton"], choices=["triton", "cublas"],
                         help="bf16 projections: kiln::dense_gemm's Triton kernel at small M, or cuBLAS only")
     parser.add_argument("--no-bf16", action="store_true", help="decode/throughput: FP8 runs only (no bf16 build)")
@@ -256,6 +285,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="kv: greedy-agreement prompts")
     parser.add_argument("--prompt-len", type=int, default=256, help="kv: greedy-agreement prompt length")
     parser.add_argument("--new-tokens", type=int, default=64, help="kv: greedy-agreement tokens")
+    parser.add_argument("--accuracy-model", default=None, help="accuracy: the model (default: the embedded one)")
+    parser.add_argument("--accuracy-dtype", default="bf16", help="accuracy: the FP8 models' activation dtype")
+    parser.add_argument("--granularities", nargs="+", default=list(GRANULARITIES), choices=GRANULARITIES,
+                        help="accuracy: weight/activation scale granularities")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if "throughput" not in args.parts:
@@ -268,26 +301,36 @@ def main() -> None:
         if "decode" not in args.parts:
             args.batches = []
         runs = ([] if args.no_bf16 else [(None, p) for p in args.bf16_paths]) + [("fp8", p) for p in args.fp8_paths]
+        ceil = measure_ceilings() if args.device == "cuda" else no_ceilings()
+        result["copy_gb_per_s"] = ceil.copy_bytes_per_s / 1e9
         for quantization, path in runs:
-            d, t = runtime_rows(args, quantization, errors, path)
+            d, t = runtime_rows(args, quantization, errors, path, ceil)
             decode += d
             tput += t
+            result.update(decode=decode, throughput=tput)
+            save(args.json, result)  # after every runtime: a run cut short keeps what it measured
     result.update(decode=decode, throughput=tput)
+    if "accuracy" in args.parts:
+        try:
+            result["accuracy"] = measure_accuracy(args.accuracy_model, dtype=args.accuracy_dtype,
+                                                  device=args.device, granularities=args.granularities)
+            print(accuracy_table(result["accuracy"]))
+        except Exception:
+            errors["accuracy"] = traceback.format_exc(limit=8)
+            print(errors["accuracy"], flush=True)
     if "kv" in args.parts:
         try:
             result["kv"] = kv_part(args)
         except Exception:
             errors["kv"] = traceback.format_exc(limit=8)
             print(errors["kv"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save(args.json, result)
     if decode:
-        base = {w: {r["batch"]: r["tokens_per_s"] for r in decode if r["weights"] == w}
-                for w in ("bf16-triton", "bf16-cublas", "fp8-cublas")}
-        print(table(["weights", "batch", "step ms", "tok/s", "x bf16 tok/s", "x bf16-cublas tok/s",
-                     "x fp8-cublas tok/s"],
-                    [[r["weights"], r["batch"], r["step_ms"], r["tokens_per_s"],
+        bases = [w for w in ("bf16-triton", "bf16-cublas", "fp8-triton", "fp8-cublas")
+                 if any(r["weights"] == w for r in decode)]
+        base = {w: {r["batch"]: r["tokens_per_s"] for r in decode if r["weights"] == w} for w in bases}
+        print(table(["weights", "batch", "step ms", "tok/s", "floor ms", "x floor", *(f"x {w} tok/s" for w in bases)],
+                    [[r["weights"], r["batch"], r["step_ms"], r["tokens_per_s"], r["floor_ms"], r["x_floor"],
                       *(r["tokens_per_s"] / b[r["batch"]] if r["batch"] in b else float("nan") for b in base.values())]
                      for r in decode]))
     if tput:

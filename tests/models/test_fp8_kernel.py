@@ -104,6 +104,34 @@ def test_split_k_reduction_is_deterministic() -> None:
     assert all(torch.equal(first, fp8_gemm_triton(xq, wq, xs, ws, torch.float32, config)) for _ in range(2))
 
 
+FOLDED = [(70, 48, 200, Fp8GemmConfig(block_n=32, block_k=64, split_k=3)),   # several M tiles, uneven splits
+          (9, 72, 384, Fp8GemmConfig(block_n=32, block_k=64, split_k=2))]    # bf16 output
+
+
+@pytest.mark.parametrize("m,n,k,config", FOLDED, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}" for c in FOLDED])
+def test_folded_split_k_equals_the_reduce_kernel(m: int, n: int, k: int, config: Fp8GemmConfig,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """FOLD_SPLIT_K: the last split of each tile to arrive sums the partials in the reduce kernel's order, so
+    the output is that kernel's bit for bit, with the reduce kernel never launched, and every tile counter is
+    zero again afterwards (the next GEMM, or a CUDA graph replay, starts clean)."""
+    from kiln.models.quant import fp8_kernel
+
+    out_dtype = torch.bfloat16 if m == 9 else torch.float32
+    xq, wq, xs, ws = operands(m, n, k, seed=m + k)
+    monkeypatch.setattr(fp8_kernel, "FOLD_SPLIT_K", False)
+    expected = fp8_gemm_triton(xq, wq, xs, ws, out_dtype, config)
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("the split-K reduce kernel ran although the reduction is folded")
+
+    monkeypatch.setattr(fp8_kernel, "FOLD_SPLIT_K", True)
+    monkeypatch.setattr(fp8_kernel, "_split_k_reduce_kernel", NotLaunched())
+    for _ in range(2):  # the second call finds the counters the first left
+        assert torch.equal(fp8_gemm_triton(xq, wq, xs, ws, out_dtype, config), expected)
+    assert not fp8_kernel.tile_counters(xq.device).any()
+
+
 def test_mismatched_k_is_named() -> None:
     xq, wq, xs, ws = operands(2, 32, 128, seed=0)
     with pytest.raises(ValueError, match="weight"):
@@ -149,19 +177,21 @@ def test_op_on_cpu_is_scaled_mm() -> None:
                           test_utils=("test_faketensor",))
 
 
-@pytest.mark.parametrize("block_m,split", [(16, False), (64, True)])
-def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool) -> None:
+@pytest.mark.parametrize("block_m,split,fold", [(16, False, False), (64, True, False), (16, True, True)])
+def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool, fold: bool) -> None:
     """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
-    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that)."""
+    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that);
+    the folded split-K reduction adds its arrival atomic and keeps the rest."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", str(block_m), str(int(split))],
+    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", str(block_m), str(int(split)),
+                           str(int(fold))],
                           capture_output=True, text=True, env=env, timeout=300, check=False,
                           cwd=Path(__file__).resolve().parents[2])
     if proc.returncode != 0 and "ptxas" in proc.stderr:
         pytest.skip("no ptxas in this Triton install")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"], ptx
+    assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"] and ptx["atomic"] == fold, ptx
     stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
     assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer
 
