@@ -65,8 +65,30 @@ def schema_params(seed: int, **kwargs) -> SamplingParams:
                           structured_outputs=StructuredOutputsParams(json=SCHEMA), **kwargs)
 
 
-def test_twenty_sampled_schema_outputs_are_all_valid(runtime, prompt) -> None:
-    outs = runtime.generate([prompt] * 20, [schema_params(seed) for seed in range(20)])
+SEEDS = range(20)
+FREE = SamplingParams(max_tokens=16, temperature=0.8, seed=100)
+PREEMPT_SEED = 42
+
+
+def mixed_constrained() -> SamplingParams:
+    return schema_params(200, n=2, logprobs=2)  # two rows, each with its own matcher
+
+
+@pytest.fixture(scope="module")
+def sync_batch(runtime, prompt) -> dict:
+    """One synchronous generate over every independent request the tests compare against (the requests are
+    seeded, so each samples what it samples alone): the 20 sampled schema requests, the mixed test's free and
+    constrained requests, and the preemption test's request unpreempted. The cost is the longest output's steps."""
+    params = [schema_params(seed) for seed in SEEDS] + [FREE, mixed_constrained(), schema_params(PREEMPT_SEED)]
+    runtime.engine.async_scheduling = False
+    outs = runtime.generate([prompt] * len(params), params)
+    n = len(SEEDS)
+    return {"sampled": outs[:n], "free": outs[n], "constrained": outs[n + 1], "preempt": outs[n + 2]}
+
+
+def test_twenty_sampled_schema_outputs_are_all_valid(sync_batch) -> None:
+    outs = sync_batch["sampled"]
+    assert len(outs) == 20
     texts = [o.outputs[0].text for o in outs]
     for out, text in zip(outs, texts):
         assert out.outputs[0].finish_reason == "stop", text
@@ -89,36 +111,34 @@ def test_choice_regex_and_grammar_outputs_match(runtime, prompt) -> None:
     assert all(o.outputs[0].finish_reason == "stop" for o in outs[:4])
 
 
-def test_mixed_batch_async_and_n2_with_logprobs(runtime, prompt) -> None:
+def test_mixed_batch_async_and_n2_with_logprobs(runtime, prompt, sync_batch) -> None:
     """Half the batch constrained: the free half samples exactly what it samples alone, the constrained half
-    is valid, and async scheduling (the mask filled after the previous step's tokens land) changes nothing."""
-    free = SamplingParams(max_tokens=16, temperature=0.8, seed=100)
-    constrained = schema_params(200, n=2, logprobs=2)  # two rows, each with its own matcher
-    alone = runtime.generate([prompt], free)[0].outputs[0].token_ids
+    is valid, and async scheduling (the mask filled after the previous step's tokens land) changes nothing.
+    The synchronous run of the same two requests is the module's shared batch (sync_batch), checked here too."""
+    alone = runtime.generate([prompt], FREE)[0].outputs[0].token_ids
+    assert sync_batch["free"].outputs[0].token_ids == alone
     engine = runtime.engine
-    results = {}
-    for async_scheduling in (False, True):
-        engine.async_scheduling = async_scheduling
-        try:
-            outs = runtime.generate([prompt] * 2, [free, constrained])
-        finally:
-            engine.async_scheduling = False
-        assert outs[0].outputs[0].token_ids == alone
-        assert len(outs[1].outputs) == 2
-        for comp in outs[1].outputs:
+    engine.async_scheduling = True
+    try:
+        outs = runtime.generate([prompt] * 2, [FREE, mixed_constrained()])
+    finally:
+        engine.async_scheduling = False
+    assert outs[0].outputs[0].token_ids == alone
+    for constrained in (outs[1], sync_batch["constrained"]):
+        assert len(constrained.outputs) == 2
+        for comp in constrained.outputs:
             Thing.model_validate_json(comp.text)
             assert len(comp.logprobs) == len(comp.token_ids)
             assert all(lp.sampled.logprob > float("-inf") for lp in comp.logprobs)
-        results[async_scheduling] = [c.token_ids for c in outs[1].outputs]
-    assert results[True] == results[False]
+    assert [c.token_ids for c in outs[1].outputs] == [c.token_ids for c in sync_batch["constrained"].outputs]
 
 
-def test_preempted_constrained_request_stays_valid(runtime, prompt) -> None:
+def test_preempted_constrained_request_stays_valid(runtime, prompt, sync_batch) -> None:
     """Preemption (recompute) keeps the output tokens, so the matcher continues where it was: the output is
-    the one the same seed gives without preemption."""
-    expected = runtime.generate([prompt], schema_params(42))[0].outputs[0]
+    the one the same seed gives without preemption (in the module's shared batch)."""
+    expected = sync_batch["preempt"].outputs[0]
     engine = runtime.engine
-    request_id = engine.add_request(prompt, schema_params(42))
+    request_id = engine.add_request(prompt, schema_params(PREEMPT_SEED))
     final = None
     preempted = False
     while final is None:
