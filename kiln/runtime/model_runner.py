@@ -26,6 +26,7 @@ from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import Sampler, SamplingBatch, plain_greedy
 from kiln.runtime.scheduler import SchedulerOutput
+from kiln.runtime.spec_decode.verify import verify_step
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -104,7 +105,8 @@ class ModelRunner:
         # the columns in use, packed: what a step uploads instead of whole rows (max_model_len / block_size
         # columns each; at 256 requests 512 KB where ~70 KB are in use, 0.17 ms of H2D copy a step on an H200)
         self.block_tables_packed_cpu, self.block_tables_packed = buffers((s * self.max_blocks_per_seq,), torch.int32)
-        self.logits_indices_cpu, self.logits_indices = buffers((s,), torch.int64)
+        # one per sampling request, or per token of a speculative verify (k + 1 per request): up to every token
+        self.logits_indices_cpu, self.logits_indices = buffers((max(s, n),), torch.int64)
         # input_ids positions whose token is still on the device, and its row in the previous step's samples
         self.pending_dst_cpu, self.pending_dst = buffers((s,), torch.int64)
         self.pending_src_cpu, self.pending_src = buffers((s,), torch.int64)
@@ -175,7 +177,9 @@ class ModelRunner:
                 pos[cursor] = start
                 slots[cursor] = 0 if start < req.num_shared_tokens else block_ids[start // bs] * bs + start % bs
             else:
-                ids[cursor:cursor + n] = req.token_ids[start:start + n]
+                known = req.token_ids[start:start + n]
+                # speculative proposals follow the known tokens (the scheduler trimmed them to the chunk)
+                ids[cursor:cursor + n] = known if len(known) == n else known + req.spec_token_ids
                 p = np.arange(start, start + n)
                 pos[cursor:cursor + n] = p
                 s = np.asarray(block_ids, dtype=np.int64)[p // bs] * bs + p % bs
@@ -186,8 +190,14 @@ class ModelRunner:
             qsl[i + 1] = cursor
             seq_lens[i] = start + n
             if sched.samples(i):
-                logits_indices[len(sampling_rows)] = cursor - 1
-                sampling_rows.append(i)
+                drafts = sched.num_drafts(i) if sched.num_spec_tokens else 0
+                if drafts:  # a verify chunk: logits at the last known token and at each proposal, a row each
+                    first = len(sampling_rows)
+                    logits_indices[first:first + drafts + 1] = np.arange(cursor - 1 - drafts, cursor)
+                    sampling_rows += [i] * (drafts + 1)
+                else:
+                    logits_indices[len(sampling_rows)] = cursor - 1
+                    sampling_rows.append(i)
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = 0  # padding writes into the null block
@@ -330,6 +340,9 @@ class ModelRunner:
             tokens = self.forward_greedy(batch)
         else:
             logits = self.forward(batch)
+        if sched.num_spec_tokens:  # synchronous: how many tokens each request gets is read back here
+            self.last_sampled = None
+            return verify_step(self.sampler, sched, batch.sampling_rows, logits, self.eos_token_ids)
         reqs = [sched.requests[i] for i in batch.sampling_rows]
         self._last_rows = {r.request_id: j for j, r in enumerate(reqs)}
         if not reqs:
