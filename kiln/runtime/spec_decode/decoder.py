@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kiln.config import RuntimeConfig
+from kiln.models.loader.load import resolve_model_source
 from kiln.runtime.async_step import LaunchedStep
 from kiln.runtime.kv.manager import KVCacheManager
 from kiln.runtime.request import Request
@@ -90,15 +91,14 @@ def build_spec_decoder(config: RuntimeConfig, kv: KVCacheManager, target_vocab: 
         from kiln.runtime.spec_decode.draft_model import DraftModelProposer, draft_runtime_config
         from kiln.runtime.worker import Worker
 
-        draft_config = draft_runtime_config(config, max_model_len, device)
-        try:
-            worker = Worker(draft_config, device)
+        try:  # the config alone says whether the vocabularies match: fail before loading any weights
+            draft_vocab = resolve_model_source(spec.model)[1].vocab_size
+            if draft_vocab != target_vocab:
+                raise ValueError(f"has a vocabulary of {draft_vocab} tokens, the target {target_vocab}: a draft "
+                                 "must share the target's vocabulary")
+            worker = Worker(draft_runtime_config(config, max_model_len, device), device)
         except ValueError as exc:
-            raise ValueError(f"speculative_config model {spec.model!r}: {exc}") from exc
-        if worker.loaded.spec.vocab_size != target_vocab:
-            raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "
-                             f"{worker.loaded.spec.vocab_size} tokens, the target {target_vocab}: a draft must "
-                             "share the target's vocabulary")
+            raise ValueError(f"speculative_config model {spec.model!r} {exc}") from exc
         worker.warm_up()
         proposer = DraftModelProposer(worker, k, config.scheduler.max_num_batched_tokens)
         logger.info("speculative decoding: draft model %s, %d KV blocks", spec.model, worker.num_blocks)
