@@ -43,6 +43,7 @@ class BatchShape:
     max_seq_len: int
     uniform_decode: bool
     max_blocks: int  # block-table columns in use
+    verify_len: int = 0  # > 1: every request verifies this many tokens in a FULL graph (speculative decoding)
 
 
 @dataclass
@@ -142,8 +143,10 @@ class ModelRunner:
         if num_reqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
             raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds the runner's buffers")
         uniform_decode = all(n == 1 for n in sched.num_new_tokens)
-        mode = self.run_mode(num_tokens, uniform_decode)
-        padded = self.graphs.padded_size(num_tokens, mode) if self.graphs is not None else num_tokens
+        verify_len = self._uniform_verify_len(sched) if sched.num_spec_tokens else 0
+        mode = self.run_mode(num_tokens, uniform_decode, verify_len)
+        verify_len = verify_len if mode is RunMode.FULL else 0
+        padded = self.graphs.padded_size(num_tokens, mode, verify_len) if self.graphs is not None else num_tokens
         ids = self.input_ids_cpu.numpy()
         pos = self.positions_cpu.numpy()
         slots = self.slot_mapping_cpu.numpy()
@@ -201,34 +204,51 @@ class ModelRunner:
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = 0  # padding writes into the null block
-        if mode is RunMode.FULL:  # a FULL decode graph runs one token per request: pad the requests too
-            num_reqs = self._pad_decode_requests(num_reqs, padded)
+        if mode is RunMode.FULL:  # a FULL graph runs 1 (decode) or verify_len tokens a request: pad the requests
+            num_reqs = self._pad_requests(num_reqs, padded // max(verify_len, 1), max(verify_len, 1))
         shape = BatchShape(num_tokens, padded, num_reqs, len(sampling_rows), max(sched.num_new_tokens, default=0),
-                           int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks)
+                           int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks, verify_len)
         return shape, sampling_rows, num_pending
 
-    def run_mode(self, num_tokens: int, uniform_decode: bool) -> RunMode:
-        return self.graphs.mode_for(num_tokens, uniform_decode) if self.graphs is not None else RunMode.NONE
+    def run_mode(self, num_tokens: int, uniform_decode: bool, verify_len: int = 0) -> RunMode:
+        if self.graphs is None:
+            return RunMode.NONE
+        return self.graphs.mode_for(num_tokens, uniform_decode, verify_len)
 
-    def _pad_decode_requests(self, num_reqs: int, padded: int) -> int:
-        """Padded requests: one token each, attending to one slot of the null block (valid but empty)."""
-        self.query_start_loc_cpu[num_reqs + 1: padded + 1] = torch.arange(num_reqs + 1, padded + 1)
-        self.seq_lens_cpu[num_reqs:padded] = 1
+    def _uniform_verify_len(self, sched: SchedulerOutput) -> int:
+        """k + 1 where every request verifies the same number of tokens, all within one block (padded requests
+        attend to the null block alone); else 0."""
+        first = sched.num_new_tokens[0]
+        if first > self.block_size or any(n != first for n in sched.num_new_tokens):
+            return 0
+        return first
+
+    def _pad_requests(self, num_reqs: int, padded: int, query_len: int = 1) -> int:
+        """Padded requests: query_len tokens each, attending to the first slots of the null block (valid but
+        empty)."""
+        start = self.query_start_loc_cpu[num_reqs].item()
+        self.query_start_loc_cpu[num_reqs + 1: padded + 1] = torch.arange(1, padded - num_reqs + 1) * query_len + start
+        self.seq_lens_cpu[num_reqs:padded] = query_len
         self.block_tables_cpu[num_reqs:padded, 0] = 0
         for i in range(num_reqs, padded):
             self._row_owner[i] = None
         return padded
 
-    def dummy_shape(self, num_tokens: int, decode: bool) -> BatchShape:
-        """A batch touching only the null block, for capturing graphs: `num_tokens` one-token requests, or
-        one request of `num_tokens` tokens."""
+    def dummy_shape(self, num_tokens: int, decode: bool, query_len: int = 1) -> BatchShape:
+        """A batch touching only the null block, for capturing graphs: `num_tokens` one-token requests (with
+        `query_len`: num_tokens / query_len requests of query_len tokens, a verify batch), or one request of
+        `num_tokens` tokens."""
         self.input_ids_cpu[:num_tokens] = 0
         self.slot_mapping_cpu[:num_tokens] = 0
         self.query_start_loc_cpu[0] = 0
         blocks = -(-num_tokens // self.block_size)
+        if decode and query_len > 1:
+            self.positions_cpu[:num_tokens] = torch.arange(num_tokens) % query_len
+            num_reqs = self._pad_requests(0, num_tokens // query_len, query_len)
+            return BatchShape(num_tokens, num_tokens, num_reqs, 0, query_len, query_len, False, 1, query_len)
         if decode:
             self.positions_cpu[:num_tokens] = 0
-            self._pad_decode_requests(0, num_tokens)
+            self._pad_requests(0, num_tokens)
             return BatchShape(num_tokens, num_tokens, num_tokens, 0, 1, 1, True, 1)
         self.positions_cpu[:num_tokens] = torch.arange(num_tokens)
         self.query_start_loc_cpu[1] = num_tokens
@@ -316,7 +336,7 @@ class ModelRunner:
     def run_model(self, batch: PreparedBatch) -> torch.Tensor:
         """The forward over the padded batch, as a FULL graph, PIECEWISE graphs, or compiled/eager pieces."""
         n = batch.num_padded_tokens
-        desc = BatchDescriptor(n, batch.shape.num_reqs, batch.shape.uniform_decode)
+        desc = BatchDescriptor(n, batch.shape.num_reqs, batch.shape.uniform_decode, batch.shape.verify_len)
         mode = self.graphs.dispatch(desc) if self.graphs is not None else RunMode.NONE
         ids, pos = self.input_ids[:n], self.positions[:n]
         context = batch.context if batch.context is not None else self.forward_context(batch.metadata, n)

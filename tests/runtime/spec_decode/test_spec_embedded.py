@@ -132,10 +132,13 @@ def test_preemption_mid_run(runtime, plain) -> None:
             for out in engine.step():
                 outs[out.request_id] = out
         preempted = engine.scheduler.num_preemptions
-        held = engine.pool.allocate(engine.pool.num_free - 1)  # one block left: the next allocations fail
-        for _ in range(3):
+        held = engine.pool.allocate(engine.pool.num_free)  # no block left: the next request to need one preempts
+        for _ in range(12):
             for out in engine.step():
                 outs[out.request_id] = out
+            held += engine.pool.allocate(engine.pool.num_free)  # what preemption and roll-back freed, too
+            if engine.scheduler.num_preemptions > preempted:
+                break
         assert engine.scheduler.num_preemptions > preempted
         engine.pool.free(held)
         while engine.has_unfinished():
