@@ -89,7 +89,12 @@ def bench_tasks(args: argparse.Namespace) -> dict[str, Any]:
     spec_config: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.k,
                                    "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
     if args.draft_model:
-        spec_config = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
+        draft = args.draft_model
+        if draft == "self":  # the target drafting for itself: every greedy proposal is accepted
+            from kiln.models.loader.load import model_directory
+
+            draft = str(model_directory(args.model) or args.model)
+        spec_config = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
     kwargs: dict[str, Any] = dict(device=args.device, level=args.level, speculative_config=spec_config)
     if args.compile_sizes:
         kwargs["compile_sizes"] = tuple(args.compile_sizes)
@@ -188,7 +193,8 @@ def bench_verify_ratio(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF dir or preset (default: the embedded SmolLM2)")
-    parser.add_argument("--draft-model", default=None, help="draft model proposals instead of n-gram")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model proposals instead of n-gram: an HF dir, a preset, or 'self' (the target)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--level", type=int, default=2)
     parser.add_argument("-k", type=int, default=4)

@@ -20,6 +20,10 @@ if ls .carry/smollm2-*.part >/dev/null 2>&1; then
     export KILN_EMBEDDED_GGUF=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     bounded $(( $(left 230) )) python3 -m benchmarks.bench_spec_decode --device cuda --max-tokens 128 --capture-sizes 1 2 4 8 16 --background-timeout 30 \
       --repeats 3 --json $R/spec_tasks.json > $L/spec_tasks.log 2>&1
+    # 3. if time is left: the model drafting for itself (the copy task only; skipped under 20 s)
+    bounded $(( $(left 236) )) python3 -m benchmarks.bench_spec_decode --device cuda --max-tokens 128 \
+      --capture-sizes 1 2 4 8 16 --background-timeout 20 --draft-model self --tasks copy free --repeats 2 \
+      --json $R/spec_tasks_draft.json > $L/spec_tasks_draft.log 2>&1
   else
     echo "the joined GGUF's sha256 is not $GGUF_SHA256: real-model part skipped" | tee $L/spec_tasks.log
   fi
