@@ -213,8 +213,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ratio-steps", type=int, default=20)
     parser.add_argument("--ratio-max-model-len", type=int, default=4096)
     parser.add_argument("--ratio-context", type=int, default=512, help="prompt tokens before the timed steps")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (CPU): 1 keeps a shared machine's other load from stalling OpenMP regions")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results: dict[str, Any] = {"stamp": stamp(), "args": vars(args)}
     print(results["stamp"])
     if not args.skip_tasks:

@@ -25,6 +25,8 @@ from kiln.runtime.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("kiln")
 
+MAX_SKIP = 32  # the most proposal rounds a request with rejected proposals sits out
+
 
 @dataclass
 class SpecDecodeStats:
@@ -46,6 +48,10 @@ class SpecDecoder:
         self.k = num_speculative_tokens
         self.kv = kv
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
+        # request id -> (verify steps in a row that accepted nothing, proposal rounds still to skip): a request
+        # whose proposals keep failing (free-form text under n-gram) backs off exponentially, up to MAX_SKIP
+        # rounds, so it decodes plainly instead of paying for k rejected tokens a step; any acceptance resets it
+        self.backoff: dict[str, tuple[int, int]] = {}
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of every running request that decodes next (one known token left to compute)."""
@@ -55,8 +61,15 @@ class SpecDecoder:
             # each step emits at most proposals + 1 tokens: stay within max_tokens / max_model_len
             room = req.max_total_tokens - req.num_tokens - 1
             if room > 0 and not req.num_pending_tokens and req.num_computed_tokens == req.num_tokens - 1:
+                misses, skip = self.backoff.get(req.request_id, (0, 0))
+                if skip:
+                    self.backoff[req.request_id] = (misses, skip - 1)
+                    continue
                 reqs.append(req)
                 limits.append(room)
+        if len(self.backoff) > 2 * len(running):
+            live = {req.request_id for req in running}
+            self.backoff = {r: b for r, b in self.backoff.items() if r in live}
         release = getattr(self.proposer, "release", None)
         if release is not None:
             release({req.request_id for req in running})
@@ -74,6 +87,8 @@ class SpecDecoder:
             req.num_computed_tokens -= proposed - accepted
             req.spec_token_ids = []
             self.kv.trim(req, req.num_computed_tokens)
+            misses = 0 if accepted else self.backoff.get(req.request_id, (0, 0))[0] + 1
+            self.backoff[req.request_id] = (misses, min(2 ** misses - 1, MAX_SKIP) if misses else 0)
             stats.num_drafts += 1
             stats.num_draft_tokens += proposed
             stats.num_accepted_tokens += accepted
