@@ -302,6 +302,50 @@ def default_capture_sizes(max_size: int) -> tuple[int, ...]:
     return tuple(s for s in sizes if s <= max_size)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: who proposes tokens and how many (docs/spec_decode.md). Checked here for what
+    needs no model; a draft whose vocabulary differs from the target's fails when the engine starts."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up earlier in the context
+    prompt_lookup_min: int = 1  # ngram: the shortest
+    model: str | None = None  # draft_model: an HF directory or a preset
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config prompt_lookup_min / prompt_lookup_max must satisfy 1 <= min <= max, "
+                             f"got {self.prompt_lookup_min} / {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config model: method 'draft_model' needs a draft model (HF dir or preset)")
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """A dict as users write it (unknown keys are a ValueError naming them), or the config itself."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
@@ -317,8 +361,13 @@ class RuntimeConfig:
     tensor_parallel_size: int = 1
     quantization: str | None = None  # "fp8": FP8 linear weights (an FP8 checkpoint is used as it is)
     enable_expert_parallel: bool = False  # MoE models: whole experts per rank instead of split experts
+    # speculative decoding (a dict as vLLM takes it is converted): docs/spec_decode.md
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

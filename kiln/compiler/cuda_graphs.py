@@ -1,13 +1,14 @@
 """CUDA graphs: which mode a step runs in (BatchDescriptor -> FULL | PIECEWISE | NONE), and the wrappers
 that capture on first sight of a size and replay afterwards.
 
-FULL graphs wrap the whole forward, attention included: one launch per uniform decode step (every request
-one token), on backends that can capture attention. PIECEWISE graphs wrap each compiled piece while
-attention runs eagerly between them: mixed prefill/decode batches, and decode on backends that cannot be
-captured. FULL and FULL_AND_PIECEWISE both run mixed batches piecewise; FULL_DECODE_ONLY runs them without
-graphs. Above the largest capture size the compiled pieces run without graphs. Graphs are keyed by the
-padded token count: the runner pads a batch up to the next capture size, and padded tokens write into the
-null KV block.
+FULL graphs wrap the whole forward, attention included: one launch per uniform decode step (every request one
+token), on backends that can capture attention; with speculative decoding also per uniform verify step (every
+request k + 1 tokens), on backends that can capture any batch (GraphSupport.ALWAYS). PIECEWISE graphs wrap
+each compiled piece while attention runs eagerly between them: mixed prefill/decode batches, and decode on
+backends that cannot be captured. FULL and FULL_AND_PIECEWISE both run mixed batches piecewise;
+FULL_DECODE_ONLY runs them without graphs. Above the largest capture size the compiled pieces run without
+graphs. Graphs are keyed by the padded token count: the runner pads a batch up to the next capture size, and
+padded tokens write into the null KV block.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ class RunMode(enum.Enum):
 @dataclass(frozen=True)
 class BatchDescriptor:
     """What a captured graph depends on: padded token and request counts, and whether every request decodes
-    exactly one token (the only shape some backends can capture)."""
+    exactly one token (the only shape some backends can capture), or verifies exactly `verify_len` tokens."""
 
     num_tokens: int
     num_reqs: int
     uniform_decode: bool
+    verify_len: int = 0  # > 1: a uniform speculative verify batch (docs/spec_decode.md)
 
 
 class GraphDispatcher:
@@ -51,7 +53,7 @@ class GraphDispatcher:
 
     def __init__(self, mode: str, capture_sizes: Sequence[int], backend_support: GraphSupport,
                  has_pieces: bool, max_num_reqs: int | None = None,
-                 piecewise_sizes: Sequence[int] | None = None) -> None:
+                 piecewise_sizes: Sequence[int] | None = None, verify_len: int = 0) -> None:
         self.capture_sizes = sorted(set(capture_sizes))
         largest = self.capture_sizes[-1] if self.capture_sizes else 0
         # a FULL decode graph at size s runs s (padded) requests: no more than the runner's request slots
@@ -71,6 +73,10 @@ class GraphDispatcher:
         self.piecewise_sizes = sorted(set(piecewise_sizes)) if self.piecewise else []
         self.piecewise = bool(self.piecewise_sizes)
         self.max_size = max(largest if self.full_decode else 0, self.piecewise_sizes[-1] if self.piecewise else 0)
+        # uniform verify batches of verify_len tokens a request: FULL where the backend captures any batch; the
+        # capture sizes count requests, and R * verify_len tokens must stay within the largest
+        self.full_verify_len = verify_len if (self.full_decode and backend_support >= GraphSupport.ALWAYS
+                                              and verify_len > 1) else 0
         self.mode = mode
         if full_wanted and not self.full_decode:
             logger.warning("cudagraph_mode=%s: the attention backend cannot be captured (%s); using %s",
@@ -80,15 +86,23 @@ class GraphDispatcher:
     def enabled(self) -> bool:
         return self.full_decode or self.piecewise
 
-    def padded_size(self, num_tokens: int, mode: RunMode) -> int:
+    def padded_size(self, num_tokens: int, mode: RunMode, verify_len: int = 0) -> int:
         """The size a batch of num_tokens runs at in `mode` (mode_for's): the next size captured for it."""
+        if verify_len and mode is RunMode.FULL:  # whole padded requests of verify_len tokens each
+            return self.padded_size(num_tokens // verify_len, mode) * verify_len
         sizes = self.capture_sizes if mode is RunMode.FULL else self.piecewise_sizes
         if mode is RunMode.NONE or not sizes or num_tokens > sizes[-1]:
             return num_tokens
         return sizes[bisect.bisect_left(sizes, num_tokens)]
 
-    def mode_for(self, num_tokens: int, uniform_decode: bool) -> RunMode:
-        """num_tokens: unpadded."""
+    def mode_for(self, num_tokens: int, uniform_decode: bool, verify_len: int = 0) -> RunMode:
+        """num_tokens: unpadded. verify_len: every request has that many tokens (a speculative verify batch)."""
+        if verify_len and verify_len == self.full_verify_len:
+            num_reqs = num_tokens // verify_len
+            if num_reqs <= self.capture_sizes[-1]:
+                padded = self.padded_size(num_reqs, RunMode.FULL)
+                if padded <= self.max_full_size and padded * verify_len <= self.capture_sizes[-1]:
+                    return RunMode.FULL
         if not self.enabled or num_tokens > self.max_size:
             return RunMode.NONE
         if (self.full_decode and uniform_decode and num_tokens <= self.capture_sizes[-1]
@@ -99,11 +113,13 @@ class GraphDispatcher:
         return RunMode.NONE
 
     def dispatch(self, desc: BatchDescriptor) -> RunMode:
-        return self.mode_for(desc.num_tokens, desc.uniform_decode)
+        return self.mode_for(desc.num_tokens, desc.uniform_decode, desc.verify_len)
 
     def describe(self) -> str:
         parts = [f"mode {self.mode}", f"{len(self.capture_sizes)} sizes up to {self.max_size}"]
         parts.append(f"FULL for uniform decode up to {self.max_full_size}" if self.full_decode else "no FULL")
+        if self.full_verify_len:
+            parts.append(f"FULL for uniform verify batches of {self.full_verify_len} tokens a request")
         parts.append(f"PIECEWISE otherwise ({len(self.piecewise_sizes)} sizes)" if self.piecewise else "no PIECEWISE")
         return ", ".join(parts)
 
@@ -257,7 +273,7 @@ def wrap_pieces(compiled: Any, pool: GraphPool) -> int:
 
 
 def install_cuda_graphs(runner: Any, config: Any, compiled: Any, *, progress: bool = True,
-                        factory: GraphFactory | None = None) -> GraphPool | None:
+                        factory: GraphFactory | None = None, verify_len: int = 0) -> GraphPool | None:
     """Resolve the graph mode for this runner's backend, wrap the pieces, and capture every size now.
 
     `runner` is the ModelRunner (duck-typed: the compiler does not import the runtime); `factory` replaces
@@ -268,7 +284,7 @@ def install_cuda_graphs(runner: Any, config: Any, compiled: Any, *, progress: bo
     has_pieces = compiled is not None and compiled.capture is not None
     dispatcher = GraphDispatcher(config.cudagraph_mode, config.cudagraph_capture_sizes or (),
                                  type(runner.backend).graph_support, has_pieces, runner.max_num_seqs,
-                                 config.cudagraph_piecewise_sizes)
+                                 config.cudagraph_piecewise_sizes, verify_len)
     if not dispatcher.enabled:
         return None
     pool = GraphPool(factory, check_inputs=config.debug_check_graph_inputs)
@@ -298,13 +314,18 @@ def capture_all(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, progr
         before = torch.cuda.memory_allocated(runner.device)  # graph pools' live blocks count as allocated
     full = {s for s in dispatcher.capture_sizes if dispatcher.mode_for(s, True) is RunMode.FULL}
     piecewise = set(dispatcher.piecewise_sizes)
-    sizes = (full | piecewise) & only if only is not None else full | piecewise
+    q = dispatcher.full_verify_len  # uniform verify batches: R requests of q tokens, at R * q tokens
+    verify = {r * q for r in dispatcher.capture_sizes if q and dispatcher.mode_for(r * q, False, q) is RunMode.FULL}
+    verify = {s for s in verify if dispatcher.padded_size(s, RunMode.FULL, q) == s}
+    sizes = (full | piecewise | verify) & only if only is not None else full | piecewise | verify
     for size in tqdm(sorted(sizes, reverse=True), desc="capturing CUDA graphs", unit="size",
                      disable=not progress):
         if size in full:
             runner.run_model(runner.to_device(runner.dummy_shape(size, decode=True), []))
         if size in piecewise:
             runner.run_model(runner.to_device(runner.dummy_shape(size, decode=False), []))
+        if size in verify:
+            runner.run_model(runner.to_device(runner.dummy_shape(size, decode=True, query_len=q), []))
     if on_gpu:
         torch.cuda.synchronize(runner.device)
         pool.stats.memory_bytes += max(torch.cuda.memory_allocated(runner.device) - before, 0)

@@ -42,6 +42,8 @@ class LaunchedStep:
     host_tokens: torch.Tensor | None = None  # pinned destination of the device->host copy
     landed: DeviceEvent | None = None  # recorded after that copy
     needs_drain: bool = False  # the next step must not launch before these tokens are on the host
+    # a speculative verify step: row -> (proposals verified, proposals accepted); its rows repeat per token
+    verified: dict[int, tuple[int, int]] = field(default_factory=dict)
     _token_ids: list[int] | None = field(default=None, repr=False)
 
     def token_ids(self) -> list[int]:

@@ -35,6 +35,7 @@ from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampler import needs_output_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
+from kiln.runtime.spec_decode.decoder import SpecDecoder, SpecDecodeStats, build_spec_decoder
 from kiln.runtime.startup import StartupClock, StartupTimes
 from kiln.runtime.structured.manager import StructuredOutputs
 from kiln.runtime.tokenizer_load import BackgroundTokenizer, load_tokenizer
@@ -61,6 +62,11 @@ class Engine:
         self.device = resolve_device(config.device)
         # per-device defaults (batch limits, async scheduling) are fixed here, before any worker sees the config
         config = dataclasses.replace(config, scheduler=config.scheduler.resolve(self.device))
+        if config.speculative_config is not None and config.scheduler.async_scheduling:
+            # the next step's inputs depend on how many proposals this one accepts (docs/spec_decode.md)
+            logger.info("async scheduling off: speculative decoding runs its steps synchronously")
+            config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
+                                                                               async_scheduling=False))
         self.config = config
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -100,6 +106,11 @@ class Engine:
         if self._channel is not None:
             self.runner.on_batch = self._broadcast
             self.runner.on_sampled = self._share_samples
+        # speculative decoding (None: off); may be switched between steps while nothing is in flight
+        self.speculation: SpecDecoder | None = None
+        if config.speculative_config is not None:
+            self.speculation = build_spec_decoder(config, self.kv, self.loaded.spec.vocab_size, self.max_model_len,
+                                                  self.device)
         self.parents: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -262,6 +273,7 @@ class Engine:
             "prefix_cache_hits": kv.hits,
             "prefix_cache_hit_rate": kv.hits / kv.queries if kv.queries else 0.0,
             "prefix_cache_evictions": self.pool.evictions,
+            **(self.speculation.stats if self.speculation is not None else SpecDecodeStats()).as_dict(),
         }
 
     # -- requests --------------------------------------------------------------------------------------
@@ -360,6 +372,12 @@ class Engine:
         if not self.async_scheduling:
             if self._inflight is not None:  # left over from before async scheduling was switched off
                 return self._complete(self._take_inflight())
+            if self.speculation is not None:
+                # a verify step samples without grammar masks: nothing speculates while a constrained request
+                # is scheduled or may be (its prefill's last chunk samples too)
+                sched_reqs = (*self.scheduler.running, *self.scheduler.waiting)
+                self.speculation.propose(self.scheduler.running,
+                                         paused=any(r.grammar is not None for r in sched_reqs))
             sched = self.scheduler.schedule()
             return failed if sched.is_empty else failed + self._complete(self._launch(sched))
         outputs: list[RequestOutput] = failed
@@ -427,6 +445,8 @@ class Engine:
                 return structured.mask(requests)
         step = self.runner.execute(sched, mask_fn)
         self.scheduler.advance(sched)
+        if step.verified:
+            self.speculation.after_verify(sched, step)
         self.stats.steps += 1
         self.stats.scheduled_tokens += sched.total_tokens
         step.needs_drain = any(needs_output_tokens(sched.requests[row].params) for row in step.rows)

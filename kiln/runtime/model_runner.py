@@ -26,6 +26,7 @@ from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import Sampler, SamplingBatch, plain_greedy
 from kiln.runtime.scheduler import SchedulerOutput
+from kiln.runtime.spec_decode.verify import verify_step
 from kiln.runtime.structured.bitmask import apply_token_mask
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -43,6 +44,7 @@ class BatchShape:
     max_seq_len: int
     uniform_decode: bool
     max_blocks: int  # block-table columns in use
+    verify_len: int = 0  # > 1: every request verifies this many tokens in a FULL graph (speculative decoding)
 
 
 @dataclass
@@ -105,7 +107,8 @@ class ModelRunner:
         # the columns in use, packed: what a step uploads instead of whole rows (max_model_len / block_size
         # columns each; at 256 requests 512 KB where ~70 KB are in use, 0.17 ms of H2D copy a step on an H200)
         self.block_tables_packed_cpu, self.block_tables_packed = buffers((s * self.max_blocks_per_seq,), torch.int32)
-        self.logits_indices_cpu, self.logits_indices = buffers((s,), torch.int64)
+        # one per sampling request, or per token of a speculative verify (k + 1 per request): up to every token
+        self.logits_indices_cpu, self.logits_indices = buffers((max(s, n),), torch.int64)
         # input_ids positions whose token is still on the device, and its row in the previous step's samples
         self.pending_dst_cpu, self.pending_dst = buffers((s,), torch.int64)
         self.pending_src_cpu, self.pending_src = buffers((s,), torch.int64)
@@ -142,8 +145,10 @@ class ModelRunner:
         if num_reqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
             raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds the runner's buffers")
         uniform_decode = all(n == 1 for n in sched.num_new_tokens)
-        mode = self.run_mode(num_tokens, uniform_decode)
-        padded = self.graphs.padded_size(num_tokens, mode) if self.graphs is not None else num_tokens
+        verify_len = self._uniform_verify_len(sched) if sched.num_spec_tokens else 0
+        mode = self.run_mode(num_tokens, uniform_decode, verify_len)
+        verify_len = verify_len if mode is RunMode.FULL else 0
+        padded = self.graphs.padded_size(num_tokens, mode, verify_len) if self.graphs is not None else num_tokens
         ids = self.input_ids_cpu.numpy()
         pos = self.positions_cpu.numpy()
         slots = self.slot_mapping_cpu.numpy()
@@ -177,7 +182,9 @@ class ModelRunner:
                 pos[cursor] = start
                 slots[cursor] = 0 if start < req.num_shared_tokens else block_ids[start // bs] * bs + start % bs
             else:
-                ids[cursor:cursor + n] = req.token_ids[start:start + n]
+                known = req.token_ids[start:start + n]
+                # speculative proposals follow the known tokens (the scheduler trimmed them to the chunk)
+                ids[cursor:cursor + n] = known if len(known) == n else known + req.spec_token_ids
                 p = np.arange(start, start + n)
                 pos[cursor:cursor + n] = p
                 s = np.asarray(block_ids, dtype=np.int64)[p // bs] * bs + p % bs
@@ -188,39 +195,62 @@ class ModelRunner:
             qsl[i + 1] = cursor
             seq_lens[i] = start + n
             if sched.samples(i):
-                logits_indices[len(sampling_rows)] = cursor - 1
-                sampling_rows.append(i)
+                drafts = sched.num_drafts(i) if sched.num_spec_tokens else 0
+                if drafts:  # a verify chunk: logits at the last known token and at each proposal, a row each
+                    first = len(sampling_rows)
+                    logits_indices[first:first + drafts + 1] = np.arange(cursor - 1 - drafts, cursor)
+                    sampling_rows += [i] * (drafts + 1)
+                else:
+                    logits_indices[len(sampling_rows)] = cursor - 1
+                    sampling_rows.append(i)
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = 0  # padding writes into the null block
-        if mode is RunMode.FULL:  # a FULL decode graph runs one token per request: pad the requests too
-            num_reqs = self._pad_decode_requests(num_reqs, padded)
+        if mode is RunMode.FULL:  # a FULL graph runs 1 (decode) or verify_len tokens a request: pad the requests
+            num_reqs = self._pad_requests(num_reqs, padded // max(verify_len, 1), max(verify_len, 1))
         shape = BatchShape(num_tokens, padded, num_reqs, len(sampling_rows), max(sched.num_new_tokens, default=0),
-                           int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks)
+                           int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks, verify_len)
         return shape, sampling_rows, num_pending
 
-    def run_mode(self, num_tokens: int, uniform_decode: bool) -> RunMode:
-        return self.graphs.mode_for(num_tokens, uniform_decode) if self.graphs is not None else RunMode.NONE
+    def run_mode(self, num_tokens: int, uniform_decode: bool, verify_len: int = 0) -> RunMode:
+        if self.graphs is None:
+            return RunMode.NONE
+        return self.graphs.mode_for(num_tokens, uniform_decode, verify_len)
 
-    def _pad_decode_requests(self, num_reqs: int, padded: int) -> int:
-        """Padded requests: one token each, attending to one slot of the null block (valid but empty)."""
-        self.query_start_loc_cpu[num_reqs + 1: padded + 1] = torch.arange(num_reqs + 1, padded + 1)
-        self.seq_lens_cpu[num_reqs:padded] = 1
+    def _uniform_verify_len(self, sched: SchedulerOutput) -> int:
+        """k + 1 where every request verifies the same number of tokens, all within one block (padded requests
+        attend to the null block alone); else 0."""
+        first = sched.num_new_tokens[0]
+        if first > self.block_size or any(n != first for n in sched.num_new_tokens):
+            return 0
+        return first
+
+    def _pad_requests(self, num_reqs: int, padded: int, query_len: int = 1) -> int:
+        """Padded requests: query_len tokens each, attending to the first slots of the null block (valid but
+        empty)."""
+        start = self.query_start_loc_cpu[num_reqs].item()
+        self.query_start_loc_cpu[num_reqs + 1: padded + 1] = torch.arange(1, padded - num_reqs + 1) * query_len + start
+        self.seq_lens_cpu[num_reqs:padded] = query_len
         self.block_tables_cpu[num_reqs:padded, 0] = 0
         for i in range(num_reqs, padded):
             self._row_owner[i] = None
         return padded
 
-    def dummy_shape(self, num_tokens: int, decode: bool) -> BatchShape:
-        """A batch touching only the null block, for capturing graphs: `num_tokens` one-token requests, or
-        one request of `num_tokens` tokens."""
+    def dummy_shape(self, num_tokens: int, decode: bool, query_len: int = 1) -> BatchShape:
+        """A batch touching only the null block, for capturing graphs: `num_tokens` one-token requests (with
+        `query_len`: num_tokens / query_len requests of query_len tokens, a verify batch), or one request of
+        `num_tokens` tokens."""
         self.input_ids_cpu[:num_tokens] = 0
         self.slot_mapping_cpu[:num_tokens] = 0
         self.query_start_loc_cpu[0] = 0
         blocks = -(-num_tokens // self.block_size)
+        if decode and query_len > 1:
+            self.positions_cpu[:num_tokens] = torch.arange(num_tokens) % query_len
+            num_reqs = self._pad_requests(0, num_tokens // query_len, query_len)
+            return BatchShape(num_tokens, num_tokens, num_reqs, 0, query_len, query_len, False, 1, query_len)
         if decode:
             self.positions_cpu[:num_tokens] = 0
-            self._pad_decode_requests(0, num_tokens)
+            self._pad_requests(0, num_tokens)
             return BatchShape(num_tokens, num_tokens, num_tokens, 0, 1, 1, True, 1)
         self.positions_cpu[:num_tokens] = torch.arange(num_tokens)
         self.query_start_loc_cpu[1] = num_tokens
@@ -308,7 +338,7 @@ class ModelRunner:
     def run_model(self, batch: PreparedBatch) -> torch.Tensor:
         """The forward over the padded batch, as a FULL graph, PIECEWISE graphs, or compiled/eager pieces."""
         n = batch.num_padded_tokens
-        desc = BatchDescriptor(n, batch.shape.num_reqs, batch.shape.uniform_decode)
+        desc = BatchDescriptor(n, batch.shape.num_reqs, batch.shape.uniform_decode, batch.shape.verify_len)
         mode = self.graphs.dispatch(desc) if self.graphs is not None else RunMode.NONE
         ids, pos = self.input_ids[:n], self.positions[:n]
         context = batch.context if batch.context is not None else self.forward_context(batch.metadata, n)
@@ -336,6 +366,9 @@ class ModelRunner:
             tokens = self.forward_greedy(batch)
         else:
             logits = self.forward(batch)
+        if sched.num_spec_tokens:  # synchronous: how many tokens each request gets is read back here
+            self.last_sampled = None
+            return verify_step(self.sampler, sched, batch.sampling_rows, logits, self.eos_token_ids)
         reqs = [sched.requests[i] for i in batch.sampling_rows]
         self._last_rows = {r.request_id: j for j, r in enumerate(reqs)}
         if not reqs:

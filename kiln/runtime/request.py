@@ -46,6 +46,9 @@ class Request:
         # positions below this already sit in shared, cached blocks: their K/V must not be rewritten
         self.num_shared_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first admission (reported)
+        # speculative proposals to verify after the known tokens (kiln/runtime/spec_decode); the scheduler
+        # trims them to what it schedules, preemption drops them
+        self.spec_token_ids: list[int] = []
         self.block_hashes: list[Hashable] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None

@@ -26,6 +26,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_spec_tokens: int = 0  # speculative proposals scheduled for verification (counted in num_new_tokens)
 
     @property
     def total_tokens(self) -> int:
@@ -38,7 +39,12 @@ class SchedulerOutput:
     def samples(self, i: int) -> bool:
         """Request i reaches its last known (or pending) token this step, so it gets logits and a new token."""
         req = self.requests[i]
-        return req.num_computed_tokens + self.num_new_tokens[i] == req.num_tokens_with_pending
+        return req.num_computed_tokens + self.num_new_tokens[i] >= req.num_tokens_with_pending
+
+    def num_drafts(self, i: int) -> int:
+        """Speculative proposals of request i scheduled after its known tokens (each gets logits too)."""
+        req = self.requests[i]
+        return max(0, req.num_computed_tokens + self.num_new_tokens[i] - req.num_tokens_with_pending)
 
 
 class Scheduler:
@@ -77,7 +83,9 @@ class Scheduler:
             if req.num_pending_tokens and req.num_tokens_with_pending >= req.max_total_tokens:
                 i += 1  # its in-flight token is its last: it finishes (length) when that lands
                 continue
-            num_new = self._chunk(req, req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            known = req.num_tokens_with_pending - req.num_computed_tokens
+            # the token budget counts proposals, and a slot is reserved for each
+            num_new = self._chunk(req, known + len(req.spec_token_ids), budget)
             while not self.kv.allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -85,6 +93,9 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                if req.spec_token_ids:  # keep the proposals the chunk covers
+                    del req.spec_token_ids[max(0, num_new - known):]
+                    out.num_spec_tokens += len(req.spec_token_ids)
                 out.requests.append(req)
                 out.num_new_tokens.append(num_new)
                 budget -= num_new
@@ -127,6 +138,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_shared_tokens = 0
+        req.spec_token_ids = []  # proposals in flight are dropped: they are proposed again once it runs
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -141,9 +141,18 @@ class Worker:
                 self.kernel_warmup.join()
         self._allocate_kv_cache()
         with self.clock.phase("capture"):
-            self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled)
+            self.graph_pool = install_cuda_graphs(self.runner, self.compilation, self.compiled,
+                                                  verify_len=self._verify_len())
         if self.compiled is not None and self.compiled.background is not None:
             self.compiled.background.start()  # after the capture, whose cores its workers would take
+
+    def _verify_len(self) -> int:
+        """Tokens a request verifies in a speculative step (k + 1), for FULL graphs of uniform verify batches;
+        0 without speculation or where they would not fit one block (the null block pads those batches)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.num_speculative_tokens + 1 > self.config.cache.block_size:
+            return 0
+        return spec.num_speculative_tokens + 1
 
     def _kernel_warmup_unless_cached(self, factory: Callable[..., Any]) -> Callable[..., Any]:
         """The store factory, starting the kernel warm-up as soon as the store is known to be cold (before any

@@ -78,7 +78,20 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
                         help="write Dynamo/depyf, split-graph and Inductor output code here")
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="FP8 linear weights, quantized at load (FP8 checkpoints are detected on their own)")
+    parser.add_argument("--speculative-config", type=parse_speculative_config, default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": '
+                             '4} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}')
     parser.add_argument("--seed", type=int, default=0)
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--speculative-config must be a JSON object")
+    return value
 
 
 def parse_inductor_option(text: str) -> tuple[str, Any]:
@@ -100,7 +113,7 @@ def runtime_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["tokenizer"] = args.tokenizer
     for name in ("level", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n", "kv_cache_bytes",
                  "gpu_memory_utilization", "tensor_parallel_size", "cudagraph_mode", "compile_workers",
-                 "quantization", "kv_cache_dtype", "enable_expert_parallel"):
+                 "quantization", "kv_cache_dtype", "enable_expert_parallel", "speculative_config"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     for name in ("cudagraph_capture_sizes", "compile_sizes", "background_compile_sizes"):

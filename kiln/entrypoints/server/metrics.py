@@ -68,6 +68,26 @@ def graph_replays(engine: Any) -> dict[str, float]:
     return {str(mode): float(count) for mode, count in dict(replays).items()}
 
 
+def _spec_decode_metrics(engine: Any, model_name: str) -> Iterator[Any]:
+    """vLLM's speculative-decoding counters (zeros without speculation), accepted tokens also per position."""
+    from prometheus_client.core import CounterMetricFamily
+
+    spec = getattr(engine, "speculation", None)
+    stats = spec.stats.as_dict() if spec is not None else {}
+    for key, doc in (("spec_decode_num_drafts", "Verify steps of requests with proposals"),
+                     ("spec_decode_num_draft_tokens", "Speculative tokens proposed"),
+                     ("spec_decode_num_accepted_tokens", "Speculative tokens accepted")):
+        family = CounterMetricFamily(f"kiln:{key}", doc, labels=["model_name"])
+        family.add_metric([model_name], float(stats.get(key, 0)))
+        yield family
+    per_pos = CounterMetricFamily("kiln:spec_decode_num_accepted_tokens_per_pos",
+                                  "Speculative tokens accepted, by position in the proposal",
+                                  labels=["model_name", "position"])
+    for position, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
+        per_pos.add_metric([model_name, str(position)], float(count))
+    yield per_pos
+
+
 class _EngineCollector:
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine = engine
@@ -105,6 +125,7 @@ class _EngineCollector:
         yield counter("kiln:prompt_tokens", "Prompt tokens admitted", stats.prompt_tokens)
         yield counter("kiln:generation_tokens", "Tokens generated", stats.generation_tokens)
         yield counter("kiln:engine_steps", "Engine steps run", stats.steps)
+        yield from _spec_decode_metrics(engine, self.model_name)
         for field_name, (metric, kind, doc) in COMPILE_FIELDS.items():
             make = counter if kind == "counter" else gauge
             yield make(metric, doc, compile_stat(engine, field_name))

@@ -36,7 +36,16 @@ def embedded_gguf_path() -> pathlib.Path:
 
     The package is located with `find_spec` rather than imported, because its `__init__` imports
     `llm` and `llama_cpp`, which kiln does not need (hence the `--no-deps` install).
+
+    `KILN_EMBEDDED_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf` names the file instead, for a machine
+    without the package (an air-gapped GPU host the file was copied to); it is converted and cached the same way.
     """
+    override = os.environ.get("KILN_EMBEDDED_GGUF")
+    if override:
+        path = pathlib.Path(override).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"KILN_EMBEDDED_GGUF={override!r} is not a file")
+        return path
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(

@@ -84,6 +84,18 @@ class KVCacheManager:
             self.pool.cache(blocks[i], req.block_hashes[i])
         self.num_published[req.request_id] = max(start, end)
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free req's blocks past its first num_tokens positions (rejected speculative tokens emptied them).
+        Published blocks hold known tokens only, so they are never past the cut. The id list is replaced, not
+        shortened: the runner keys its copy of a block-table row by that list."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        self.req_blocks[req.request_id] = blocks[:keep]
+        self.req_block_ids[req.request_id] = self.req_block_ids[req.request_id][:keep]
+        self.pool.free(reversed(blocks[keep:]))
+
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.req_block_ids.pop(req.request_id, None)

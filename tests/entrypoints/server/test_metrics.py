@@ -107,3 +107,23 @@ def test_start_up_phases_and_pending_background_compiles(served: Served, monkeyp
     assert value(after, "kiln:background_compiles_pending") == 0
     assert value(after, "kiln:background_compiles_swapped_total") == 3
     assert value(after, "kiln:background_compiles_failed_total") == 0
+
+
+def test_speculative_decoding_counters() -> None:
+    """vLLM's spec-decode counters, read from the engine's speculation stats (zeros without speculation)."""
+    from types import SimpleNamespace
+
+    from kiln.entrypoints.server.metrics import _spec_decode_metrics
+    from kiln.runtime.spec_decode.decoder import SpecDecodeStats
+
+    def samples(engine) -> dict:
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in _spec_decode_metrics(engine, MODEL) for s in family.samples}
+
+    stats = SpecDecodeStats(num_drafts=3, num_draft_tokens=12, num_accepted_tokens=7, accepted_per_pos=[3, 2, 1, 1])
+    got = samples(SimpleNamespace(speculation=SimpleNamespace(stats=stats)))
+    assert value(got, "kiln:spec_decode_num_draft_tokens_total") == 12
+    assert value(got, "kiln:spec_decode_num_accepted_tokens_total") == 7
+    assert [value(got, "kiln:spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(4)] == \
+        [3, 2, 1, 1]
+    assert value(samples(SimpleNamespace(speculation=None)), "kiln:spec_decode_num_draft_tokens_total") == 0

@@ -1,0 +1,122 @@
+"""The engine's side of speculative decoding: propose before a step is scheduled, roll back after it is verified.
+
+A decoding request gets up to k proposals (never past its length limit); the scheduler counts them in the
+token budget and reserves their KV slots; the runner verifies them in one forward (verify.py). After the
+step each verified request keeps its accepted proposals: the rejected ones' positions are rolled back
+(`num_computed_tokens`) and blocks they alone occupied are freed. The prefix cache only ever publishes blocks
+of known tokens, so it holds accepted tokens only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.config import RuntimeConfig
+from kiln.models.loader.load import resolve_model_source
+from kiln.runtime.async_step import LaunchedStep
+from kiln.runtime.kv.manager import KVCacheManager
+from kiln.runtime.request import Request
+from kiln.runtime.scheduler import SchedulerOutput
+from kiln.runtime.spec_decode.ngram import NgramProposer
+
+logger = logging.getLogger("kiln")
+
+MAX_SKIP = 32  # the most proposal rounds a request with rejected proposals sits out
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # verify rows with at least one proposal
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: proposals accepted at position j
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+
+
+class SpecDecoder:
+    def __init__(self, proposer, num_speculative_tokens: int, kv: KVCacheManager) -> None:
+        self.proposer = proposer  # propose(requests, limits) -> proposals per request
+        self.k = num_speculative_tokens
+        self.kv = kv
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
+        # request id -> (verify steps in a row that accepted nothing, proposal rounds still to skip): a request
+        # whose proposals keep failing (free-form text under n-gram) backs off exponentially, up to MAX_SKIP
+        # rounds, so it decodes plainly instead of paying for k rejected tokens a step; any acceptance resets it
+        self.backoff: dict[str, tuple[int, int]] = {}
+
+    def propose(self, running: list[Request], paused: bool = False) -> None:
+        """Set `spec_token_ids` of every running request that decodes next (one known token left to compute);
+        `paused`: none this step (each request's proposals are cleared)."""
+        reqs, limits = [], []
+        for req in running:
+            req.spec_token_ids = []
+            # each step emits at most proposals + 1 tokens: stay within max_tokens / max_model_len
+            room = req.max_total_tokens - req.num_tokens - 1
+            if not paused and room > 0 and not req.num_pending_tokens and req.num_computed_tokens == req.num_tokens - 1:
+                misses, skip = self.backoff.get(req.request_id, (0, 0))
+                if skip:
+                    self.backoff[req.request_id] = (misses, skip - 1)
+                    continue
+                reqs.append(req)
+                limits.append(room)
+        if len(self.backoff) > 2 * len(running):
+            live = {req.request_id for req in running}
+            self.backoff = {r: b for r, b in self.backoff.items() if r in live}
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release({req.request_id for req in running})
+        if reqs:
+            for req, proposal in zip(reqs, self.proposer.propose(reqs, limits)):
+                req.spec_token_ids = proposal
+
+    def after_verify(self, sched: SchedulerOutput, step: LaunchedStep) -> None:
+        """After `Scheduler.advance`: each verified request emits accepted + 1 tokens (one was counted pending
+        already), and the positions of its rejected proposals are no longer computed."""
+        stats = self.stats
+        for row, (proposed, accepted) in step.verified.items():
+            req = sched.requests[row]
+            req.num_pending_tokens += accepted
+            req.num_computed_tokens -= proposed - accepted
+            req.spec_token_ids = []
+            self.kv.trim(req, req.num_computed_tokens)
+            misses = 0 if accepted else self.backoff.get(req.request_id, (0, 0))[0] + 1
+            self.backoff[req.request_id] = (misses, min(2 ** misses - 1, MAX_SKIP) if misses else 0)
+            stats.num_drafts += 1
+            stats.num_draft_tokens += proposed
+            stats.num_accepted_tokens += accepted
+            for j in range(accepted):
+                stats.accepted_per_pos[j] += 1
+
+
+def build_spec_decoder(config: RuntimeConfig, kv: KVCacheManager, target_vocab: int, max_model_len: int,
+                       device: torch.device) -> SpecDecoder:
+    spec = config.speculative_config
+    k = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        proposer: Any = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        from kiln.runtime.spec_decode.draft_model import DraftModelProposer, draft_runtime_config
+        from kiln.runtime.worker import Worker
+
+        try:  # the config alone says whether the vocabularies match: fail before loading any weights
+            draft_vocab = resolve_model_source(spec.model)[1].vocab_size
+            if draft_vocab != target_vocab:
+                raise ValueError(f"has a vocabulary of {draft_vocab} tokens, the target {target_vocab}: a draft "
+                                 "must share the target's vocabulary")
+            worker = Worker(draft_runtime_config(config, max_model_len, device), device)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config model {spec.model!r} {exc}") from exc
+        worker.warm_up()
+        proposer = DraftModelProposer(worker, k, config.scheduler.max_num_batched_tokens)
+        logger.info("speculative decoding: draft model %s, %d KV blocks", spec.model, worker.num_blocks)
+    logger.info("speculative decoding: %s, %d proposals a step", spec.method, k)
+    return SpecDecoder(proposer, k, kv)

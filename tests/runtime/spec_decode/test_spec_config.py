@@ -1,0 +1,70 @@
+"""`speculative_config` is checked at start with errors that name what is wrong; the n-gram lookup; the KV
+manager's trim of rejected positions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln import Runtime
+from kiln.config import SpeculativeConfig
+from kiln.entrypoints.cli.main import parse_speculative_config
+from kiln.runtime.kv.block_pool import BlockPool
+from kiln.runtime.kv.hashing import block_hash_fn
+from kiln.runtime.kv.manager import KVCacheManager
+from kiln.runtime.request import Request
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.spec_decode.ngram import ngram_proposal
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": -3}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+])
+def test_bad_configs_fail_at_start_naming_the_field(value, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        Runtime("tiny-llama", device="cpu", level=0, speculative_config=value)
+
+
+def test_config_from_vllm_dict() -> None:
+    config = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
+                                           "prompt_lookup_min": 2})
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == \
+        ("ngram", 3, 5, 2)
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')["method"] == "ngram"
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoint) -> None:
+    with pytest.raises(ValueError, match="speculative_config model .*vocabulary of 49152"):
+        Runtime(str(tiny_checkpoint("tiny-llama")[0]), device="cpu", level=0, dtype="fp32",
+                speculative_config={"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 2})
+
+
+def test_ngram_lookup() -> None:
+    tokens = np.array([5, 6, 7, 8, 9, 1, 6, 7, 8, 2, 6, 7, 8])
+    # the longest suffix found earlier (6 7 8, first at 1): what followed it there
+    assert ngram_proposal(tokens, 3, 1, 4) == [9, 1, 6]
+    assert ngram_proposal(tokens, 1, 1, 4) == [9]
+    assert ngram_proposal(np.array([1, 2, 3, 4]), 3, 1, 4) == []  # nothing repeats
+    assert ngram_proposal(np.array([4, 4]), 3, 1, 4) == [4]  # only what exists before the end
+    assert ngram_proposal(np.array([1, 2, 9, 2]), 3, 2, 4) == []  # suffixes shorter than the minimum are not used
+
+
+def test_trim_frees_emptied_blocks_only() -> None:
+    pool = BlockPool(10, enable_caching=False)
+    kv = KVCacheManager(pool, 4, block_hash_fn("fast", 0))
+    req = Request("r", list(range(9)), SamplingParams(), frozenset(), 64)
+    assert kv.allocate(req, 9 + 4)  # 13 positions: 4 blocks
+    ids = kv.block_ids_of(req)
+    free = pool.num_free
+    kv.trim(req, 9)  # positions 0..8: 3 blocks
+    assert kv.block_ids_of(req) == ids[:3] and kv.block_ids_of(req) is not ids
+    assert pool.num_free == free + 1
+    kv.trim(req, 12)  # nothing past the blocks it has
+    assert len(kv.block_ids_of(req)) == 3
