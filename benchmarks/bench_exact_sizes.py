@@ -2,8 +2,8 @@
 
 Two arms on the same random weights, each a default Runtime built, measured and freed in turn:
 
-- `exact`: default -O2 with `background_compile_sizes=(1, 2, 4, 8)` (`--exact-sizes`: -O2's plan on a GPU since
-  issue 14, config.GPU_EXACT_SIZES), compiled after ready and waited for and swapped in
+- `exact`: default -O2 with `background_compile_sizes=(1, 2, 4, 8)` (`--exact-sizes`: -O2's plan on a GPU from
+  issue 14 to issue 27), compiled after ready and waited for and swapped in
   (`finish_background_compiles`) before anything is timed;
 - `range`: default -O2 with `background_compile_sizes=()`: every batch is served by the range artifact.
 

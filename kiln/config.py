@@ -174,7 +174,8 @@ class CompilationConfig:
     enable_passes: bool | None = None
     passes: tuple[str, ...] | None = None  # explicit pass list; None: the level's default set
     max_autotune: bool | None = None
-    # exact sizes compiled after the runtime is ready and swapped in at a step boundary (docs/compiler.md)
+    # exact sizes compiled after the runtime is ready and swapped in at a step boundary (-O3's sizes above the
+    # capture sizes by default; docs/compiler.md)
     background_compile_sizes: tuple[int, ...] | None = None
     # worker processes for Inductor compiles; None: from the host's cores (kiln/compiler/parallel.py)
     compile_workers: int | None = None
@@ -243,10 +244,6 @@ class CompilationConfig:
                 sizes = ()
             else:  # -O3 on a GPU: every capture size, up front; -O2/-O3 on a CPU: one token
                 sizes = capture if on_gpu else (1,)
-            if background is None and on_gpu and level == 2:
-                # -O2's exact sizes serve only small decode batches faster: serve first from the range artifact,
-                # compile them once the runtime is ready, swap them in and capture their graphs again
-                background = tuple(s for s in GPU_EXACT_SIZES if s in capture)
         if background is None:  # -O3's extras: not needed to serve, so compiled after the runtime is ready
             background = () if level < 3 else ((1024, 2048) if on_gpu else (2, 4))
         sizes = {int(s) for s in sizes if int(s) <= max_num_batched_tokens}
@@ -274,13 +271,10 @@ class CompilationConfig:
         )
 
 
-# -O2's exact sizes on a GPU: small decode batches only, compiled in the background once the runtime is ready
-# (up front under tensor parallelism). An exact artifact is one more Inductor compile per distinct piece (x3 for
-# a Llama), and the range artifact, captured in a CUDA graph at each capture size, serves the rest;
-# benchmarks/bench_compile_plan.py measures exact against range at the capture sizes, and docs/compiler.md keeps
-# the table that justifies this choice and the start-up A/B of up front vs background. At most 8, which
-# tests/compiler assert.
-GPU_EXACT_SIZES = (1, 2, 4, 8)
+# -O2 on a GPU compiles each piece for its token-count range alone: every capture size is served, and captured,
+# from the range artifact. Exact decode sizes (1, 2, 4, 8, compiled after ready) measured no faster inside CUDA
+# graphs in one process on an H200 (benchmarks/bench_exact_sizes.py, docs/compiler.md) and cost 12 more 8B
+# compiles; -O3 still compiles every capture size exactly.
 # Inductor options -O2 and -O3 set on a GPU: combo kernels launch independent kernels of a piece as one (the
 # RoPE of q and of k and v's copy before attention), measured faster (docs/compiler.md); an explicit
 # inductor_options entry of the same name wins.

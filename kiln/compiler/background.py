@@ -1,6 +1,6 @@
 """Serve first, tune in the background: compiles not needed to serve run after the runtime is ready.
 
-`background_compile_sizes` (resolved: on a GPU -O2's exact decode sizes, -O3's sizes above the capture sizes)
+`background_compile_sizes` (resolved: by default -O3's sizes above the capture sizes)
 are compiled in a spawned worker process pool, started once the runtime is ready (`start()`, after the
 CUDA-graph capture), while the engine serves from the range artifacts; the engine calls `swap_if_done()` at
 every step boundary (before a forward is launched, never inside one), and once every compile has finished, the new
@@ -11,7 +11,7 @@ compile only means that size keeps being served from its range.
 Rule with CUDA graphs: a graph holds the artifact it was captured with, so the graphs at a swapped size are
 captured again right after the swap (`on_swap`, set by kiln/compiler/cuda_graphs.py; the device is
 synchronised first, so the step in flight finishes with the graphs it was launched with). So any size may
-be a background size: an 8B cold start reached its first token 7-9 s sooner with -O2's exact sizes here
+be a background size: an 8B cold start reached its first token 7-9 s sooner with issue 14's exact sizes here
 than with them up front (docs/compiler.md).
 
 Where every artifact is already in the compile cache (a warm start), nothing is left to do in the
