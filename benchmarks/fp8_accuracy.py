@@ -1,6 +1,6 @@
 """FP8 accuracy on real text: teacher-forced next-token distributions of FP8 models against bf16 and fp32.
 
-Every model reads the same passages (fp8_accuracy_text.EVAL, ~900 tokens of public-domain English) as one
+Every model reads the same passages (data/fp8_accuracy_text.json's eval passages, ~900 tokens of public-domain English) as one
 prefill per passage through kiln's runner (its buffers, forward_fn, attention backend and LM head: what
 kiln serves), and every position's distribution is compared with the reference's: top-1 agreement (the
 share of positions whose argmax matches) and mean KL(ref || model) in nats; the text's perplexity is
@@ -9,7 +9,7 @@ printed beside them. FP8 granularities, on the same (embedded, by default) weigh
 - channel/token: one weight scale per output channel, activations scaled per token at run time: what
   `quantization="fp8"` does to a full-precision checkpoint;
 - tensor/token, channel/static, tensor/static: FP8 checkpoints written here with one weight scale per
-  tensor and/or a static per-tensor input scale (calibrated on fp8_accuracy_text.CALIBRATION, never on the
+  tensor and/or a static per-tensor input scale (calibrated on its calibration passage, never on the
   text scored), loaded the way published FP8 checkpoints are;
 - channel/token + fp8 lm_head: the first model with its LM head also in FP8 (per-vocab-row scales, the
   final hidden per token), computed from the same hidden states: kiln keeps the head in the model dtype,
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.fp8_accuracy_text import CALIBRATION, EVAL
 from kiln import Runtime, SamplingParams
 from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_weight
 
@@ -36,6 +35,13 @@ LM_HEAD_ROW = "channel/token + fp8 lm_head"
 # kiln's fused projections and the checkpoint tensors that feed them (they share one input)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
           "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+
+
+
+# public-domain passages, shipped as data so the measurement needs no download
+_TEXT = json.loads((Path(__file__).parent / "data" / "fp8_accuracy_text.json").read_text())
+EVAL: tuple[str, ...] = tuple(_TEXT["eval"])
+CALIBRATION = tuple(_TEXT["calibration"]) if isinstance(_TEXT["calibration"], list) else _TEXT["calibration"]
 
 
 def passage_tokens(runtime: Runtime, texts: Sequence[str] = EVAL) -> list[list[int]]:

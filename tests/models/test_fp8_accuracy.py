@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.fp8_accuracy import compare, measure
-from benchmarks.fp8_accuracy_text import EVAL
+from benchmarks.fp8_accuracy import EVAL, compare, measure
 
 
 def test_top1_and_kl_are_the_textbook_ones() -> None:
