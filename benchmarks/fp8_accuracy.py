@@ -1,6 +1,7 @@
 """FP8 accuracy on real text: teacher-forced next-token distributions of FP8 models against bf16 and fp32.
 
-Every model reads the same passages (data/fp8_accuracy_text.json's eval passages, ~900 tokens of public-domain English) as one
+Every model reads the same passages (the eval passages of data/fp8_accuracy_text.json,
+~900 tokens of public-domain English) as one
 prefill per passage through kiln's runner (its buffers, forward_fn, attention backend and LM head: what
 kiln serves), and every position's distribution is compared with the reference's: top-1 agreement (the
 share of positions whose argmax matches) and mean KL(ref || model) in nats; the text's perplexity is
