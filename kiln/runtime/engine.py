@@ -62,9 +62,12 @@ class Engine:
         self.device = resolve_device(config.device)
         # per-device defaults (batch limits, async scheduling) are fixed here, before any worker sees the config
         config = dataclasses.replace(config, scheduler=config.scheduler.resolve(self.device))
-        if config.speculative_config is not None and config.scheduler.async_scheduling:
-            # the next step's inputs depend on how many proposals this one accepts (docs/spec_decode.md)
-            logger.info("async scheduling off: speculative decoding runs its steps synchronously")
+        spec = config.speculative_config
+        if spec is not None and config.scheduler.async_scheduling and (
+                spec.method != "ngram" or config.tensor_parallel_size > 1):
+            # a draft model proposes every step, and tensor-parallel workers follow one mode per engine: every
+            # step is synchronous (n-gram at TP=1 overlaps the steps without proposals, docs/spec_decode.md)
+            logger.info("async scheduling off: speculative decoding (%s) runs its steps synchronously", spec.method)
             config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
                                                                                async_scheduling=False))
         self.config = config
@@ -369,17 +372,22 @@ class Engine:
         device runs k, and return k-1's outputs; with nothing left to launch, finish the step in flight.
         """
         failed = self._release_compiled() if self.structured is not None and self.structured.held else []
+        paused = False
+        if self.speculation is not None:
+            self.speculation.next_step()
+            # a verify step samples without grammar masks: nothing speculates while a constrained request is
+            # scheduled or may be (its prefill's last chunk samples too)
+            paused = any(r.grammar is not None for r in (*self.scheduler.running, *self.scheduler.waiting))
+            if self.async_scheduling:
+                if not paused and self.speculation.wants_verify(self.scheduler.running):
+                    # a verify step's outcome sets the next step's inputs: it runs with nothing in flight
+                    drained = self._complete(self._take_inflight()) if self._inflight is not None else []
+                    return failed + drained + self._sync_step(paused)
+                self.speculation.propose(self.scheduler.running, paused=True)  # an overlapped step verifies nothing
         if not self.async_scheduling:
             if self._inflight is not None:  # left over from before async scheduling was switched off
-                return self._complete(self._take_inflight())
-            if self.speculation is not None:
-                # a verify step samples without grammar masks: nothing speculates while a constrained request
-                # is scheduled or may be (its prefill's last chunk samples too)
-                sched_reqs = (*self.scheduler.running, *self.scheduler.waiting)
-                self.speculation.propose(self.scheduler.running,
-                                         paused=any(r.grammar is not None for r in sched_reqs))
-            sched = self.scheduler.schedule()
-            return failed if sched.is_empty else failed + self._complete(self._launch(sched))
+                return failed + self._complete(self._take_inflight())
+            return failed + self._sync_step(paused)
         outputs: list[RequestOutput] = failed
         if self._inflight is not None and self._inflight.needs_drain:
             outputs = self._complete(self._take_inflight())  # penalties read those tokens' values on the host
@@ -404,6 +412,13 @@ class Engine:
             return outputs
         self.stats.overlapped_steps += 1
         return outputs + completed + (self._complete(previous) if previous is not None else [])
+
+    def _sync_step(self, paused: bool) -> list[RequestOutput]:
+        """Propose (when speculating), schedule, launch and complete one step."""
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running, paused=paused)
+        sched = self.scheduler.schedule()
+        return [] if sched.is_empty else self._complete(self._launch(sched))
 
     def _take_inflight(self) -> LaunchedStep:
         step, self._inflight = self._inflight, None

@@ -25,7 +25,7 @@ from kiln.runtime.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("kiln")
 
-MAX_SKIP = 32  # the most proposal rounds a request with rejected proposals sits out
+MAX_SKIP = 32  # the most steps a request with rejected proposals sits out
 
 
 @dataclass
@@ -48,10 +48,31 @@ class SpecDecoder:
         self.k = num_speculative_tokens
         self.kv = kv
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
-        # request id -> (verify steps in a row that accepted nothing, proposal rounds still to skip): a request
-        # whose proposals keep failing (free-form text under n-gram) backs off exponentially, up to MAX_SKIP
-        # rounds, so it decodes plainly instead of paying for k rejected tokens a step; any acceptance resets it
+        # request id -> (verify steps in a row that accepted nothing, the step its proposals resume at): a
+        # request whose proposals keep failing (free-form text under n-gram) backs off exponentially, up to
+        # MAX_SKIP steps, so it decodes plainly instead of paying for k rejected tokens a step; any acceptance
+        # resets it
         self.backoff: dict[str, tuple[int, int]] = {}
+        self.step = 0  # engine steps begun (`next_step`): the clock of the backoff
+
+    def next_step(self) -> None:
+        self.step += 1
+
+    def _eligible(self, req: Request, room: int) -> bool:
+        return room > 0 and self.backoff.get(req.request_id, (0, 0))[1] <= self.step
+
+    def wants_verify(self, running: list[Request]) -> bool:
+        """Async scheduling: would a decoding request get proposals from the tokens already on the host (the
+        one in flight aside)? Only then is the step in flight drained for a synchronous verify; otherwise the
+        next step is launched overlapped, as without speculation. A draft model always proposes."""
+        if not isinstance(self.proposer, NgramProposer):
+            return True
+        for req in running:
+            decoding = req.num_pending_tokens or req.num_computed_tokens == req.num_tokens - 1
+            room = req.max_total_tokens - req.num_tokens_with_pending - 1
+            if decoding and self._eligible(req, room) and self.proposer.propose([req], [room])[0]:
+                return True
+        return False
 
     def propose(self, running: list[Request], paused: bool = False) -> None:
         """Set `spec_token_ids` of every running request that decodes next (one known token left to compute);
@@ -61,11 +82,8 @@ class SpecDecoder:
             req.spec_token_ids = []
             # each step emits at most proposals + 1 tokens: stay within max_tokens / max_model_len
             room = req.max_total_tokens - req.num_tokens - 1
-            if not paused and room > 0 and not req.num_pending_tokens and req.num_computed_tokens == req.num_tokens - 1:
-                misses, skip = self.backoff.get(req.request_id, (0, 0))
-                if skip:
-                    self.backoff[req.request_id] = (misses, skip - 1)
-                    continue
+            if (not paused and not req.num_pending_tokens and req.num_computed_tokens == req.num_tokens - 1
+                    and self._eligible(req, room)):
                 reqs.append(req)
                 limits.append(room)
         if len(self.backoff) > 2 * len(running):
@@ -89,7 +107,7 @@ class SpecDecoder:
             req.spec_token_ids = []
             self.kv.trim(req, req.num_computed_tokens)
             misses = 0 if accepted else self.backoff.get(req.request_id, (0, 0))[0] + 1
-            self.backoff[req.request_id] = (misses, min(2 ** misses - 1, MAX_SKIP) if misses else 0)
+            self.backoff[req.request_id] = (misses, self.step + 1 + min(2 ** misses - 1, MAX_SKIP))
             stats.num_drafts += 1
             stats.num_draft_tokens += proposed
             stats.num_accepted_tokens += accepted

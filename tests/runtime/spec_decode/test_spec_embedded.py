@@ -97,6 +97,29 @@ def test_greedy_tokens_unchanged(runtime, plain, method) -> None:
         assert counts["spec_decode_num_accepted_tokens"] == counts["spec_decode_num_draft_tokens"]
 
 
+def test_ngram_with_async_scheduling_overlaps_the_steps_without_proposals(runtime, plain) -> None:
+    """n-gram under async scheduling: a step whose requests have no proposals launches overlapped, a proposal
+    drains the step in flight for a synchronous verify; the greedy tokens stay the plain ones."""
+    engine = runtime.engine
+    free = runtime.apply_chat_template([{"role": "user", "content": "Write a poem about the sea."}])
+    free_params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with speculating(runtime, None):
+        want_free = runtime.generate([free], free_params)[0].outputs[0].token_ids
+    engine.async_scheduling = True
+    try:
+        outs, counts = generate(runtime, "ngram")  # copy prompts: proposals nearly every step
+        overlapped = engine.stats.overlapped_steps
+        with speculating(runtime, "ngram"):
+            got_free = runtime.generate([free], free_params)[0].outputs[0].token_ids
+    finally:
+        engine.async_scheduling = False
+    for got, want in zip(outs, plain):
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert counts["spec_decode_num_accepted_tokens"] > 0
+    assert got_free == want_free
+    assert engine.stats.overlapped_steps > overlapped
+
+
 def test_logprobs_inside_accepted_runs(runtime) -> None:
     prompt = prompts(runtime)[0]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
