@@ -4,9 +4,16 @@ One bit per vocabulary id (xgrammar's packed int32 layout). Rows without a gramm
 applies to the whole [rows, vocab] logits in one kernel, in place, after the (graphed) forward and before
 sampling: greedy, sampling, penalties and logprobs all see the constrained distribution, as in vLLM. The host
 buffer is pinned and the upload does not block, so the fill overlaps the forward already queued on the GPU.
+
+The fill runs on one thread by default: a JSON-schema row takes ~5-15 us (xgrammar's precomputed masks), so 64
+rows fit well inside one decode step, while xgrammar's "auto" pool (half of what the OS reports as hardware
+threads, not what the process may use) oversubscribed the cores it shares with the engine's host thread
+(docs/BENCHMARKS.md, "Structured outputs"). KILN_GRAMMAR_FILL_THREADS sets another count.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,7 +24,7 @@ class TokenBitmask:
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         import xgrammar as xgr
 
-        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads="auto")
+        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=int(os.environ.get("KILN_GRAMMAR_FILL_THREADS", "1")))
         self.host = xgr.allocate_token_bitmask(max_rows, vocab_size)
         if device.type == "cuda":
             self.host = self.host.pin_memory()
