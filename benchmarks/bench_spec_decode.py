@@ -7,8 +7,9 @@ cost against a plain decode step.
 
 Tasks: `copy` (repeat a paragraph exactly, through the chat template), `edit` (rewrite a code snippet with one
 change) and `free` (an open question: proposals rarely match, so this shows what speculation costs when it does
-not help). Without speculation means the same compiled runtime with proposals off and the device's default
-scheduling (async on a GPU). Prints a table; --json writes every number.
+not help). Both arms run the same compiled runtime with the device's default scheduling (async on a GPU; with
+n-gram proposals a step is overlapped unless it verifies, docs/spec_decode.md), proposals on or off. Prints a
+table; --json writes every number.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from benchmarks.common import stamp
 from kiln import Runtime, SamplingParams
+from kiln.runtime.spec_decode.ngram import NgramProposer
 
 PARAGRAPH = ("Speculative decoding lets a small proposer guess several tokens ahead, and the large model checks "
              "all of the guesses in a single forward pass. When the guesses are right, the model emits several "
@@ -58,7 +60,7 @@ def run_task(rt: Runtime, prompt: list[int], max_tokens: int, speculate: bool, s
              repeats: int) -> dict[str, Any]:
     engine = rt.engine
     engine.speculation = spec if speculate else None
-    engine.async_scheduling = False if speculate else default_async
+    engine.async_scheduling = default_async and (not speculate or isinstance(spec.proposer, NgramProposer))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     rt.generate([prompt], params)  # warm: every shape this task runs
     before = dict(spec.stats.as_dict()) if spec is not None else {}
