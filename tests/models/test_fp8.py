@@ -134,23 +134,31 @@ def test_compiled_fp8_matches_eager_fp8(tiny_checkpoint, dtype: str) -> None:
     assert compiled.compile_stats.dynamo_traces == 1
 
 
-@pytest.mark.slow
-def test_embedded_model_in_fp8_keeps_its_answers(embedded_dir) -> None:
-    """SmolLM2-135M-Instruct quantized online. Measured (2026-11-30, CPU, torch 2.13): Paris; the first 4
-    greedy tokens equal fp32's on 12 of these 16 questions (11/16 for 8 tokens), the other 4 differ from
-    the first token on (an opening word such as "The" vs "Sure" that the 135M model holds nearly tied).
-    At least 10/16 leaves room for two more near-ties flipping on another CPU's kernels, while a broken
-    scale or a wrong shard (which garbles every answer) cannot pass."""
+@pytest.fixture(scope="module")
+def eager_fp8_answers(embedded_dir) -> tuple[str, list[list[int]], list[list[int]]]:
+    """SmolLM2-135M-Instruct quantized online, -O0: the France answer, the QUESTIONS prompts and their first 4
+    greedy tokens (shared by the two tests below: one eager FP8 build)."""
     fp8 = Runtime(str(embedded_dir), level=0, device="cpu", dtype="fp32", quantization="fp8",
                   max_num_batched_tokens=512)
     answer = fp8.chat(FRANCE, SamplingParams(max_tokens=24, temperature=0.0)).outputs[0].text
-    assert "Paris" in answer, answer
     prompts = [fp8.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    ours = tokens(fp8, prompts, params)
-    del fp8
+    return answer, prompts, tokens(fp8, prompts, FIRST_4)
+
+
+FIRST_4 = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.slow
+def test_embedded_model_in_fp8_keeps_its_answers(embedded_dir, eager_fp8_answers) -> None:
+    """Measured (2026-11-30, CPU, torch 2.13): Paris; the first 4 greedy tokens equal fp32's on 12 of these 16
+    questions (11/16 for 8 tokens), the other 4 differ from the first token on (an opening word such as "The"
+    vs "Sure" that the 135M model holds nearly tied). At least 10/16 leaves room for two more near-ties
+    flipping on another CPU's kernels, while a broken scale or a wrong shard (which garbles every answer)
+    cannot pass."""
+    answer, prompts, ours = eager_fp8_answers
+    assert "Paris" in answer, answer
     full = tokens(Runtime(str(embedded_dir), level=0, device="cpu", dtype="fp32", max_num_batched_tokens=512),
-                  prompts, params)
+                  prompts, FIRST_4)
     agree = sum(first_tokens_agree(a, b, 4) for a, b in zip(ours, full))
     print(f"fp8 vs fp32: first 4 tokens agree on {agree}/{len(prompts)} questions")
     assert agree >= 10
@@ -320,23 +328,21 @@ def test_cli_flag_reaches_the_runtime_options() -> None:
 
 
 @pytest.mark.slow
-def test_embedded_model_in_fp8_compiled_matches_eager(embedded_dir) -> None:
+def test_embedded_model_in_fp8_compiled_matches_eager(embedded_dir, eager_fp8_answers) -> None:
     """-O2 (compiled pieces, the quantization fused into the norm / SiLU kernels) against -O0 on the same
     FP8 weights. They are not bit-equal and cannot be: compiled fp32 kernels sum in another order, and a
     last-bit change in an activation or its amax moves an e4m3 rounding (a step of 1/16 of the value).
     This FP8 model amplifies such flips: in eager mode alone, quantizing with x * (1/scale) instead of
     x / scale moves the France prompt's last logits by 4.0% (relative norm); -O2 vs -O0 measured 6.6%,
     FP8 vs fp32 9.2%. The first 4 greedy tokens agree on 13/16 questions (the 135M model has near-tied
-    openings; see the fp32 comparison above, 12/16), so at least 12 is asserted, and Paris."""
-    options = dict(device="cpu", dtype="fp32", quantization="fp8", max_num_batched_tokens=512)
-    compiled = Runtime(str(embedded_dir), level=2, **options)
+    openings; see the fp32 comparison above, 12/16), so at least 12 is asserted, and Paris. The range
+    artifact alone serves every size (no exact size-1 compile: the same kernels, half the CPU compile)."""
+    compiled = Runtime(str(embedded_dir), level=2, device="cpu", dtype="fp32", quantization="fp8",
+                       max_num_batched_tokens=512, compile_sizes=())
     assert "Paris" in compiled.chat(FRANCE, SamplingParams(max_tokens=24, temperature=0.0)).outputs[0].text
-    prompts = [compiled.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    ours = tokens(compiled, prompts, params)
+    _, prompts, eager = eager_fp8_answers
+    ours = tokens(compiled, prompts, FIRST_4)
     assert compiled.compile_stats.compiles_after_warmup == 0
-    del compiled
-    eager = tokens(Runtime(str(embedded_dir), level=0, **options), prompts, params)
     agree = sum(a == b for a, b in zip(ours, eager))
     print(f"fp8 -O2 vs -O0: first 4 tokens agree on {agree}/{len(prompts)} questions")
     assert agree >= 12

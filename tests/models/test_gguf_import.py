@@ -13,13 +13,10 @@ from kiln.models.loader import gguf_import
 
 
 @pytest.fixture(scope="session")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
-    try:
-        gguf_import.embedded_gguf_path()
-    except (ImportError, FileNotFoundError) as exc:
-        pytest.skip(str(exc))
-    cache = tmp_path_factory.mktemp("kiln-cache")
-    return cache, gguf_import.embedded_model_dir(cache)
+def converted(embedded_dir: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """The session's one conversion (conftest's `embedded_dir`, into $KILN_CACHE_DIR or ~/.cache/kiln): (cache
+    root, model dir). Converting takes ~40 s on a 2-core machine, so the tests share it."""
+    return embedded_dir.parent.parent, embedded_dir
 
 
 @pytest.mark.slow
@@ -77,6 +74,10 @@ def test_env_var_selects_cache(
     cache, model_dir = converted
     monkeypatch.setenv("KILN_CACHE_DIR", str(cache))
     assert gguf_import.embedded_model_dir() == model_dir
+    elsewhere = cache / "elsewhere"
+    monkeypatch.setenv("KILN_CACHE_DIR", str(elsewhere))
+    assert gguf_import._cache_root(None) == elsewhere  # where a conversion would go (not run again here)
+    assert gguf_import._cache_root(cache) == cache  # an explicit directory wins over the variable
 
 
 def test_missing_package_hint(monkeypatch: pytest.MonkeyPatch) -> None:
