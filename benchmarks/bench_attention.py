@@ -6,7 +6,8 @@ time); both flush L2 between calls. Achieved bandwidth (KV read + q/out + KV wri
 against the device-to-device copy bandwidth, and prefill FLOP/s against the bf16 matmul rate, both
 measured in the same run.
 
-    python -m benchmarks.bench_attention [--backends torch triton flashinfer] [--batches 1 8 64]
+    python -m benchmarks.bench_attention [--backends torch triton flashinfer] [--batches 1 8 64] [--json ab.json]
+    # (decode by batch and context, prefill, and the mixed steps of --mixed, per backend)
     # the Triton decode kernel's launch configurations (tile, warps, stages, split waves, split floor), ~6 min:
     python -m benchmarks.bench_attention --sweep --batches 1 8 64 256 --contexts 160 600 2048 --json sweep.json
     # only some knobs, the others at the default; a tensor-parallel rank's heads (70B at TP=2: 32 q / 4 kv):
@@ -278,10 +279,24 @@ def main() -> None:
                 rate = flops / (ms / 1e3)
                 rows.append([name, "prefill", batch, length, ms * 1e3, float("nan"), f"{rate / 1e12:.0f} TFLOP/s",
                              f"{100 * rate / ceil.matmul_flops_per_s:.0f}%"])
+    for label, q_lens, contexts in mixed_steps():  # prefill chunks beside decodes, as the scheduler mixes them
+        tensors, common = step_inputs(q_lens, contexts)
+        flops = sum(4 * HQ * D * (c * n + n * (n + 1) / 2) for n, c in zip(q_lens, contexts))
+        for name, backend in backends.items():
+            ms = time_step(backend, tensors, common, graph=False)
+            rate = flops / (ms / 1e3)
+            rows.append([name, "mixed", label, "", ms * 1e3, float("nan"), f"{rate / 1e12:.0f} TFLOP/s",
+                         f"{100 * rate / ceil.matmul_flops_per_s:.0f}%"])
     print(f"{stamp()}\ncopy bandwidth {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
           f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s; {HQ} q / {HKV} kv heads, D={D}, bf16, "
           f"KV cache {args.kv_cache_dtype}")
-    print(table(["backend", "phase", "batch", "ctx", "eager us", "graph us", "achieved", "of ceiling"], rows))
+    header = ["backend", "phase", "batch", "ctx", "eager us", "graph us", "achieved", "of ceiling"]
+    print(table(header, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"stamp": stamp(), "copy_bytes_per_s": ceil.copy_bytes_per_s,
+                       "matmul_flops_per_s": ceil.matmul_flops_per_s, "rows": [dict(zip(header, r)) for r in rows]},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,15 @@ set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64
   step profile 300 python3 -m benchmarks.bench_profile --configs llama3-8b:1:bf16 llama3-8b:1:fp8 --batches 1 64 \
     --json "$R/profile.json"
 }
-set_attention() {  # attention kernels per backend (FlashInfer when installed), decode and prefill
-  step attention 240 python3 -m benchmarks.bench_attention --backends triton flashinfer
+set_attention() {  # attention kernels per backend (FlashInfer when installed): decode, prefill, mixed steps
+  step attention 300 python3 -m benchmarks.bench_attention --backends triton flashinfer --batches 1 8 64 256 \
+    --contexts 512 4096 --json "$R/attention.json"
+}
+set_backend_ab() {  # decode at default settings with each attention backend (FlashInfer when installed)
+  for backend in triton flashinfer; do
+    step "decode_$backend" 240 python3 -m benchmarks.bench_gpu decode --defaults --backend "$backend" \
+      --models llama3-8b smollm2-135m --async-scheduling on --json "$R/decode_$backend.json"
+  done
 }
 set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm
   step gemm 240 python3 -m benchmarks.bench_gemm --part small-m --json "$R/gemm.json"

@@ -7,10 +7,12 @@ import torch
 from kiln.attention.base import AttentionBackend, AttentionLayout, GraphSupport
 from kiln.attention.torch_backend import TorchAttentionBackend
 
-# Preference order for `auto` on CUDA; GPU backends register themselves lazily (optional deps).
+# Preference order for `auto` on CUDA; GPU backends register themselves lazily (optional deps). Triton
+# first: it won the decode A/B at every batch and context and the end-to-end decode (docs/attention.md), and
+# runs every layout FlashInfer does, so FlashInfer serves when chosen by name (`attention_backend="flashinfer"`).
 _BACKENDS: dict[str, str] = {
-    "flashinfer": "kiln.attention.flashinfer_backend:FlashInferAttentionBackend",
     "triton": "kiln.attention.triton_backend:TritonAttentionBackend",
+    "flashinfer": "kiln.attention.flashinfer_backend:FlashInferAttentionBackend",
     "torch": "kiln.attention.torch_backend:TorchAttentionBackend",
 }
 

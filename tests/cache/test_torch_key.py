@@ -9,8 +9,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from kiln.cache.torch_key import TORCH_KEY_DIR, torch_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,21 +65,3 @@ def test_fingerprint_follows_module_files_only(tmp_path: Path) -> None:
     stat = (package / "_C.so").stat()
     os.utime(package / "_C.so", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a rebuilt extension
     assert torch_fingerprint(package) != edited
-
-
-@pytest.mark.slow
-def test_compile_workers_use_the_parents_key(tiny_checkpoint, tmp_path: Path) -> None:
-    """Artifacts carry the torch_key of the process that compiled them and a load checks it against its own:
-    with a planted key in the parent, worker artifacts load only if the workers were handed that key (a worker
-    that computed its own would fail the check and the piece would be compiled in the parent instead)."""
-    checkpoint = tiny_checkpoint("tiny-llama")[0]
-    out = _python(f"""
-        from kiln.cache.torch_key import set_torch_key
-        assert set_torch_key(b"p" * 32)
-        from kiln import Runtime
-        rt = Runtime({str(checkpoint)!r}, level=2, compile_sizes=(), device="cpu", dtype="fp32",
-                     max_num_batched_tokens=32, max_num_seqs=4, compile_workers=2)
-        stats = rt.compile_stats
-        print(stats.worker_compiles, stats.inductor_compiles)
-    """, tmp_path / "cache", timeout=900)
-    assert out == "3 3"

@@ -111,7 +111,11 @@ def test_background_swap_is_token_identical(tiny_checkpoint, caplog: pytest.LogC
 def test_a_script_without_the_main_guard_compiles_in_its_workers(tmp_path) -> None:
     """kiln's compile workers start from kiln's own entry point, so a plain script that builds a runtime at top
     level (no `if __name__ == "__main__":`) runs once, its compiles run in the two worker processes (the pool
-    that background compiles use too) and no worker prints a traceback."""
+    that background compiles use too) and no worker prints a traceback.
+
+    The script also plants a torch_key: artifacts carry the key of the process that compiled them and a load
+    checks it against its own, so the workers' artifacts load in the parent only if the workers were handed the
+    parent's key (a worker that computed its own would fail the check, and the parent would compile instead)."""
     import os
     import subprocess
     import sys
@@ -119,6 +123,8 @@ def test_a_script_without_the_main_guard_compiles_in_its_workers(tmp_path) -> No
 
     script = tmp_path / "unguarded.py"
     script.write_text(
+        "from kiln.cache.torch_key import set_torch_key\n"
+        "assert set_torch_key(b'p' * 32)\n"
         "from kiln import Runtime, SamplingParams\n"
         "print('script body', flush=True)\n"
         "rt = Runtime('tiny-llama', device='cpu', dtype='fp32', level=2, compile_sizes=(), compile_workers=2, "
@@ -127,7 +133,9 @@ def test_a_script_without_the_main_guard_compiles_in_its_workers(tmp_path) -> No
         "print('compiles', s.inductor_compiles, 'in workers', s.worker_compiles, flush=True)\n"
         "print(len(rt.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids))\n")
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+           "KILN_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("KILN_DISABLE_COMPILE_CACHE", None)  # artifacts travel as they do when cached
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

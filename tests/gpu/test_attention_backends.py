@@ -193,3 +193,11 @@ def test_flashinfer_refuses_an_fp8_cache() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         select_backend("flashinfer", layout, CUDA)
     assert select_backend("auto", layout, CUDA).name == "triton"  # auto falls through to a backend that can
+
+
+def test_auto_prefers_triton_with_flashinfer_installed() -> None:
+    """`auto` takes the measured winner (docs/attention.md): Triton, even where FlashInfer could run the layout."""
+    pytest.importorskip("flashinfer")
+    layout = AttentionLayout(32, 8, 128, 1.0, 16, torch.bfloat16)
+    assert select_backend("flashinfer", layout, CUDA).name == "flashinfer"
+    assert select_backend("auto", layout, CUDA).name == "triton"
