@@ -45,7 +45,9 @@ CODE = '''def moving_average(values, window):
     return averages
 '''
 TASKS = {
-    "copy": "Repeat the following text exactly, with nothing before or after it:\n\n" + PARAGRAPH,
+    # the embedded 135M model copies the paragraph almost word for word when asked this way; asked to "repeat
+    # the following text exactly" it wrote a sentence of its own instead, so that prompt measured no copying
+    "copy": "Here is a paragraph:\n\n" + PARAGRAPH + "\n\nWrite the paragraph again, word for word.",
     "edit": "Rename the function moving_average to rolling_mean in this code and output the whole code:\n\n" + CODE,
     "free": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
