@@ -1,33 +1,63 @@
 """N-gram ("prompt lookup") proposals: the tokens that followed the context's last n tokens where those first
 occurred earlier in the context. Free to compute on the host, and right whenever the output copies its
-input (rewrites, repetitions, code edits)."""
+input (rewrites, repetitions, code edits).
+
+Each request keeps an index of the first occurrence of every n-gram in its tokens, extended by the tokens
+added since the last lookup, so a lookup costs a few dictionary probes whatever the context's length. A scan
+of the whole context per step (numpy windows) cost 70 us at 200 tokens and 450 us at 4,000 on the CPU, per
+request and step: at batch 1 on a GPU that is a fifth of a small model's step, and it grows with the context.
+"""
 
 from __future__ import annotations
-
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from kiln.runtime.request import Request
 
 
-def ngram_proposal(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens following the earliest earlier occurrence of the longest suffix of n_max..n_min tokens."""
-    length = len(tokens)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        # windows start at 0..length-1-n, so the suffix itself is excluded and a next token always exists
-        windows = sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[0]) + n
-            return tokens[start:start + k].tolist()
-    return []
+class NgramIndex:
+    """First occurrence of each n-gram (n_min <= n <= n_max) of a growing token list that some token follows."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.first: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self.indexed = 0  # the list's length at the last `extend`
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the n-grams the tokens appended since the last call made followed (tokens only ever grow)."""
+        length = len(tokens)
+        for n, first in self.first.items():
+            # n-grams starting at 0..length-1-n have a next token; those up to indexed-1-n are in already
+            for start in range(max(self.indexed - n, 0), length - n):
+                first.setdefault(tuple(tokens[start:start + n]), start)
+        self.indexed = length
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens following the earliest earlier occurrence of the longest suffix of n_max..n_min tokens."""
+        self.extend(tokens)
+        length = len(tokens)
+        for n in sorted(self.first, reverse=True):
+            if n > length - 1:
+                continue
+            start = self.first[n].get(tuple(tokens[length - n:]))
+            if start is not None:  # never the suffix itself: its n-gram has no next token yet, so is not indexed
+                return tokens[start + n:start + n + k]
+        return []
 
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.k = num_speculative_tokens
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
+        self._indexes: dict[str, tuple[Request, NgramIndex]] = {}
 
     def propose(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
-        return [ngram_proposal(np.asarray(req.token_ids, dtype=np.int64), min(self.k, limit), self.n_min, self.n_max)
-                for req, limit in zip(reqs, limits)]
+        out = []
+        for req, limit in zip(reqs, limits):
+            entry = self._indexes.get(req.request_id)
+            if entry is None or entry[0] is not req:  # a new request (ids can be reused once one finishes)
+                entry = self._indexes[req.request_id] = (req, NgramIndex(self.n_min, self.n_max))
+            out.append(entry[1].propose(req.token_ids, min(self.k, limit)))
+        return out
+
+    def release(self, live: set[str]) -> None:
+        """Drop the indexes of requests no longer running."""
+        if len(self._indexes) > len(live):
+            self._indexes = {r: e for r, e in self._indexes.items() if r in live}

@@ -3,6 +3,8 @@ manager's trim of rejected positions."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from kiln.runtime.kv.hashing import block_hash_fn
 from kiln.runtime.kv.manager import KVCacheManager
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.spec_decode.ngram import ngram_proposal
+from kiln.runtime.spec_decode.ngram import NgramIndex
 
 
 @pytest.mark.parametrize("value, words", [
@@ -46,14 +48,43 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoint) -> None:
                 speculative_config={"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 2})
 
 
+def scan_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The oracle: scan the whole context for the longest suffix (n_max..n_min) that occurred earlier, first hit."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    length = len(arr)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+        hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
+        if len(hits):
+            return arr[int(hits[0]) + n:int(hits[0]) + n + k].tolist()
+    return []
+
+
+def lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    return NgramIndex(n_min, n_max).propose(tokens, k)
+
+
 def test_ngram_lookup() -> None:
-    tokens = np.array([5, 6, 7, 8, 9, 1, 6, 7, 8, 2, 6, 7, 8])
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 8, 2, 6, 7, 8]
     # the longest suffix found earlier (6 7 8, first at 1): what followed it there
-    assert ngram_proposal(tokens, 3, 1, 4) == [9, 1, 6]
-    assert ngram_proposal(tokens, 1, 1, 4) == [9]
-    assert ngram_proposal(np.array([1, 2, 3, 4]), 3, 1, 4) == []  # nothing repeats
-    assert ngram_proposal(np.array([4, 4]), 3, 1, 4) == [4]  # only what exists before the end
-    assert ngram_proposal(np.array([1, 2, 9, 2]), 3, 2, 4) == []  # suffixes shorter than the minimum are not used
+    assert lookup(tokens, 3, 1, 4) == [9, 1, 6]
+    assert lookup(tokens, 1, 1, 4) == [9]
+    assert lookup([1, 2, 3, 4], 3, 1, 4) == []  # nothing repeats
+    assert lookup([4, 4], 3, 1, 4) == [4]  # only what exists before the end
+    assert lookup([1, 2, 9, 2], 3, 2, 4) == []  # suffixes shorter than the minimum are not used
+
+
+@pytest.mark.parametrize("n_min,n_max", [(1, 4), (2, 4), (3, 3)])
+def test_the_growing_index_proposes_what_a_full_scan_does(n_min: int, n_max: int) -> None:
+    """One index per request, extended a few tokens at a time (as steps append 1 to k + 1 tokens), gives the
+    scan's proposal at every length, on text with many repeats (a small vocabulary)."""
+    rng = random.Random(n_min * 10 + n_max)
+    tokens: list[int] = []
+    index = NgramIndex(n_min, n_max)
+    while len(tokens) < 400:
+        tokens += [rng.randrange(6) for _ in range(rng.randint(1, 5))]
+        k = rng.randint(1, 6)
+        assert index.propose(tokens, k) == scan_proposal(tokens, k, n_min, n_max), len(tokens)
 
 
 def test_trim_frees_emptied_blocks_only() -> None:
