@@ -68,11 +68,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x).float()
+        # unsorted: the experts' order within a token's k does not matter to the weighted sum, and sorting the
+        # k winners was a kernel of its own (4 us a layer at batch 1 on the H200)
         if self.norm_topk_prob:  # softmax is monotonic, and renormalised over the top k it is their softmax:
-            top, ids = torch.topk(logits, self.top_k, dim=-1)  # one reduction over E fewer per layer
+            top, ids = torch.topk(logits, self.top_k, dim=-1, sorted=False)  # one reduction over E fewer per layer
             weights = F.softmax(top, dim=-1)
         else:
-            weights, ids = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
+            weights, ids = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1, sorted=False)
         if self.expert_parallel:  # global ids -> this rank's; another rank's experts -> num_local (skipped)
             ids = ids - self.first_expert
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local), self.num_local)
