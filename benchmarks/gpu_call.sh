@@ -10,6 +10,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # packages the device image lacks, carri
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site
+# a file over one call's carry limit travels in parts (.carry/*.part), one call each: they gather in /tmp/parts
+mkdir -p /tmp/parts && cp .carry/*.part /tmp/parts/ 2>/dev/null
 OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
 left() { echo $(( $1 - ($(date +%s) - T0) )); }
 bounded() {

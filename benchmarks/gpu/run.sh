@@ -52,6 +52,41 @@ set_compile_plan() {  # exact-size artifacts against the range artifact, one pro
 set_tp() {  # two GPUs: all-reduce kernels, then 8B TP=1/TP=2 and 70B TP=2 decode, sync and async
   step tp 570 python3 -m benchmarks.bench_tp --json "$R/tp.json"
 }
+set_fp8_fold() {  # FP8 decode at batch 1 / 64, the split-K reduce kernel against the reduction folded into the GEMM
+  step fp8_fold 200 python3 -m benchmarks.bench_fp8 --parts decode --batches 1 64 --max-num-seqs 64 --steps 48 \
+    --fp8-paths triton fold --json "$R/fp8_fold.json"
+}
+set_exact_sizes() {  # -O2's exact-size artifacts against the range artifact, one process, arms alternated
+  step exact_sizes 300 python3 -m benchmarks.bench_exact_sizes --rounds 2 --budget-s 270 --json "$R/exact_sizes.json"
+}
+set_structured() {  # grammar compile and cache-hit times, the JSON-schema-constrained step against the free one
+  step structured 180 python3 -m benchmarks.bench_structured --model llama3-8b --device cuda --level 2 \
+    --tokenizer synthetic --batches 1 16 64 --steps 32 --json "$R/structured.json"
+}
+set_moe() {  # the MoE GPU tests, a launch-config sweep at Qwen3-30B-A3B's layer, then decode/offline with it
+  step moe_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py \
+    tests/runtime/test_kernel_warmup.py::test_moe_shapes_are_the_distinct_expert_layers
+  cp kiln/models/fused_moe/configs/h200.json "$R/fused_moe_h200.json"
+  step moe_tune 75 python3 -m benchmarks.tune_fused_moe --budget-s 50 --out "$R/fused_moe_h200.json"
+  KILN_FUSED_MOE_CONFIGS="$R/fused_moe_h200.json" step moe 330 python3 -m benchmarks.bench_moe --json "$R/moe.json"
+}
+set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape
+  step spec_verify 125 python3 -m benchmarks.bench_spec_decode --device cuda --skip-tasks --verify-ratio \
+    --capture-sizes 1 2 4 8 16 --background-timeout 40 --json "$R/spec_verify.json"
+}
+set_spec_tasks() {  # n-gram speculation on the embedded model's copy / edit / free tasks, k = 4 and 8
+  # its GGUF (~94 MiB) travels as `split -n 2` halves .carry/smollm2-{a,b}.part, one per call of a warm machine
+  local gguf=/tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ "$(ls /tmp/parts/smollm2-*.part 2>/dev/null | wc -l)" != 2 ]; then
+    echo "spec_tasks: skipped, the embedded model's two halves have not both arrived"; return
+  fi
+  cat /tmp/parts/smollm2-a.part /tmp/parts/smollm2-b.part > $gguf
+  for k in 4 8; do
+    KILN_EMBEDDED_GGUF=$gguf step "spec_tasks_k$k" 120 python3 -m benchmarks.bench_spec_decode --device cuda \
+      --max-tokens 128 --capture-sizes 1 2 4 8 16 --background-timeout 30 --repeats 5 -k $k \
+      --json "$R/spec_tasks_k$k.json"
+  done
+}
 set_tests() {  # the GPU tests
   step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
 }

@@ -80,7 +80,7 @@ TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {  # H200, 2026-11-30 (docs/B
 # Split-K's reduction folded into the GEMM kernel (the last split of each output tile to finish sums the
 # partials, counted by an atomic per tile) instead of a second kernel: one launch fewer per split GEMM at the
 # same partial-sum traffic and bit-identical results. KILN_FP8_FOLD_SPLIT_K=1 turns it on; off until the H200
-# A/B (benchmarks/gpu/fp8.sh) shows the gain. Read per call, so set it before CUDA graphs are captured.
+# A/B (`benchmarks/gpu/run.sh fp8-fold`) shows the gain. Read per call, so set it before CUDA graphs are captured.
 FOLD_SPLIT_K = os.environ.get("KILN_FP8_FOLD_SPLIT_K", "0") == "1"
 # tile counters kept per device (int32, zero between calls); a GEMM with more output tiles reduces the old way
 MAX_FOLDED_TILES = 1 << 16
