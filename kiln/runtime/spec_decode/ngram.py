@@ -5,7 +5,8 @@ input (rewrites, repetitions, code edits).
 Each request keeps an index of the first occurrence of every n-gram in its tokens, extended by the tokens
 added since the last lookup, so a lookup costs a few dictionary probes whatever the context's length. A scan
 of the whole context per step (numpy windows) cost 70 us at 200 tokens and 450 us at 4,000 on the CPU, per
-request and step: at batch 1 on a GPU that is a fifth of a small model's step, and it grows with the context.
+request and step, and made a small model's overlapped steps host-bound on the H200 (docs/spec_decode.md). The
+index holds ~375 B of host memory per context token (lookup 2..4).
 """
 
 from __future__ import annotations
