@@ -63,10 +63,9 @@ class Engine:
         # per-device defaults (batch limits, async scheduling) are fixed here, before any worker sees the config
         config = dataclasses.replace(config, scheduler=config.scheduler.resolve(self.device))
         spec = config.speculative_config
-        if spec is not None and config.scheduler.async_scheduling and (
-                spec.method != "ngram" or config.tensor_parallel_size > 1):
-            # a draft model proposes every step, and tensor-parallel workers follow one mode per engine: every
-            # step is synchronous (n-gram at TP=1 overlaps the steps without proposals, docs/spec_decode.md)
+        if spec is not None and config.scheduler.async_scheduling and spec.method != "ngram":
+            # a draft model proposes every step: every step is synchronous (n-gram overlaps the steps without
+            # proposals, docs/spec_decode.md; speculation under tensor parallelism is refused by the config)
             logger.info("async scheduling off: speculative decoding (%s) runs its steps synchronously", spec.method)
             config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
                                                                                async_scheduling=False))
