@@ -65,7 +65,9 @@ set_moe() {  # the MoE GPU tests, a launch-config sweep at Qwen3-30B-A3B's layer
     tests/runtime/test_kernel_warmup.py::test_moe_shapes_are_the_distinct_expert_layers
   cp kiln/models/fused_moe/configs/h200.json "$R/fused_moe_h200.json"
   step moe_tune 75 python3 -m benchmarks.tune_fused_moe --budget-s 50 --out "$R/fused_moe_h200.json"
-  KILN_FUSED_MOE_CONFIGS="$R/fused_moe_h200.json" step moe 330 python3 -m benchmarks.bench_moe --json "$R/moe.json"
+  local table=""  # the sweep's table when it left one, else the shipped table
+  [ -s "$R/fused_moe_h200.json" ] && table="$R/fused_moe_h200.json"
+  KILN_FUSED_MOE_CONFIGS="$table" step moe 330 python3 -m benchmarks.bench_moe --json "$R/moe.json"
 }
 set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape
   step spec_verify 125 python3 -m benchmarks.bench_spec_decode --device cuda --skip-tasks --verify-ratio \

@@ -18,7 +18,8 @@ class NgramIndex:
     """First occurrence of each n-gram (n_min <= n <= n_max) of a growing token list that some token follows."""
 
     def __init__(self, n_min: int, n_max: int) -> None:
-        self.first: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+        # longest first: a lookup takes the first size that matches
+        self.first: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_max, n_min - 1, -1)}
         self.indexed = 0  # the list's length at the last `extend`
 
     def extend(self, tokens: list[int]) -> None:
@@ -34,10 +35,10 @@ class NgramIndex:
         """Up to k tokens following the earliest earlier occurrence of the longest suffix of n_max..n_min tokens."""
         self.extend(tokens)
         length = len(tokens)
-        for n in sorted(self.first, reverse=True):
+        for n, first in self.first.items():
             if n > length - 1:
                 continue
-            start = self.first[n].get(tuple(tokens[length - n:]))
+            start = first.get(tuple(tokens[length - n:]))
             if start is not None:  # never the suffix itself: its n-gram has no next token yet, so is not indexed
                 return tokens[start + n:start + n + k]
         return []
