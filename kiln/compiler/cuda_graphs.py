@@ -18,6 +18,7 @@ import contextlib
 import enum
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -128,16 +129,36 @@ class GraphDispatcher:
 # capture / replay
 
 
+# KILN_GRAPH_CAPTURE_SYNC=1: capture through torch.cuda.graph, which synchronises the device and empties the
+# allocator's cache before every graph (the A/B's other arm; docs/cuda_graphs.md "Capture cost")
+_CAPTURE_SYNC = os.environ.get("KILN_GRAPH_CAPTURE_SYNC", "0") == "1"
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
 class TorchGraph:
-    """torch.cuda.CUDAGraph behind the small interface the wrappers use (tests substitute a fake)."""
+    """torch.cuda.CUDAGraph behind the small interface the wrappers use (tests substitute a fake).
+
+    Captures on a side stream of its own without torch.cuda.graph's per-graph device synchronisation and
+    cache flush: start-up captures hundreds of graphs back to back, and the flush handed each eager run's
+    activations back to the driver only for the next run to allocate them again."""
 
     def __init__(self, pool: Any) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            return fn()
+        if _CAPTURE_SYNC:
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                return fn()
+        current = torch.cuda.current_stream()
+        stream = _capture_streams.setdefault(current.device.index, torch.cuda.Stream(current.device))
+        stream.wait_stream(current)  # the capture's memory must not be handed out under work still queued
+        with torch.cuda.stream(stream):
+            self.graph.capture_begin(*(() if self.pool is None else (self.pool,)))
+            try:
+                return fn()
+            finally:
+                self.graph.capture_end()
 
     def replay(self) -> None:
         self.graph.replay()
