@@ -130,9 +130,20 @@ class GraphDispatcher:
 
 
 # KILN_GRAPH_CAPTURE_SYNC=1: capture through torch.cuda.graph, which synchronises the device and empties the
-# allocator's cache before every graph (the A/B's other arm; docs/cuda_graphs.md "Capture cost")
-_CAPTURE_SYNC = os.environ.get("KILN_GRAPH_CAPTURE_SYNC", "0") == "1"
+# allocators' caches before every graph (the A/B's other arm; docs/cuda_graphs.md "Capture cost")
+_capture_sync = os.environ.get("KILN_GRAPH_CAPTURE_SYNC", "0") == "1"
 _capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def synced_captures() -> Iterator[None]:
+    """Captures inside go through torch.cuda.graph (its device sync and cache flush before each graph)."""
+    global _capture_sync
+    previous, _capture_sync = _capture_sync, True
+    try:
+        yield
+    finally:
+        _capture_sync = previous
 
 
 class TorchGraph:
@@ -147,7 +158,7 @@ class TorchGraph:
         self.pool = pool
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        if _CAPTURE_SYNC:
+        if _capture_sync:
             with torch.cuda.graph(self.graph, pool=self.pool):
                 return fn()
         current = torch.cuda.current_stream()
@@ -365,4 +376,7 @@ def recapture(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, sizes: 
         for key in [k for k in callable_.entries if getattr(k, "num_tokens", k) in stale]:
             del callable_.entries[key]
     pool.warmed_up = False  # these captures are planned, not sizes missed at start-up
-    capture_all(runner, dispatcher, pool, progress=False, only=stale)
+    # through torch.cuda.graph, whose cache flush before each capture releases a memory pool whose every graph
+    # was just dropped (beginning a capture in it otherwise trips the allocators' use-count assertions)
+    with synced_captures():
+        capture_all(runner, dispatcher, pool, progress=False, only=stale)

@@ -24,6 +24,7 @@ from kiln.config import RuntimeConfig, resolve_device
 from kiln.models.loader.load import LoadedModel, model_directory
 from kiln.runtime import tp_processes
 from kiln.runtime.async_step import LaunchedStep
+from kiln.runtime.compiler_imports import start_compiler_imports
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv.block_pool import BlockPool
 from kiln.runtime.kv.hashing import block_hash_fn
@@ -73,8 +74,10 @@ class Engine:
         if config.device == "auto" and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         clock = clock or StartupClock(self.device)
-        # the tokenizer (the first `import transformers`) loads on a thread while the model loads and compiles
+        # the tokenizer (the first `import transformers`) loads on a thread while the model loads and compiles,
+        # and the compiler's imports run on another beside the load
         tokenizer_job = self._start_tokenizer(config, loaded, clock)
+        start_compiler_imports(config.compilation.level, self.device)
         self._tp_procs: list = []
         self._ready = threading.Event()  # set once built: ends the tensor-parallel start-up watch
         self._channel = None

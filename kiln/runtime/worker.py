@@ -29,8 +29,9 @@ from kiln.runtime.startup import StartupClock
 logger = logging.getLogger("kiln")
 
 # where the weights stream in on a thread beside the compile phase (kiln/models/loader/load.py WeightStream);
-# elsewhere they load in line (on a CPU the compile phase is the same cores' Python work: nothing to overlap)
-BACKGROUND_WEIGHT_DEVICES = frozenset({"cuda"})
+# elsewhere they load in line (on a CPU the compile phase is the same cores' Python work: nothing to overlap);
+# KILN_WEIGHT_STREAM=0 loads them in line on the GPU too (the A/B's other arm)
+BACKGROUND_WEIGHT_DEVICES = frozenset() if os.environ.get("KILN_WEIGHT_STREAM", "1") == "0" else frozenset({"cuda"})
 
 
 def resolve_max_model_len(config: RuntimeConfig, spec: ModelSpec) -> int:

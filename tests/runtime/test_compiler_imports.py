@@ -1,0 +1,40 @@
+"""The compiler's imports run on a thread beside a GPU start's weight load (runtime/compiler_imports.py): only
+where the start compiles on a GPU, off by KILN_COMPILER_PREIMPORT=0, and they leave the modules imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln.runtime.compiler_imports import start_compiler_imports
+
+CHECK = """
+import sys, torch
+from kiln.runtime.compiler_imports import MODULES, start_compiler_imports
+assert not any(m in sys.modules for m in ("torch._dynamo", "sympy", "kiln.compiler")), "imported before the thread"
+thread = start_compiler_imports(2, torch.device("cuda"))  # a device object needs no GPU
+assert thread is not None and thread.name == "kiln-compiler-imports"
+thread.join(120)
+missing = [m for m in MODULES if m not in sys.modules]
+assert not missing, missing
+print("ok")
+"""
+
+
+def test_imports_the_compiler_stack_on_a_thread() -> None:
+    # a fresh interpreter: this one imported the compiler long ago
+    result = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("level, device", [(0, "cuda"), (2, "cpu")])
+def test_no_thread_without_a_compile_on_a_gpu(level: int, device: str) -> None:
+    assert start_compiler_imports(level, torch.device(device)) is None
+
+
+def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KILN_COMPILER_PREIMPORT", "0")
+    assert start_compiler_imports(2, torch.device("cuda")) is None
