@@ -26,6 +26,10 @@ set_serve() {  # kiln serve at default settings under kiln bench serve, four req
 set_startup() {  # the on-disk 8B checkpoint: a cold and a warm start by phase, decode in the warm process
   step startup 340 python3 -m benchmarks.bench_startup --variants default --budget-s 330 --json "$R/startup.json"
 }
+set_startup_ab() {  # the start-up arms left open (docs/startup.md): pre-import off / default / weights in line
+  step startup_ab 570 python3 -m benchmarks.bench_startup --variants KILN_COMPILER_PREIMPORT=0 default \
+    KILN_WEIGHT_STREAM=0 --warm-repeats 5 --decode-batches 1 --budget-s 560 --json "$R/startup_ab.json"
+}
 set_fp8() {  # FP8 weights against bf16 at default settings: decode and offline
   step fp8 420 python3 -m benchmarks.bench_fp8 --defaults --parts decode throughput --json "$R/fp8.json"
 }
