@@ -130,7 +130,8 @@ class GraphDispatcher:
 
 
 # KILN_GRAPH_CAPTURE_SYNC=1: capture through torch.cuda.graph, which synchronises the device and empties the
-# allocators' caches before every graph (the A/B's other arm; docs/cuda_graphs.md "Capture cost")
+# allocators' caches before every graph (the A/B's other arm; docs/cuda_graphs.md, "Why captures skip
+# torch.cuda.graph's preparations")
 _capture_sync = os.environ.get("KILN_GRAPH_CAPTURE_SYNC", "0") == "1"
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -163,7 +164,7 @@ class TorchGraph:
                 return fn()
         current = torch.cuda.current_stream()
         stream = _capture_streams.setdefault(current.device.index, torch.cuda.Stream(current.device))
-        stream.wait_stream(current)  # the capture's memory must not be handed out under work still queued
+        stream.wait_stream(current)  # ordered after the queued work, as torch.cuda.graph's device sync ordered it
         with torch.cuda.stream(stream):
             self.graph.capture_begin(*(() if self.pool is None else (self.pool,)))
             try:
