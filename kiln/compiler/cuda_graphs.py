@@ -163,7 +163,9 @@ class TorchGraph:
             with torch.cuda.graph(self.graph, pool=self.pool):
                 return fn()
         current = torch.cuda.current_stream()
-        stream = _capture_streams.setdefault(current.device.index, torch.cuda.Stream(current.device))
+        stream = _capture_streams.get(current.device.index)
+        if stream is None:  # one per device, made once (setdefault would take a pool stream on every capture)
+            stream = _capture_streams[current.device.index] = torch.cuda.Stream(current.device)
         stream.wait_stream(current)  # ordered after the queued work, as torch.cuda.graph's device sync ordered it
         with torch.cuda.stream(stream):
             self.graph.capture_begin(*(() if self.pool is None else (self.pool,)))

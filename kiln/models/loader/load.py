@@ -167,7 +167,7 @@ def load_model(model: str | None, *, device: torch.device, dtype: str | torch.dt
     # torch.empty, not to_empty's empty_like: a meta tensor's empty_like goes through Python references that
     # import sympy (~1.8 s on the H200), which the compiler imports on a thread meanwhile (runtime/compiler_imports.py)
     net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    if spec.tie_word_embeddings:  # to_empty breaks the tie; restore it
+    if spec.tie_word_embeddings:  # materialising breaks the tie; restore it
         net.lm_head.weight = net.embed_tokens.weight
     for module in net.modules():
         if hasattr(module, "reset_buffers"):
