@@ -49,6 +49,7 @@ logger = logging.getLogger("kiln")
 class EngineStats:
     steps: int = 0  # launched
     overlapped_steps: int = 0  # launched while the previous step was still in flight (async scheduling)
+    verify_behind_steps: int = 0  # of those, speculative verify steps (n-gram, docs/spec_decode.md)
     scheduled_tokens: int = 0  # tokens actually run through the model (prefix hits excluded)
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -123,6 +124,8 @@ class Engine:
         # sampled ids to the workers on the device (the next step's pending input tokens).
         self.async_scheduling = bool(config.scheduler.async_scheduling)
         self._inflight: LaunchedStep | None = None  # launched, not yet processed (async scheduling only)
+        # n-gram under async scheduling: verify behind the step in flight (False: drain it first, the A/B's arm)
+        self.verify_behind_inflight = True
         self.structured: StructuredOutputs | None = None  # built by the first constrained request
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
@@ -381,6 +384,10 @@ class Engine:
             # scheduled or may be (its prefill's last chunk samples too)
             paused = any(r.grammar is not None for r in (*self.scheduler.running, *self.scheduler.waiting))
             if self.async_scheduling:
+                inflight = self._inflight
+                if not paused and inflight is not None and not inflight.needs_drain and self.verify_behind_inflight \
+                        and self.speculation.propose_ahead(self.scheduler.running):
+                    return failed + self._launch_verify_behind()
                 if not paused and self.speculation.wants_verify(self.scheduler.running):
                     # a verify step's outcome sets the next step's inputs: it runs with nothing in flight
                     drained = self._complete(self._take_inflight()) if self._inflight is not None else []
@@ -421,6 +428,19 @@ class Engine:
             self.speculation.propose(self.scheduler.running, paused=paused)
         sched = self.scheduler.schedule()
         return [] if sched.is_empty else self._complete(self._launch(sched))
+
+    def _launch_verify_behind(self) -> list[RequestOutput]:
+        """Launch a verify step behind the plain step in flight (its first input per request is that step's token,
+        copied on the device), so the device goes from one to the other without waiting for the host; the
+        verify's read-back then completes both."""
+        previous = self._take_inflight()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return self._complete(previous)
+        step = self._launch(sched)
+        self.stats.overlapped_steps += 1
+        self.stats.verify_behind_steps += 1
+        return self._complete(previous) + self._complete(step)
 
     def _take_inflight(self) -> LaunchedStep:
         step, self._inflight = self._inflight, None

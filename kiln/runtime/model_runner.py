@@ -175,7 +175,7 @@ class ModelRunner:
             if n == 1:  # decode: scalar writes beat building numpy arrays
                 if start < req.num_tokens:
                     ids[cursor] = req.token_ids[start]
-                else:  # sampled by the step in flight: filled on the device (a pending token is always alone)
+                else:  # sampled by the step in flight: filled on the device
                     ids[cursor] = 0
                     pending_dst[num_pending], pending_src[num_pending] = cursor, self._last_rows[req.request_id]
                     num_pending += 1
@@ -183,6 +183,10 @@ class ModelRunner:
                 slots[cursor] = 0 if start < req.num_shared_tokens else block_ids[start // bs] * bs + start % bs
             else:
                 known = req.token_ids[start:start + n]
+                if start == req.num_tokens:  # a verify chunk behind the step in flight: that step's token first
+                    pending_dst[num_pending], pending_src[num_pending] = cursor, self._last_rows[req.request_id]
+                    num_pending += 1
+                    known = [0]  # filled on the device
                 # speculative proposals follow the known tokens (the scheduler trimmed them to the chunk)
                 ids[cursor:cursor + n] = known if len(known) == n else known + req.spec_token_ids
                 p = np.arange(start, start + n)

@@ -31,8 +31,9 @@ class NgramIndex:
                 first.setdefault(tuple(tokens[start:start + n]), start)
         self.indexed = length
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens following the earliest earlier occurrence of the longest suffix of n_max..n_min tokens."""
+    def propose(self, tokens: list[int], k: int, skip: int = 0) -> list[int]:
+        """Up to k tokens following the earliest earlier occurrence of the longest suffix of n_max..n_min tokens,
+        after the first `skip` of them (the guesses for tokens still in flight)."""
         self.extend(tokens)
         length = len(tokens)
         for n, first in self.first.items():
@@ -40,7 +41,7 @@ class NgramIndex:
                 continue
             start = first.get(tuple(tokens[length - n:]))
             if start is not None:  # never the suffix itself: its n-gram has no next token yet, so is not indexed
-                return tokens[start + n:start + n + k]
+                return tokens[start + n + skip:start + n + skip + k]
         return []
 
 
@@ -50,13 +51,15 @@ class NgramProposer:
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
         self._indexes: dict[str, tuple[Request, NgramIndex]] = {}
 
-    def propose(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Request], limits: list[int], skip: int = 0) -> list[list[int]]:
+        """Each request's proposals from its tokens on the host; `skip`: that many of its next tokens are in
+        flight, so the proposals start after the lookup's guesses for them."""
         out = []
         for req, limit in zip(reqs, limits):
             entry = self._indexes.get(req.request_id)
             if entry is None or entry[0] is not req:  # a new request (ids can be reused once one finishes)
                 entry = self._indexes[req.request_id] = (req, NgramIndex(self.n_min, self.n_max))
-            out.append(entry[1].propose(req.token_ids, min(self.k, limit)))
+            out.append(entry[1].propose(req.token_ids, min(self.k, limit), skip))
         return out
 
     def release(self, live: set[str]) -> None:

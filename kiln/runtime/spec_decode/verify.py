@@ -45,8 +45,10 @@ def sample_rows(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput, 
         generators.append(req.generator)
         prompts.append(req.prompt_token_ids)
         outputs.append(req.output_token_ids + req.spec_token_ids[:j] if j else req.output_token_ids)
+    # a request verified behind the step in flight has that step's token pending (min_tokens counts it)
+    pending = [sched.requests[i].num_pending_tokens for i in rows]
     tokens, logprobs = sampler.sample(logits, SamplingBatch(params, generators, prompts, outputs, eos_token_ids,
-                                                            [0] * len(rows)))
+                                                            pending))
     return tokens.tolist(), logprobs
 
 

@@ -11,12 +11,15 @@ import pytest
 from kiln import Runtime
 from kiln.config import SpeculativeConfig
 from kiln.entrypoints.cli.main import parse_speculative_config
+from kiln.runtime.async_step import LaunchedStep
 from kiln.runtime.kv.block_pool import BlockPool
 from kiln.runtime.kv.hashing import block_hash_fn
 from kiln.runtime.kv.manager import KVCacheManager
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.spec_decode.ngram import NgramIndex
+from kiln.runtime.scheduler import SchedulerOutput
+from kiln.runtime.spec_decode.decoder import SpecDecoder
+from kiln.runtime.spec_decode.ngram import NgramIndex, NgramProposer
 
 
 @pytest.mark.parametrize("value, words", [
@@ -72,6 +75,37 @@ def test_ngram_lookup() -> None:
     assert lookup([1, 2, 3, 4], 3, 1, 4) == []  # nothing repeats
     assert lookup([4, 4], 3, 1, 4) == [4]  # only what exists before the end
     assert lookup([1, 2, 9, 2], 3, 2, 4) == []  # suffixes shorter than the minimum are not used
+    # one token in flight: the proposals start after the lookup's guess for it (9), at most k of them
+    assert NgramIndex(1, 4).propose(tokens, 2, skip=1) == [1, 6]
+    assert NgramIndex(1, 4).propose([4, 4], 3, skip=1) == []  # nothing known beyond the guess
+
+
+def test_a_rejected_guess_does_not_back_off() -> None:
+    """A verify behind the step in flight whose proposals all fail may have failed on the lookup's guess for the
+    token in flight: the request is not made to sit out later rounds; a failed ordinary verify is."""
+    kv = KVCacheManager(BlockPool(16, enable_caching=False), 4, block_hash_fn("fast", 0))
+    spec = SpecDecoder(NgramProposer(3, 1, 4), 3, kv)
+    req = Request("r", [5, 6, 7, 8, 9, 1, 6, 7, 8], SamplingParams(max_tokens=20), frozenset(), 64)
+
+    def verify_rejecting_all(first_pending: bool) -> None:  # schedule, advance, verify: no proposal accepted
+        n = len(req.spec_token_ids) + 1
+        sched = SchedulerOutput([req], [n], num_spec_tokens=n - 1)
+        assert kv.allocate(req, n)
+        req.num_computed_tokens += n
+        req.num_pending_tokens += 1
+        spec.after_verify(sched, LaunchedStep(sched, [0], [None], verified={0: (n - 1, 0)}))
+        req.num_pending_tokens = 0  # the engine appends the step's tokens (the one in flight, the target's own)
+        for token in ([9] if first_pending else []) + [1]:
+            req.append_output(token, None)
+
+    req.num_computed_tokens, req.num_pending_tokens = req.num_tokens, 1  # a plain step in flight
+    assert spec.propose_ahead([req]) and req.spec_token_ids == [1, 6, 7]  # 9 guessed for the token in flight
+    verify_rejecting_all(first_pending=True)
+    assert "r" not in spec.backoff
+    spec.propose([req])  # nothing in flight: an ordinary verify, proposed from the whole context
+    assert req.spec_token_ids == [6, 7, 8]
+    verify_rejecting_all(first_pending=False)
+    assert spec.backoff["r"][0] == 1
 
 
 @pytest.mark.parametrize("n_min,n_max", [(1, 4), (2, 4), (3, 3)])

@@ -97,9 +97,11 @@ def test_greedy_tokens_unchanged(runtime, plain, method) -> None:
         assert counts["spec_decode_num_accepted_tokens"] == counts["spec_decode_num_draft_tokens"]
 
 
-def test_ngram_with_async_scheduling_overlaps_the_steps_without_proposals(runtime, plain) -> None:
-    """n-gram under async scheduling: a step whose requests have no proposals launches overlapped, a proposal
-    drains the step in flight for a synchronous verify; the greedy tokens stay the plain ones."""
+def test_ngram_with_async_scheduling_overlaps_plain_and_verify_steps(runtime, plain) -> None:
+    """n-gram under async scheduling: a step whose requests have no proposals launches overlapped, and a verify
+    step launches behind the step in flight (its first input that step's token, the proposals looked up without
+    it) or, where only the complete context proposes, after draining it; the greedy tokens stay the plain ones,
+    stops and limits inside an accepted run included."""
     engine = runtime.engine
     free = runtime.apply_chat_template([{"role": "user", "content": "Write a poem about the sea."}])
     free_params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -108,7 +110,7 @@ def test_ngram_with_async_scheduling_overlaps_the_steps_without_proposals(runtim
     engine.async_scheduling = True
     try:
         outs, counts = generate(runtime, "ngram")  # copy prompts: proposals nearly every step
-        overlapped = engine.stats.overlapped_steps
+        overlapped, behind = engine.stats.overlapped_steps, engine.stats.verify_behind_steps
         with speculating(runtime, "ngram"):
             got_free = runtime.generate([free], free_params)[0].outputs[0].token_ids
     finally:
@@ -118,6 +120,7 @@ def test_ngram_with_async_scheduling_overlaps_the_steps_without_proposals(runtim
     assert counts["spec_decode_num_accepted_tokens"] > 0
     assert got_free == want_free
     assert engine.stats.overlapped_steps > overlapped
+    assert behind > 0 and engine.stats.verify_behind_steps >= behind
 
 
 def test_logprobs_inside_accepted_runs(runtime) -> None:

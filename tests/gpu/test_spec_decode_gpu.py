@@ -1,0 +1,40 @@
+"""Speculative decoding on the GPU: n-gram proposals under async scheduling (verify steps behind the step in
+flight, the pending token copied on the device, FULL verify graphs) give the greedy tokens of decoding without
+speculation, on a tiny fp32 model (exact) whose prompts repeat themselves (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import Runtime, SamplingParams
+from tests.conftest import random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+
+def test_ngram_async_matches_plain_with_graphs(tiny_checkpoint) -> None:
+    runtime = Runtime(str(tiny_checkpoint("tiny-llama")[0]), device="cuda", dtype="fp32", level=2,
+                      compile_sizes=(), max_num_batched_tokens=128, max_num_seqs=8, kv_cache_bytes=64 << 20,
+                      cudagraph_capture_sizes=(1, 2, 4, 8, 16),
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    engine = runtime.engine
+    assert engine.async_scheduling
+    # each prompt is a random run said three times: n-gram proposals find it, and a random model often loops
+    prompts = [p * 3 for p in random_prompts([6, 11, 4, 20, 9], 256, seed=3)]
+    params = [SamplingParams(max_tokens=12 + 7 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    spec = engine.speculation
+    outs = {}
+    for speculate in (False, True):
+        engine.speculation = spec if speculate else None
+        before = (spec.stats.num_accepted_tokens, engine.stats.verify_behind_steps,
+                  engine.graph_replays.get("FULL", 0))
+        outs[speculate] = [o.outputs[0].token_ids for o in runtime.generate(prompts, params)]
+    assert outs[True] == outs[False]
+    assert spec.stats.num_accepted_tokens > before[0] and engine.stats.verify_behind_steps > before[1]
+    assert engine.graph_replays["FULL"] > before[2]
+    # one request at a time: every verify batch is uniform, so FULL verify graphs replay
+    for prompt, param, want in zip(prompts[:2], params, outs[False]):
+        assert runtime.generate([prompt], param)[0].outputs[0].token_ids == want
+    runtime.shutdown()
