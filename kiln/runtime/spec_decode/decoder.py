@@ -54,9 +54,6 @@ class SpecDecoder:
         # resets it
         self.backoff: dict[str, tuple[int, int]] = {}
         self.step = 0  # engine steps begun (`next_step`): the clock of the backoff
-        # requests whose proposals `propose_ahead` made without the token in flight: a rejection there may be
-        # the lookup's guess for that token, not the n-gram's, so it does not count towards the backoff
-        self.guessed: set[str] = set()
 
     def next_step(self) -> None:
         self.step += 1
@@ -79,33 +76,33 @@ class SpecDecoder:
 
     def propose_ahead(self, running: list[Request]) -> bool:
         """Async scheduling with a plain step in flight (n-gram only): proposals for each request whose pending
-        token is its next input, looked up from the tokens on the host with the lookup's guess for the pending
-        token left out. They are verified behind the step in flight, which then need not be drained first: a
-        wrong guess only costs the proposals (the target's own token at each position decides). Sets
+        token is its next input and whose last verify accepted something, looked up from the tokens on the host
+        past the lookup's guess for the pending one. They are verified behind the step in flight, which then
+        need not be drained first; a wrong guess costs only the proposals (the target's own token at each
+        position decides) and counts as a miss like any rejection. A request not copying at the moment (no
+        verify yet, or its last one rejected) is proposed for from its complete context instead, after a drain:
+        on free text the guesses fail, and each failed verify behind costs about a plain step. Sets
         `spec_token_ids` (cleared elsewhere); -> whether any request got proposals."""
         if not isinstance(self.proposer, NgramProposer):
             return False
         reqs, limits = [], []
-        self.guessed.clear()
         for req in running:
             req.spec_token_ids = []
             room = req.max_total_tokens - req.num_tokens_with_pending - 1
-            if req.num_pending_tokens == 1 and req.num_computed_tokens == req.num_tokens and self._eligible(req, room):
+            if (req.num_pending_tokens == 1 and req.num_computed_tokens == req.num_tokens
+                    and self.backoff.get(req.request_id, (1, 0))[0] == 0 and self._eligible(req, room)):
                 reqs.append(req)
                 limits.append(room)
         proposed = False
         for req, proposal in zip(reqs, self.proposer.propose(reqs, limits, skip=1) if reqs else []):
             req.spec_token_ids = proposal
-            if proposal:
-                self.guessed.add(req.request_id)
-                proposed = True
+            proposed = proposed or bool(proposal)
         return proposed
 
     def propose(self, running: list[Request], paused: bool = False) -> None:
         """Set `spec_token_ids` of every running request that decodes next (one known token left to compute);
         `paused`: none this step (each request's proposals are cleared)."""
         reqs, limits = [], []
-        self.guessed.clear()
         for req in running:
             req.spec_token_ids = []
             # each step emits at most proposals + 1 tokens: stay within max_tokens / max_model_len
@@ -134,9 +131,8 @@ class SpecDecoder:
             req.num_computed_tokens -= proposed - accepted
             req.spec_token_ids = []
             self.kv.trim(req, req.num_computed_tokens)
-            if accepted or req.request_id not in self.guessed:
-                misses = 0 if accepted else self.backoff.get(req.request_id, (0, 0))[0] + 1
-                self.backoff[req.request_id] = (misses, self.step + 1 + min(2 ** misses - 1, MAX_SKIP))
+            misses = 0 if accepted else self.backoff.get(req.request_id, (0, 0))[0] + 1
+            self.backoff[req.request_id] = (misses, self.step + 1 + min(2 ** misses - 1, MAX_SKIP))
             stats.num_drafts += 1
             stats.num_draft_tokens += proposed
             stats.num_accepted_tokens += accepted

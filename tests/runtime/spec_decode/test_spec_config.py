@@ -80,32 +80,40 @@ def test_ngram_lookup() -> None:
     assert NgramIndex(1, 4).propose([4, 4], 3, skip=1) == []  # nothing known beyond the guess
 
 
-def test_a_rejected_guess_does_not_back_off() -> None:
-    """A verify behind the step in flight whose proposals all fail may have failed on the lookup's guess for the
-    token in flight: the request is not made to sit out later rounds; a failed ordinary verify is."""
+def test_verify_behind_the_step_in_flight_only_while_copying() -> None:
+    """With a token in flight, proposals past the lookup's guess for it are made only for a request whose last
+    verify accepted something; a rejection there backs off like any other."""
     kv = KVCacheManager(BlockPool(16, enable_caching=False), 4, block_hash_fn("fast", 0))
     spec = SpecDecoder(NgramProposer(3, 1, 4), 3, kv)
-    req = Request("r", [5, 6, 7, 8, 9, 1, 6, 7, 8], SamplingParams(max_tokens=20), frozenset(), 64)
+    req = Request("r", [5, 6, 7, 8, 9, 1, 6, 7, 8], SamplingParams(max_tokens=30), frozenset(), 64)
 
-    def verify_rejecting_all(first_pending: bool) -> None:  # schedule, advance, verify: no proposal accepted
+    def verify(accepted: int, appended: list[int]) -> None:  # schedule, advance, verify, append the tokens
         n = len(req.spec_token_ids) + 1
         sched = SchedulerOutput([req], [n], num_spec_tokens=n - 1)
         assert kv.allocate(req, n)
         req.num_computed_tokens += n
         req.num_pending_tokens += 1
-        spec.after_verify(sched, LaunchedStep(sched, [0], [None], verified={0: (n - 1, 0)}))
-        req.num_pending_tokens = 0  # the engine appends the step's tokens (the one in flight, the target's own)
-        for token in ([9] if first_pending else []) + [1]:
+        spec.after_verify(sched, LaunchedStep(sched, [0], [None], verified={0: (n - 1, accepted)}))
+        req.num_pending_tokens = 0
+        for token in appended:
             req.append_output(token, None)
 
     req.num_computed_tokens, req.num_pending_tokens = req.num_tokens, 1  # a plain step in flight
-    assert spec.propose_ahead([req]) and req.spec_token_ids == [1, 6, 7]  # 9 guessed for the token in flight
-    verify_rejecting_all(first_pending=True)
-    assert "r" not in spec.backoff
-    spec.propose([req])  # nothing in flight: an ordinary verify, proposed from the whole context
-    assert req.spec_token_ids == [6, 7, 8]
-    verify_rejecting_all(first_pending=False)
+    assert not spec.propose_ahead([req]) and req.spec_token_ids == []  # no verify has accepted anything yet
+    req.num_computed_tokens, req.num_pending_tokens = req.num_tokens - 1, 0  # drained
+    spec.propose([req])
+    assert req.spec_token_ids == [9, 1, 6]
+    verify(accepted=3, appended=[9, 1, 6, 7])
+    spec.next_step()
+    req.num_pending_tokens = 1  # the next plain step in flight
+    req.num_computed_tokens = req.num_tokens
+    assert spec.propose_ahead([req]) and req.spec_token_ids == [9, 1, 6]  # past the guess 8 for the one in flight
+    verify(accepted=0, appended=[3, 4])  # the token in flight, then the target's own
     assert spec.backoff["r"][0] == 1
+    spec.next_step()
+    req.num_pending_tokens = 1
+    req.num_computed_tokens = req.num_tokens
+    assert not spec.propose_ahead([req])
 
 
 @pytest.mark.parametrize("n_min,n_max", [(1, 4), (2, 4), (3, 3)])

@@ -105,22 +105,30 @@ def test_ngram_with_async_scheduling_overlaps_plain_and_verify_steps(runtime, pl
     engine = runtime.engine
     free = runtime.apply_chat_template([{"role": "user", "content": "Write a poem about the sea."}])
     free_params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # alone, a copy that ends an accepted run, decodes a token with nothing to propose, then proposes again:
+    # that proposal is verified behind the step in flight
+    copy = runtime.apply_chat_template([{"role": "user", "content": f"Here is a paragraph:\n\n{TEXT}\n\nWrite "
+                                                                    "the paragraph again, word for word."}])
+    copy_params = SamplingParams(max_tokens=64, temperature=0.0)
     with speculating(runtime, None):
-        want_free = runtime.generate([free], free_params)[0].outputs[0].token_ids
+        want_free, want_copy = (runtime.generate([p], q)[0].outputs[0].token_ids
+                                for p, q in ((free, free_params), (copy, copy_params)))
     engine.async_scheduling = True
     try:
         outs, counts = generate(runtime, "ngram")  # copy prompts: proposals nearly every step
         overlapped, behind = engine.stats.overlapped_steps, engine.stats.verify_behind_steps
         with speculating(runtime, "ngram"):
+            got_copy = runtime.generate([copy], copy_params)[0].outputs[0].token_ids
+            behind = engine.stats.verify_behind_steps - behind
             got_free = runtime.generate([free], free_params)[0].outputs[0].token_ids
     finally:
         engine.async_scheduling = False
     for got, want in zip(outs, plain):
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     assert counts["spec_decode_num_accepted_tokens"] > 0
+    assert got_copy == want_copy and behind > 0
     assert got_free == want_free
     assert engine.stats.overlapped_steps > overlapped
-    assert behind > 0 and engine.stats.verify_behind_steps >= behind
 
 
 def test_logprobs_inside_accepted_runs(runtime) -> None:
