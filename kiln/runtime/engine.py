@@ -117,6 +117,8 @@ class Engine:
         if config.speculative_config is not None:
             self.speculation = build_spec_decoder(config, self.kv, self.loaded.spec.vocab_size, self.max_model_len,
                                                   self.device)
+            graphs = self.runner.graphs
+            self.speculation.pad_proposals = graphs is not None and graphs.full_verify_len > 0
         self.parents: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()

@@ -54,6 +54,10 @@ class SpecDecoder:
         # resets it
         self.backoff: dict[str, tuple[int, int]] = {}
         self.step = 0  # engine steps begun (`next_step`): the clock of the backoff
+        # fill short proposals up to k (or the length limit): with FULL CUDA graphs for verify batches of k + 1
+        # tokens a request, a shorter verify runs in PIECEWISE graphs with eager attention, which at batch 1
+        # costs ~2-3x as much host time (measured on the H200: docs/spec_decode.md)
+        self.pad_proposals = False
 
     def next_step(self) -> None:
         self.step += 1
@@ -94,10 +98,19 @@ class SpecDecoder:
                 reqs.append(req)
                 limits.append(room)
         proposed = False
-        for req, proposal in zip(reqs, self.proposer.propose(reqs, limits, skip=1) if reqs else []):
-            req.spec_token_ids = proposal
+        for req, limit, proposal in zip(reqs, limits, self.proposer.propose(reqs, limits, skip=1) if reqs else []):
+            req.spec_token_ids = self._padded(proposal, limit)
             proposed = proposed or bool(proposal)
         return proposed
+
+    def _padded(self, proposal: list[int], limit: int) -> list[int]:
+        """A short proposal repeats its last token up to min(k, limit) when `pad_proposals`: the fillers are
+        proposals like any other (accepted only where the target's own token equals them), so outputs are
+        unchanged, and the verify batch keeps its FULL graph's shape."""
+        want = min(self.k, limit)
+        if not self.pad_proposals or not proposal or len(proposal) >= want:
+            return proposal
+        return proposal + [proposal[-1]] * (want - len(proposal))
 
     def propose(self, running: list[Request], paused: bool = False) -> None:
         """Set `spec_token_ids` of every running request that decodes next (one known token left to compute);
@@ -118,8 +131,8 @@ class SpecDecoder:
         if release is not None:
             release({req.request_id for req in running})
         if reqs:
-            for req, proposal in zip(reqs, self.proposer.propose(reqs, limits)):
-                req.spec_token_ids = proposal
+            for req, limit, proposal in zip(reqs, limits, self.proposer.propose(reqs, limits)):
+                req.spec_token_ids = self._padded(proposal, limit)
 
     def after_verify(self, sched: SchedulerOutput, step: LaunchedStep) -> None:
         """After `Scheduler.advance`: each verified request emits accepted + 1 tokens (one was counted pending

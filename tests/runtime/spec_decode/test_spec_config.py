@@ -116,6 +116,21 @@ def test_verify_behind_the_step_in_flight_only_while_copying() -> None:
     assert not spec.propose_ahead([req])
 
 
+def test_short_proposals_are_filled_up_to_k_for_full_verify_graphs() -> None:
+    kv = KVCacheManager(BlockPool(16, enable_caching=False), 4, block_hash_fn("fast", 0))
+    spec = SpecDecoder(NgramProposer(4, 1, 4), 4, kv)
+    req = Request("r", [5, 6, 7, 5, 6], SamplingParams(max_tokens=30), frozenset(), 64)
+    req.num_computed_tokens = req.num_tokens - 1
+    spec.propose([req])
+    assert req.spec_token_ids == [7, 5, 6]  # the lookup runs into the end of the context
+    spec.pad_proposals = True
+    spec.propose([req])
+    assert req.spec_token_ids == [7, 5, 6, 6]
+    req.max_total_tokens = req.num_tokens + 3  # room for 2 proposals and the target's token
+    spec.propose([req])
+    assert req.spec_token_ids == [7, 5]
+
+
 @pytest.mark.parametrize("n_min,n_max", [(1, 4), (2, 4), (3, 3)])
 def test_the_growing_index_proposes_what_a_full_scan_does(n_min: int, n_max: int) -> None:
     """One index per request, extended a few tokens at a time (as steps append 1 to k + 1 tokens), gives the

@@ -40,17 +40,19 @@ def runtime(embedded_dir, tmp_path_factory) -> Runtime:
 
 @contextlib.contextmanager
 def speculating(rt: Runtime, method: str | None):
-    """method: "draft" (the configured draft model), "ngram", or None (off)."""
+    """method: "draft" (the configured draft model), "ngram", "ngram-padded" (short proposals filled up to k, as
+    with FULL verify graphs on a GPU), or None (off)."""
     engine = rt.engine
     spec = engine.speculation
     draft = spec.proposer
-    if method == "ngram":
+    if method in ("ngram", "ngram-padded"):
         spec.proposer = NgramProposer(K, 1, 4)
+    spec.pad_proposals = method == "ngram-padded"
     engine.speculation = spec if method else None
     try:
         yield spec
     finally:
-        spec.proposer, engine.speculation = draft, spec
+        spec.proposer, engine.speculation, spec.pad_proposals = draft, spec, False
 
 
 def prompts(rt: Runtime) -> list[list[int]]:
@@ -87,7 +89,7 @@ def test_reference_covers_every_ending(plain) -> None:
     assert len(plain[0].token_ids) == 24 and len(plain[3].token_ids) == 7
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-padded", "draft"])
 def test_greedy_tokens_unchanged(runtime, plain, method) -> None:
     outs, counts = generate(runtime, method)
     for got, want in zip(outs, plain):
