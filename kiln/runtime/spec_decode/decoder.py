@@ -55,8 +55,8 @@ class SpecDecoder:
         self.backoff: dict[str, tuple[int, int]] = {}
         self.step = 0  # engine steps begun (`next_step`): the clock of the backoff
         # fill short proposals up to k (or the length limit): with FULL CUDA graphs for verify batches of k + 1
-        # tokens a request, a shorter verify runs in PIECEWISE graphs with eager attention, which at batch 1
-        # costs ~2-3x as much host time (measured on the H200: docs/spec_decode.md)
+        # tokens a request, a shorter verify runs PIECEWISE graphs with eager attention between them, whose
+        # launches cost the host several times a FULL replay (docs/spec_decode.md)
         self.pad_proposals = False
 
     def next_step(self) -> None:
