@@ -162,6 +162,14 @@ def bench_tasks(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+class NoBackoff(dict):
+    """A backoff table that never records a miss: the fixed proposals are always rejected, and every step of
+    the verify arm must verify."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
 class FixedProposer:
     """k proposals every step whatever the context (the verify step's cost does not depend on their values)."""
 
@@ -183,6 +191,7 @@ def bench_verify_ratio(args: argparse.Namespace) -> dict[str, Any]:
     rt.finish_background_compiles(timeout=args.background_timeout)
     engine = rt.engine
     verify = SpecDecoder(FixedProposer(args.k), args.k, engine.kv)
+    verify.backoff = NoBackoff()
     vocab = engine.loaded.spec.vocab_size
     prompt = [(i * 7919) % vocab for i in range(args.ratio_context)]
     on_gpu = engine.device.type == "cuda"
@@ -190,7 +199,8 @@ def bench_verify_ratio(args: argparse.Namespace) -> dict[str, Any]:
     graphs = engine.runner.graphs
     full_verify_len = graphs.full_verify_len if graphs is not None else 0
 
-    def time_steps(speculation: Any, steps: int, full_verify: bool = True) -> list[float]:
+    def start_request(speculation: Any, steps: int, full_verify: bool = True) -> None:
+        """One request past its prefill and a few steps, each step then a verify (`speculation`) or a plain one."""
         engine.speculation = speculation
         if graphs is not None:  # off: verify batches run in PIECEWISE graphs, as mixed batches do
             graphs.full_verify_len = full_verify_len if full_verify else 0
@@ -200,7 +210,11 @@ def bench_verify_ratio(args: argparse.Namespace) -> dict[str, Any]:
             engine.step()
         for _ in range(3):
             engine.step()
+
+    def time_steps(speculation: Any, steps: int, full_verify: bool = True) -> list[float]:
+        start_request(speculation, steps, full_verify)
         times = []
+        drafts = speculation.stats.num_drafts if speculation is not None else 0
         for _ in range(steps):
             if on_gpu:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -213,6 +227,8 @@ def bench_verify_ratio(args: argparse.Namespace) -> dict[str, Any]:
                 start = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - start)
+        if speculation is not None and speculation.stats.num_drafts - drafts != steps:
+            raise RuntimeError(f"{speculation.stats.num_drafts - drafts} of {steps} timed steps verified")
         for request_id in list(engine.parents):
             engine.abort(request_id)
         return times
@@ -226,6 +242,15 @@ def bench_verify_ratio(args: argparse.Namespace) -> dict[str, Any]:
               "verify_step_ms": full * 1e3, "ratio": full / plain, "verify_piecewise_ms": piecewise * 1e3,
               "ratio_piecewise": piecewise / plain, "full_verify_graphs": bool(full_verify_len),
               "graph_replays": dict(engine.graph_replays)}
+    if args.profile_steps and on_gpu:  # where each kind of step goes: kernels by kind, GPU idle, the host's calls
+        from benchmarks.bench_profile import profile_steps
+
+        result["profile"] = {}
+        for name, speculation in (("plain", None), ("verify", verify)):
+            start_request(speculation, 3 * args.profile_steps + 2)
+            result["profile"][name] = profile_steps(engine, args.profile_steps, torch.cuda.synchronize, None, True)
+            for request_id in list(engine.parents):
+                engine.abort(request_id)
     rt.shutdown()
     return result
 
@@ -255,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ratio-steps", type=int, default=20)
     parser.add_argument("--ratio-max-model-len", type=int, default=4096)
     parser.add_argument("--ratio-context", type=int, default=512, help="prompt tokens before the timed steps")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="GPU: also profile this many plain and verify steps of the ratio model (bench_profile)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (CPU): 1 keeps a shared machine's other load from stalling OpenMP regions")
     parser.add_argument("--json", default=None)

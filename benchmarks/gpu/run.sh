@@ -73,9 +73,13 @@ set_moe() {  # the MoE GPU tests, a launch-config sweep at Qwen3-30B-A3B's layer
   [ -s "$R/fused_moe_h200.json" ] && table="$R/fused_moe_h200.json"
   KILN_FUSED_MOE_CONFIGS="$table" step moe 330 python3 -m benchmarks.bench_moe --json "$R/moe.json"
 }
-set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape
+set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape; then
+  # the same on the SmolLM2-135M shape with each kind of step profiled (kernels, GPU idle, host calls)
   step spec_verify 125 python3 -m benchmarks.bench_spec_decode --device cuda --skip-tasks --verify-ratio \
     --capture-sizes 1 2 4 8 16 --background-timeout 40 --json "$R/spec_verify.json"
+  step spec_verify_smollm2 125 python3 -m benchmarks.bench_spec_decode --device cuda --skip-tasks --verify-ratio \
+    --ratio-model smollm2-135m --capture-sizes 1 2 4 8 16 --background-timeout 40 --profile-steps 8 \
+    --json "$R/spec_verify_smollm2.json"
 }
 set_spec_tasks() {  # n-gram speculation on the embedded model's copy / edit / free tasks, k = 4 to 15, and the
   # arm whose verify steps drain the step in flight (the A/B of verifying behind it)
