@@ -26,6 +26,11 @@ set_serve() {  # kiln serve at default settings under kiln bench serve, four req
 set_startup() {  # the on-disk 8B checkpoint: a cold and a warm start by phase, decode in the warm process
   step startup 340 python3 -m benchmarks.bench_startup --variants default --budget-s 330 --json "$R/startup.json"
 }
+set_startup_sampled() {  # a cold and a warm start, then one more warm start with its main thread sampled every 5 ms
+  # (the report: <logs>/default-warm-sampled.result.sample.txt in logs.tgz)
+  step startup_sampled 300 python3 -m benchmarks.bench_startup --variants default --sample-warm --decode-batches 1 \
+    --budget-s 290 --json "$R/startup_sampled.json"
+}
 set_startup_ab() {  # the start-up arms left open (docs/startup.md): pre-import off / default / weights in line
   step startup_ab 570 python3 -m benchmarks.bench_startup --variants KILN_COMPILER_PREIMPORT=0 default \
     KILN_WEIGHT_STREAM=0 --warm-repeats 5 --decode-batches 1 --budget-s 560 --json "$R/startup_ab.json"
