@@ -267,6 +267,8 @@ class StackSampler:
         self.samples = 0
         self.inclusive: collections.Counter[str] = collections.Counter()
         self.leaf: collections.Counter[str] = collections.Counter()
+        self.paths: collections.Counter[str] = collections.Counter()  # innermost frame <- its callers
+        self.timeline: list[tuple[float, str]] = []  # (seconds since start, innermost kiln frame)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-stack-sampler", daemon=True)
 
@@ -286,12 +288,16 @@ class StackSampler:
             if frame is None:
                 continue
             self.samples += 1
-            self.leaf[_label(frame)] += 1
-            seen = set()
+            stack = []
             while frame is not None:
-                seen.add(_label(frame))
+                stack.append(_label(frame))
                 frame = frame.f_back
-            self.inclusive.update(seen)
+            self.leaf[stack[0]] += 1
+            self.paths[" <- ".join(stack[:5])] += 1
+            self.inclusive.update(set(stack))
+            kiln_frame = next((label for label in stack if label.split(":")[0].count("/") and not
+                               label.startswith(("torch/", "triton/", "<", "3.", "benchmarks", "bench_"))), "?")
+            self.timeline.append((time.perf_counter() - self.started, kiln_frame))
 
     def report(self, top: int = 70) -> str:
         """The `top` functions by inclusive share, then by self share, as seconds of the sampled wall time."""
@@ -301,6 +307,16 @@ class StackSampler:
         lines += [f"{n * scale:11.2f}  {name}" for name, n in self.inclusive.most_common(top)]
         lines += ["", "self s       function"]
         lines += [f"{n * scale:11.2f}  {name}" for name, n in self.leaf.most_common(top // 2)]
+        lines += ["", "self s       innermost five frames"]
+        lines += [f"{n * scale:11.2f}  {name}" for name, n in self.paths.most_common(top // 2)]
+        lines += ["", "timeline: per 0.25 s, the innermost kiln frames most sampled (share)"]
+        buckets: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        for at, label in self.timeline:
+            buckets[int(at / 0.25)][label] += 1
+        for b in sorted(buckets):
+            total = sum(buckets[b].values())
+            top2 = ", ".join(f"{name} {n / total:.0%}" for name, n in buckets[b].most_common(2))
+            lines.append(f"{b * 0.25:6.2f}  {top2}")
         return "\n".join(lines)
 
 

@@ -30,6 +30,9 @@ from kiln.attention.base import (
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
+# the most (token, head) rows one decode program holds for a multi-token request: the k + 1 tokens of a
+# speculative verify times the GQA group (k = 15 on Llama-3's group of 4)
+MAX_MULTI_TOKEN_ROWS = 64
 # the varlen kernel's tile for 16-bit head_dim <= 128: (rows = tokens x padded GQA group, keys, warps, stages)
 VARLEN_TILE = (64, 64, 4, 2)
 
@@ -82,6 +85,13 @@ class TritonMetadata:
     counters: torch.Tensor | None  # [num_reqs, Hkv] int32 split tickets, zero between launches
     # a mixed batch run eagerly: its leading one-token requests, attended by the decode kernel
     leading_decodes: TritonMetadata | None = None
+    query_len: int = 1  # > 1: every request has this many new tokens, attended by the decode kernel (a verify)
+
+
+def uniform_query_len(common: CommonAttentionMetadata) -> int:
+    """The new tokens of every request where all requests (padded ones included) have the same number, else 0."""
+    q_lens = np.diff(common.query_start_loc_cpu[: common.num_reqs + 1].numpy())
+    return int(q_lens[0]) if len(q_lens) and (q_lens == q_lens[0]).all() else 0
 
 
 def leading_decode_count(common: CommonAttentionMetadata) -> int:
@@ -172,6 +182,11 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
         if common.uniform_decode:
             return self._decode_metadata(common, self.num_splits(common.num_reqs))
+        # every request with the same few new tokens (a speculative verify batch): the split-KV decode kernel
+        # with a row per (token, head); the varlen kernel would give each KV head one program for the context
+        query_len = uniform_query_len(common) if common.max_query_len * self.group <= MAX_MULTI_TOKEN_ROWS else 0
+        if query_len > 1:
+            return self._decode_metadata(common, self.num_splits(common.num_reqs), query_len)
         metadata = TritonMetadata(common, 1, None, None, None)
         least = self.mixed_decode_min
         rows = leading_decode_count(common) if 0 < least < common.num_reqs else 0
@@ -184,10 +199,10 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.leading_decodes = self._decode_metadata(head_of(common, rows), splits)
         return metadata
 
-    def _decode_metadata(self, common: CommonAttentionMetadata, splits: int) -> TritonMetadata:
+    def _decode_metadata(self, common: CommonAttentionMetadata, splits: int, query_len: int = 1) -> TritonMetadata:
         if splits == 1:
-            return TritonMetadata(common, 1, None, None, None)
-        rows = common.num_reqs * self.layout.num_heads * splits
+            return TritonMetadata(common, 1, None, None, None, query_len=query_len)
+        rows = common.num_reqs * query_len * self.layout.num_heads * splits
         if self._part_lse.numel() < rows:
             self._retired += [self._part_out, self._part_lse]
             self._part_out = torch.empty(rows * self.layout.head_dim, dtype=torch.float32, device=self.device)
@@ -196,7 +211,7 @@ class TritonAttentionBackend(AttentionBackend):
             self._retired.append(self._counters)
             self._counters = torch.zeros(common.num_reqs * self.layout.num_kv_heads, dtype=torch.int32,
                                          device=self.device)
-        return TritonMetadata(common, splits, self._part_out, self._part_lse, self._counters)
+        return TritonMetadata(common, splits, self._part_out, self._part_lse, self._counters, query_len=query_len)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TritonMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -206,6 +221,10 @@ class TritonAttentionBackend(AttentionBackend):
         scales = (float(k_scale), float(v_scale)) if _is_fp8(kv_cache) else (1.0, 1.0)
         if common.uniform_decode and common.num_reqs > 0:
             self._decode(q, k, v, out, kv_cache, metadata, *scales)  # writes the new K/V itself
+            return
+        if metadata.query_len > 1:  # the decode kernel reads every new key from the cache
+            reshape_and_cache(k, v, kv_cache, common.slot_mapping, *scales)
+            self._decode(q, k, v, out, kv_cache, metadata, *scales)
             return
         head = metadata.leading_decodes
         if head is not None:  # the decode kernel for the leading decodes (writing their K/V), varlen the rest
@@ -248,9 +267,9 @@ class TritonAttentionBackend(AttentionBackend):
             q, k, v, out, part_out, part_lse, counters, kv_cache, common.block_tables, common.seq_lens,
             common.slot_mapping, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
-            k_scale, v_scale, GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)),
+            k_scale, v_scale, GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group * metadata.query_len)),
             HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
-            KV_FP8=_is_fp8(kv_cache), num_warps=cfg["num_warps"],
+            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])

@@ -70,10 +70,11 @@ def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q
     if MASK:
         s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # a row can be fully masked in this tile but never in the first one (key 0 is visible to every
-    # query), so m_new is finite and exp2(-inf - m_new) is a clean 0
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    # a row that has seen no visible key yet (a split of a multi-token decode starting past its position)
+    # keeps m = -inf; subtracting 0 instead keeps its p and alpha a clean 0 rather than NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
     v = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
                 other=0.0)
     if KV_FP8:
@@ -160,8 +161,8 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_TILES: tl.constexpr,
-                            IEEE: tl.constexpr, KV_FP8: tl.constexpr):
-    """One new token per request, the whole decode step in one launch; program (request, kv_head, split).
+                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1):
+    """QLEN new tokens per request (1: decode; more: a speculative verify), program (request, kv_head, split).
 
     At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
     split 0 writes the new key/value, every split takes that position from k/v directly, and the last
@@ -174,6 +175,10 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     (an in-process A/B, bench_attention --vary merge_active at commit 2531019, 2026-11-30).
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
+    QLEN > 1: the caller has written the QLEN new keys/values to the cache; a program's rows are the
+    (token, head) pairs of its KV head, token t seeing the keys up to its position seq_len - QLEN + t, so the
+    verify of k proposals splits its context over the SMs as a decode does instead of running as a prefill
+    chunk (the varlen kernel's one program per KV head). k, v and slot are then unused.
     """
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -183,38 +188,44 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     new_pos = seq_len - 1
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    k_new = tl.load(k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh + d, mask=d_mask, other=0.0)
-    v_new = tl.load(v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + d, mask=d_mask, other=0.0)
-    if KV_FP8:  # to e4m3 and back: the values the cache holds, in units of the scales
-        k_new = _fp8_units(k_new, k_scale).to(cache_ptr.dtype.element_ty).to(tl.float32)
-        v_new = _fp8_units(v_new, v_scale).to(cache_ptr.dtype.element_ty).to(tl.float32)
-    if split == 0:
-        slot = tl.load(slot_ptr + req).to(tl.int64)
-        if slot >= 0:
-            dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kv_head * stride_ch + d
-            tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
-            tl.store(dst + stride_ckv, v_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
+    if QLEN == 1:
+        k_new = tl.load(k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh + d, mask=d_mask, other=0.0)
+        v_new = tl.load(v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + d, mask=d_mask, other=0.0)
+        if KV_FP8:  # to e4m3 and back: the values the cache holds, in units of the scales
+            k_new = _fp8_units(k_new, k_scale).to(cache_ptr.dtype.element_ty).to(tl.float32)
+            v_new = _fp8_units(v_new, v_scale).to(cache_ptr.dtype.element_ty).to(tl.float32)
+        if split == 0:
+            slot = tl.load(slot_ptr + req).to(tl.int64)
+            if slot >= 0:
+                dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kv_head * stride_ch + d
+                tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
+                tl.store(dst + stride_ckv, v_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
 
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    h = tl.arange(0, BLOCK_H)
-    head = kv_head * GROUP + h
-    h_mask = h < GROUP
-    q = tl.load(q_ptr + req.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+    r = tl.arange(0, BLOCK_H)  # row = (token t of the request's QLEN, head of the KV head's GROUP)
+    head = kv_head * GROUP + r % GROUP
+    h_mask = r < QLEN * GROUP
+    token = req.to(tl.int64) * QLEN + r // GROUP
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + new_pos  # the new token sees its whole context
+    q_pos = (seq_len - QLEN + r // GROUP).to(tl.int32)  # each token sees the context up to itself
     kv_base = kv_head * stride_ch
-    # keys before the new token come from the cache (interior tiles unmasked, then a masked tail); the
-    # new token itself is added from k/v as a rank-1 update by the split that owns its position, since
-    # split 0 may still be writing it to the cache
-    cache_end = tl.minimum(end, new_pos)
-    plain_end = start + tl.maximum(cache_end - start, 0) // BLOCK_N * BLOCK_N
+    if QLEN == 1:
+        # keys before the new token come from the cache (interior tiles unmasked, then a masked tail); the
+        # new token itself is added from k/v as a rank-1 update by the split that owns its position, since
+        # split 0 may still be writing it to the cache
+        cache_end = tl.minimum(end, new_pos)
+        plain_end = start + tl.maximum(cache_end - start, 0) // BLOCK_N * BLOCK_N
+    else:  # all keys from the cache; unmasked up to the first new token, which row 0 sees last
+        cache_end = end
+        plain_end = start + tl.maximum(tl.minimum(end, seq_len - QLEN + 1) - start, 0) // BLOCK_N * BLOCK_N
     for n0 in range(start, plain_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, cache_end, bt_row, q_pos, d, d_mask,
                                      stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE,
@@ -223,24 +234,25 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, cache_end, bt_row, q_pos, d, d_mask,
                                      stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE,
                                      KV_FP8)
-    if (new_pos >= start) & (new_pos < end):
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp2(m_i - m_new)
-        p_new = tl.exp2(s_new - m_new)
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-        l_i = l_i * alpha + p_new
-        m_i = m_new
+    if QLEN == 1:
+        if (new_pos >= start) & (new_pos < end):
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            l_i = l_i * alpha + p_new
+            m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]  # an empty split leaves acc == 0, so o == 0
     if KV_FP8:
         o = o * v_scale
-    out_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+    out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     out_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        base = (req * (GROUP * num_kv_heads) + head) * NUM_SPLITS  # partials are [reqs, heads, splits]
+        base = (token * (GROUP * num_kv_heads) + head) * NUM_SPLITS  # partials are [tokens, heads, splits]
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + base + split, lse, mask=h_mask)
         tl.store(part_o_ptr + (base + split)[:, None].to(tl.int64) * HEAD_DIM + d[None, :], o, mask=out_mask)
@@ -250,8 +262,10 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
             # one [splits, D] tile per head (a loop over splits would pay an L2 round trip per split)
             sp = tl.arange(0, BLOCK_S)
             sp_mask = sp < NUM_SPLITS
-            for hh in range(GROUP):
-                row = (req * (GROUP * num_kv_heads) + kv_head * GROUP + hh) * NUM_SPLITS + sp
+            for th in range(QLEN * GROUP):  # (token, head) pairs of this KV head
+                tok = req * QLEN + th // GROUP
+                hh = th % GROUP
+                row = (tok * (GROUP * num_kv_heads) + kv_head * GROUP + hh) * NUM_SPLITS + sp
                 lse_h = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")
                 m = tl.max(lse_h, axis=0)
                 w = tl.exp2(lse_h - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
@@ -259,7 +273,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                                mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
                 total = tl.sum(w, axis=0)
                 merged = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-                tl.store(out_ptr + req.to(tl.int64) * stride_ot + (kv_head * GROUP + hh) * stride_oh + d,
+                tl.store(out_ptr + tok.to(tl.int64) * stride_ot + (kv_head * GROUP + hh) * stride_oh + d,
                          merged.to(out_ptr.dtype.element_ty), mask=d_mask)
             tl.store(counter, 0)  # ready for the next layer, step or graph replay
 

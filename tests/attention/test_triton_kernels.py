@@ -67,6 +67,35 @@ def test_uniform_decode_with_a_floor_on_tiles_per_split(min_tiles: int) -> None:
     # splits of a short context are empty and must weigh nothing in the merge
     check([1, 1, 1], [0, 95, 300], 4, 64, seed=min_tiles, min_tiles=min_tiles)
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_uniform_multi_token_requests_run_the_split_decode_kernel(group: int, head_dim: int) -> None:
+    # a speculative verify batch: every request k + 1 = 5 new tokens, each seeing the context up to itself;
+    # contexts of none, ~6 and ~19 tiles split over many programs, some starting past a row's position
+    batch = make_batch([5, 5, 5], [0, 95, 300], HEADS, HEADS // group, head_dim, torch.float32, DEVICE)
+    assert TritonAttentionBackend(batch.layout, torch.device(DEVICE)).build_metadata(batch.common).query_len == 5
+    check([5, 5, 5], [0, 95, 300], group, head_dim, seed=17 + group)
+
+
+@pytest.mark.parametrize("min_tiles", [1, 3])
+def test_multi_token_requests_whose_tokens_straddle_split_bounds(min_tiles: int) -> None:
+    # 16 new tokens (k = 15) on contexts ending just before, at and after a tile edge: the split holding the
+    # new tokens has rows that see none of its keys (they weigh nothing in the merge); one split too
+    check([16, 16, 16], [15, 16, 113], 4, 64, seed=min_tiles, min_tiles=min_tiles)
+    batch = make_batch([16, 16], [40, 7], HEADS, 2, 64, torch.float32, DEVICE, seed=9)
+    backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+    backend.num_splits = lambda n: 1  # type: ignore[method-assign]
+    assert rel_err(run_backend(backend, batch)[0], reference(batch)[0]) <= 1e-4
+
+
+def test_multi_token_requests_past_the_row_bound_stay_on_varlen() -> None:
+    # 16 tokens x a GQA group of 8 = 128 rows: too many for one decode program; unequal lengths: a prefill
+    for q_lens, group in (([16, 16], 8), ([5, 4], 4)):
+        batch = make_batch(q_lens, [30, 60], HEADS, HEADS // group, 64, torch.float32, DEVICE)
+        assert TritonAttentionBackend(batch.layout, torch.device(DEVICE)).build_metadata(batch.common).query_len == 1
+        check(q_lens, [30, 60], group, 64, seed=group)
+
+
 def test_decode_state_is_clean_between_steps() -> None:
     # the split tickets and partial workspace are reused by the next step: it must not see stale state
     first = make_batch([1, 1], [300, 40], HEADS, 2, 64, torch.float32, DEVICE, seed=1)
@@ -98,6 +127,7 @@ def test_single_request_and_block_size_8() -> None:
 
 def test_half_precision() -> None:
     check([9, 1, 30], [40, 64, 0], 4, 64, dtype=torch.float16, tol=1e-2, seed=11)
+    check([5, 5], [40, 200], 4, 64, dtype=torch.float16, tol=1e-2, seed=12)  # a verify batch
 
 
 def test_page_indices() -> None:
