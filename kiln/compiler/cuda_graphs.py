@@ -186,6 +186,8 @@ class GraphStats:
     captures: dict[str, int] = field(default_factory=lambda: {"FULL": 0, "PIECEWISE": 0})
     replays: dict[str, int] = field(default_factory=lambda: {"FULL": 0, "PIECEWISE": 0, "NONE": 0})
     capture_seconds: float = 0.0
+    prerun_seconds: float = 0.0  # the eager run before each capture
+    preruns_skipped: int = 0  # PIECEWISE captures of a piece whose artifact already ran at that size
     memory_bytes: int = 0
     after_warmup_captures: int = 0
 
@@ -201,6 +203,7 @@ class GraphPool:
         self.warmed_up = False
         self._captured_any = False
         self.callables: list[GraphedCallable] = []  # every wrapper holding graphs from this pool
+        self.ran: set[tuple[str, int]] = set()  # (piece artifact, size) already run eagerly before a capture
 
     def release(self) -> None:
         """Drop every graph captured from this pool and the pool itself (the caller has synchronised)."""
@@ -245,10 +248,14 @@ class GraphedCallable:
         self.entries: dict[Any, tuple[Any, Any, list[int]]] = {}
         pool.callables.append(self)
 
-    def __call__(self, key: Any, fn: Callable[[], Any], inputs: Sequence[torch.Tensor] = ()) -> Any:
+    def __call__(self, key: Any, fn: Callable[[], Any], inputs: Sequence[torch.Tensor] = (),
+                 prerun: bool = True) -> Any:
         entry = self.entries.get(key)
         if entry is None:
-            fn()  # one eager run first: lazy initialisation (cuBLAS handles, autotuning) must not be captured
+            if prerun:  # one eager run first: lazy initialisation (cuBLAS handles, autotuning) must not be captured
+                start = time.perf_counter()
+                fn()
+                self.pool.stats.prerun_seconds += time.perf_counter() - start
             graph, output = self.pool.capture(self.kind, fn)
             self.entries[key] = (graph, output, [t.data_ptr() for t in inputs])
             return output
@@ -274,20 +281,35 @@ def piecewise_graphs(num_tokens: int | None) -> Iterator[None]:
         _piecewise_size = previous
 
 
+# KILN_GRAPH_PRERUN=all: an eager run before every PIECEWISE capture (the A/B's other arm), not only before the
+# first capture of each distinct piece at a size
+_prerun_every_piece = os.environ.get("KILN_GRAPH_PRERUN", "") == "all"
+
+
 class GraphedPiece:
-    """Wraps a compiled piece: under `piecewise_graphs(n)` a call with n tokens replays that piece's graph."""
+    """Wraps a compiled piece: under `piecewise_graphs(n)` a call with n tokens replays that piece's graph.
+
+    Pieces that share an artifact (every decoder layer's) run the same kernels on same-shaped inputs, so once
+    one of them has run eagerly at a size, whatever a first run initialises lazily is done: the others capture
+    at that size without an eager run of their own."""
 
     def __init__(self, runner: Callable[..., Any], pool: GraphPool, num_tokens_of: Callable[[tuple], int]) -> None:
         self.runner = runner
         self.graphs = GraphedCallable(pool, "PIECEWISE")
         self.num_tokens_of = num_tokens_of
+        self.artifact = getattr(runner, "piece_hash", None) or str(id(runner))
 
     def __call__(self, *args: Any) -> Any:
         size = _piecewise_size
         if size is None or self.num_tokens_of(args) != size:
             return self.runner(*args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        return self.graphs(size, lambda: self.runner(*args), tensors)
+        pool = self.graphs.pool
+        prerun = _prerun_every_piece or (self.artifact, size) not in pool.ran
+        if size not in self.graphs.entries:
+            pool.ran.add((self.artifact, size))
+            pool.stats.preruns_skipped += not prerun
+        return self.graphs(size, lambda: self.runner(*args), tensors, prerun=prerun)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -330,9 +352,11 @@ def install_cuda_graphs(runner: Any, config: Any, compiled: Any, *, progress: bo
     background = getattr(compiled, "background", None)
     if background is not None:  # a background swap replaces artifacts these graphs hold
         background.on_swap = lambda sizes: recapture(runner, dispatcher, pool, sizes)
-    logger.info("CUDA graphs: %s; %d FULL + %d PIECEWISE captured in %.1fs, %.0f MiB", dispatcher.describe(),
-                pool.stats.captures["FULL"], pool.stats.captures["PIECEWISE"], pool.stats.capture_seconds,
-                pool.stats.memory_bytes / 2**20)
+    stats = pool.stats
+    logger.info("CUDA graphs: %s; %d FULL + %d PIECEWISE captured in %.1fs after %.1fs of eager runs (%d PIECEWISE "
+                "without one: their artifact had run at that size), %.0f MiB", dispatcher.describe(),
+                stats.captures["FULL"], stats.captures["PIECEWISE"], stats.capture_seconds, stats.prerun_seconds,
+                stats.preruns_skipped, stats.memory_bytes / 2**20)
     return pool
 
 
@@ -378,6 +402,7 @@ def recapture(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, sizes: 
     for callable_ in pool.callables:  # FULL graphs are keyed by BatchDescriptor, PIECEWISE ones by size
         for key in [k for k in callable_.entries if getattr(k, "num_tokens", k) in stale]:
             del callable_.entries[key]
+    pool.ran = {(artifact, size) for artifact, size in pool.ran if size not in stale}  # new artifacts run first
     pool.warmed_up = False  # these captures are planned, not sizes missed at start-up
     # through torch.cuda.graph, whose cache flush before each capture releases a memory pool whose every graph
     # was just dropped (beginning a capture in it otherwise trips the allocators' use-count assertions)

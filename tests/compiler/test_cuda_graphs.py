@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
-from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, RunMode, install_cuda_graphs
+from kiln.compiler.cuda_graphs import (
+    BatchDescriptor,
+    GraphDispatcher,
+    GraphedPiece,
+    GraphPool,
+    RunMode,
+    install_cuda_graphs,
+    piecewise_graphs,
+)
 from kiln.config import CUDAGraphMode, GraphSupport, default_capture_sizes
 from tests.conftest import random_prompts
 
@@ -139,3 +147,35 @@ def test_fake_graphs_replay_to_the_same_tokens(runtimes, monkeypatch) -> None:
     graphed.generate([random_prompts([40], 256)[0]], SamplingParams(max_tokens=1))
     assert graphed.engine.graph_replays["NONE"] > before.get("NONE", 0)
     assert graphed.compile_stats.compiles_after_warmup == 0
+
+
+class CountingPiece:
+    """A compiled piece stand-in: counts its runs; pieces built with the same hash share an artifact."""
+
+    def __init__(self, piece_hash: str) -> None:
+        self.piece_hash = piece_hash
+        self.runs = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return x + 1
+
+    @staticmethod
+    def num_tokens(args: tuple) -> int:
+        return args[0].shape[0]
+
+
+def test_pieces_sharing_an_artifact_capture_without_an_eager_run_once_one_has_run() -> None:
+    pool = GraphPool(FakeGraph)
+    runners = [CountingPiece(h) for h in ("first", "layer", "layer", "layer", "last")]
+    pieces = [GraphedPiece(r, pool, r.num_tokens) for r in runners]
+    for size in (8, 4, 8):  # the second time at 8 replays: no capture, no eager run
+        with piecewise_graphs(size):
+            for piece in pieces:
+                piece(torch.zeros(size))
+    # a capture runs the piece once (FakeGraph calls it) and a replay once more; the eager run before a capture
+    # only for the first piece of each artifact at each size
+    assert [r.runs for r in runners] == [2 + 2 + 1, 2 + 2 + 1, 1 + 1 + 1, 1 + 1 + 1, 2 + 2 + 1]
+    assert pool.stats.preruns_skipped == 4 and pool.stats.captures["PIECEWISE"] == 10
+    with piecewise_graphs(3):  # a size never captured runs the piece as it is
+        assert pieces[1](torch.zeros(5)).tolist() == [1.0] * 5
