@@ -94,7 +94,7 @@ set_spec_tasks() {  # n-gram speculation on the embedded model's copy / edit / f
     echo "spec_tasks: skipped, the embedded model's two halves have not both arrived"; return
   fi
   cat /tmp/parts/smollm2-a.part /tmp/parts/smollm2-b.part > $gguf
-  for k in 4 8 12 15; do
+  for k in ${SPEC_TASK_KS:-4 8 12 15}; do  # SPEC_TASK_KS="8 15": a subset
     KILN_EMBEDDED_GGUF=$gguf step "spec_tasks_k$k" 110 python3 -m benchmarks.bench_spec_decode --device cuda \
       --max-tokens 128 --capture-sizes 1 2 4 8 16 --background-timeout 30 --repeats 5 -k $k --drain-arm \
       --json "$R/spec_tasks_k$k.json"
