@@ -14,6 +14,8 @@ measured in the same run.
     python -m benchmarks.bench_attention --sweep --vary min_tiles waves --heads 32 4 --batches 1 8
     # mixed steps (prefill chunks beside decodes): the decodes in the varlen or the decode kernel, varlen tiles
     python -m benchmarks.bench_attention --mixed --json mixed.json [--tiles 64,64,4,2 64,32,4,2]
+    # speculative verify batches (k + 1 tokens a request): the split-KV decode kernel against the varlen kernel
+    python -m benchmarks.bench_attention --verify 4 15 --batches 1 8 --contexts 512 2048 [--heads 9 3 --head-dim 64]
     # an e4m3 KV cache (kv_cache_dtype="fp8") against the same shapes in bf16: run once with each
     python -m benchmarks.bench_attention --backends triton --batches 64 256 --contexts 2048 4096 --kv-cache-dtype fp8
 """
@@ -214,6 +216,39 @@ def mixed(layout: AttentionLayout, json_path: str | None, tiles: list[tuple[int,
                        "results": results}, f, indent=1)
 
 
+def verify(layout: AttentionLayout, batches: list[int], contexts: list[int], ks: list[int],
+           json_path: str | None) -> None:
+    """Uniform verify batches (every request k + 1 new tokens) as a FULL graph replays them: the split-KV decode
+    kernel with a row per (token, head) against the varlen kernel (the path every multi-token batch took
+    before), and a one-token decode of the same batch and context beside them."""
+    from kiln.attention import triton_backend
+
+    backend = select_backend("triton", layout, torch.device("cuda"))(layout, torch.device("cuda"))
+    rows_bound = triton_backend.MAX_MULTI_TOKEN_ROWS
+    rows, results = [], []
+    for batch, ctx, k in itertools.product(batches, contexts, ks):
+        decode = time_step(backend, *make_step([1] * batch, [ctx] * batch), graph=True)
+        tensors, common = make_step([k + 1] * batch, [ctx] * batch)
+        timed = {}
+        for arm, bound in (("split", rows_bound), ("varlen", 0)):
+            triton_backend.MAX_MULTI_TOKEN_ROWS = bound
+            timed[arm] = time_step(backend, tensors, common, graph=True)
+            timed[arm + "_out"] = tensors[3].clone()
+        triton_backend.MAX_MULTI_TOKEN_ROWS = rows_bound
+        err = float((timed["split_out"].float() - timed["varlen_out"].float()).abs().max())
+        rows.append([batch, ctx, k, decode * 1e3, timed["varlen"] * 1e3, timed["split"] * 1e3,
+                     timed["varlen"] / timed["split"], timed["split"] / decode, err])
+        results.append(dict(zip(["batch", "ctx", "k", "decode_us", "varlen_us", "split_us", "gain", "x_decode",
+                                 "max_abs_diff"], rows[-1])))
+        print(rows[-1], flush=True)
+    print(f"{stamp()}\n{HQ} q / {HKV} kv heads, D={D}, bf16, CUDA-graph replays, L2 flushed")
+    print(table(["batch", "ctx", "k", "decode us", "varlen us", "split us", "varlen / split", "split / decode",
+                 "max |diff|"], rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"stamp": stamp(), "heads": [HQ, HKV], "head_dim": D, "results": results}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backends", nargs="+", default=["torch", "triton", "flashinfer"])
@@ -231,12 +266,19 @@ def main() -> None:
                         help="query and KV heads (one tensor-parallel rank's share)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the default mode: a cache of the model dtype, or e4m3 (kv_cache_dtype='fp8')")
+    parser.add_argument("--head-dim", type=int, default=D)
+    parser.add_argument("--verify", type=int, nargs="+", metavar="K",
+                        help="verify batches of K proposals (K + 1 tokens a request), split-KV against varlen")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    globals().update(HQ=args.heads[0], HKV=args.heads[1])  # make_step and the byte counts read them
+    # make_step and the byte counts read them
+    globals().update(HQ=args.heads[0], HKV=args.heads[1], D=args.head_dim)
     ceil = measure_ceilings()
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     layout = AttentionLayout(HQ, HKV, D, D ** -0.5, BS, DTYPE, kv_dtype)
+    if args.verify:
+        verify(layout, args.batches, args.contexts, args.verify, args.json)
+        return
     if args.mixed:
         mixed(layout, args.json, [tuple(int(x) for x in t.split(",")) for t in args.tiles] if args.tiles else None)
         return

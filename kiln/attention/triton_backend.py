@@ -273,3 +273,7 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_S=triton.next_power_of_2(splits), MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
             KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
+        if metadata.query_len > 1 and splits > 1:
+            K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads)](
+                part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=layout.head_dim, BLOCK_D=self.block_d,
+                NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=2)

@@ -256,26 +256,47 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + base + split, lse, mask=h_mask)
         tl.store(part_o_ptr + (base + split)[:, None].to(tl.int64) * HEAD_DIM + d[None, :], o, mask=out_mask)
-        tl.debug_barrier()  # every thread's partials are stored before the (release) ticket
-        counter = counter_ptr + req * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # acq_rel: all other splits' partials are visible
-            # one [splits, D] tile per head (a loop over splits would pay an L2 round trip per split)
-            sp = tl.arange(0, BLOCK_S)
-            sp_mask = sp < NUM_SPLITS
-            for th in range(QLEN * GROUP):  # (token, head) pairs of this KV head
-                tok = req * QLEN + th // GROUP
-                hh = th % GROUP
-                row = (tok * (GROUP * num_kv_heads) + kv_head * GROUP + hh) * NUM_SPLITS + sp
-                lse_h = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")
-                m = tl.max(lse_h, axis=0)
-                w = tl.exp2(lse_h - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-                part = tl.load(part_o_ptr + row[:, None].to(tl.int64) * HEAD_DIM + d[None, :], cache_modifier=".cg",
-                               mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
-                total = tl.sum(w, axis=0)
-                merged = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-                tl.store(out_ptr + tok.to(tl.int64) * stride_ot + (kv_head * GROUP + hh) * stride_oh + d,
-                         merged.to(out_ptr.dtype.element_ty), mask=d_mask)
-            tl.store(counter, 0)  # ready for the next layer, step or graph replay
+        if QLEN == 1:  # the merge, fused in (QLEN > 1: merge_splits_kernel, a launch of its own)
+            tl.debug_barrier()  # every thread's partials are stored before the (release) ticket
+            counter = counter_ptr + req * num_kv_heads + kv_head
+            if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # acq_rel: all other splits' partials are visible
+                # one [splits, D] tile per head (a loop over splits would pay an L2 round trip per split)
+                for hh in range(GROUP):
+                    head_hh = kv_head * GROUP + hh
+                    _merge_splits(part_o_ptr, part_lse_ptr, (req * (GROUP * num_kv_heads) + head_hh) * NUM_SPLITS,
+                                  out_ptr + req.to(tl.int64) * stride_ot + head_hh * stride_oh, d, d_mask, HEAD_DIM,
+                                  NUM_SPLITS, BLOCK_S)
+                tl.store(counter, 0)  # ready for the next layer, step or graph replay
+
+
+@triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, row0, out_row_ptr, d, d_mask, HEAD_DIM: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One (token, head)'s split partials (rows row0 .. row0 + NUM_SPLITS) merged by their log-sum-exps."""
+    sp = tl.arange(0, BLOCK_S)
+    sp_mask = sp < NUM_SPLITS
+    row = row0 + sp
+    lse = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    part = tl.load(part_o_ptr + row[:, None].to(tl.int64) * HEAD_DIM + d[None, :], cache_modifier=".cg",
+                   mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    merged = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_row_ptr + d, merged.to(out_row_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The split merge of a multi-token decode, program (token, head): all rows at once, where a fused merge
+    would leave one program per (request, KV head) looping over QLEN x GROUP rows."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    _merge_splits(part_o_ptr, part_lse_ptr, (token * tl.num_programs(1) + head) * NUM_SPLITS,
+                  out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh, d, d < HEAD_DIM, HEAD_DIM, NUM_SPLITS,
+                  BLOCK_S)
 
 
 @triton.jit
