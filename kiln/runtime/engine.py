@@ -429,7 +429,14 @@ class Engine:
         if self.speculation is not None:
             self.speculation.propose(self.scheduler.running, paused=paused)
         sched = self.scheduler.schedule()
-        return [] if sched.is_empty else self._complete(self._launch(sched))
+        if sched.is_empty:
+            return []
+        if self.async_scheduling and not sched.num_spec_tokens:
+            # drained for proposals that its complete lookup did not find: nothing to verify, so the step stays
+            # in flight and the next one overlaps it, as if no drain had happened
+            self._inflight = self._launch(sched)
+            return []
+        return self._complete(self._launch(sched))
 
     def _launch_verify_behind(self) -> list[RequestOutput]:
         """Launch a verify step behind the plain step in flight (its first input per request is that step's token,

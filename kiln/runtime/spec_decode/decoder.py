@@ -54,6 +54,10 @@ class SpecDecoder:
         # resets it
         self.backoff: dict[str, tuple[int, int]] = {}
         self.step = 0  # engine steps begun (`next_step`): the clock of the backoff
+        # requests `wants_verify` expected proposals for (the step in flight is drained for them): one whose
+        # lookup on its complete context then finds none counts a miss, like a rejection, so free-form text
+        # does not drain the overlapped steps for lookups that keep failing
+        self.expected: set[str] = set()
         # fill short proposals up to k (or the length limit): with FULL CUDA graphs for verify batches of k + 1
         # tokens a request, a shorter verify runs PIECEWISE graphs with eager attention between them, whose
         # launches cost the host several times a FULL replay (docs/spec_decode.md)
@@ -71,12 +75,13 @@ class SpecDecoder:
         next step is launched overlapped, as without speculation. A draft model always proposes."""
         if not isinstance(self.proposer, NgramProposer):
             return True
+        self.expected.clear()
         for req in running:
             decoding = req.num_pending_tokens or req.num_computed_tokens == req.num_tokens - 1
             room = req.max_total_tokens - req.num_tokens_with_pending - 1
             if decoding and self._eligible(req, room) and self.proposer.propose([req], [room])[0]:
-                return True
-        return False
+                self.expected.add(req.request_id)
+        return bool(self.expected)
 
     def propose_ahead(self, running: list[Request]) -> bool:
         """Async scheduling with a plain step in flight (n-gram only): proposals for each request whose pending
@@ -133,6 +138,15 @@ class SpecDecoder:
         if reqs:
             for req, limit, proposal in zip(reqs, limits, self.proposer.propose(reqs, limits)):
                 req.spec_token_ids = self._padded(proposal, limit)
+                if not proposal and req.request_id in self.expected:
+                    self._count(req.request_id, accepted=False)
+        self.expected.clear()
+
+    def _count(self, request_id: str, accepted: bool) -> None:
+        """The backoff after a verify (or a drain that found nothing to verify): reset by an acceptance, else
+        the request sits out 2^misses - 1 steps, at most MAX_SKIP."""
+        misses = 0 if accepted else self.backoff.get(request_id, (0, 0))[0] + 1
+        self.backoff[request_id] = (misses, self.step + 1 + min(2 ** misses - 1, MAX_SKIP))
 
     def after_verify(self, sched: SchedulerOutput, step: LaunchedStep) -> None:
         """After `Scheduler.advance`: each verified request emits accepted + 1 tokens (one was counted pending
@@ -144,8 +158,7 @@ class SpecDecoder:
             req.num_computed_tokens -= proposed - accepted
             req.spec_token_ids = []
             self.kv.trim(req, req.num_computed_tokens)
-            misses = 0 if accepted else self.backoff.get(req.request_id, (0, 0))[0] + 1
-            self.backoff[req.request_id] = (misses, self.step + 1 + min(2 ** misses - 1, MAX_SKIP))
+            self._count(req.request_id, accepted > 0)
             stats.num_drafts += 1
             stats.num_draft_tokens += proposed
             stats.num_accepted_tokens += accepted

@@ -116,6 +116,34 @@ def test_verify_behind_the_step_in_flight_only_while_copying() -> None:
     assert not spec.propose_ahead([req])
 
 
+def test_a_drain_whose_complete_lookup_finds_nothing_backs_off() -> None:
+    """With a step in flight, the lookup on the host's tokens (the one in flight aside) decides whether to drain
+    for a verify; when the lookup on the complete context then proposes nothing, that counts as a miss, so
+    free-form text stops draining its overlapped steps for lookups that keep failing."""
+    kv = KVCacheManager(BlockPool(16, enable_caching=False), 4, block_hash_fn("fast", 0))
+    spec = SpecDecoder(NgramProposer(3, 2, 4), 3, kv)
+    req = Request("r", [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=30), frozenset(), 64)
+    req.num_computed_tokens, req.num_pending_tokens = req.num_tokens, 1  # a plain step in flight
+    spec.next_step()
+    for misses, landed in ((1, 9), (2, 8)):
+        assert spec.wants_verify([req])  # the suffix "1 2" occurred before
+        req.append_output(landed, None)  # the token in flight lands: "2 <landed>" never occurred
+        req.num_computed_tokens, req.num_pending_tokens = req.num_tokens - 1, 0  # drained
+        spec.propose([req])
+        assert req.spec_token_ids == [] and spec.backoff["r"] == (misses, spec.step + 2 ** misses)
+        for token in (1, 2):  # plain steps bring "1 2" back at the end: the lookup would drain again
+            req.append_output(token, None)
+        req.num_computed_tokens, req.num_pending_tokens = req.num_tokens, 1
+        spec.next_step()
+        while spec.backoff["r"][1] > spec.step:  # sitting out: no drain
+            assert not spec.wants_verify([req])
+            spec.next_step()
+    assert spec.wants_verify([req])
+    req.num_computed_tokens, req.num_pending_tokens = req.num_tokens - 1, 0  # drained with "1 2" as the suffix
+    spec.propose([req])
+    assert req.spec_token_ids and spec.backoff["r"][0] == 2  # a proposal to verify: no miss counted
+
+
 def test_short_proposals_are_filled_up_to_k_for_full_verify_graphs() -> None:
     kv = KVCacheManager(BlockPool(16, enable_caching=False), 4, block_hash_fn("fast", 0))
     spec = SpecDecoder(NgramProposer(4, 1, 4), 4, kv)
