@@ -24,7 +24,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -231,16 +231,16 @@ class CompileCacheStore:
             path.unlink(missing_ok=True)
             return None
 
-    def finish(self, split_graph: str | None = None, compile_seconds: float | None = None,
+    def finish(self, split_graph: Callable[[], str] | None = None, compile_seconds: float | None = None,
                capture: bytes | None = None) -> None:
-        """After warm-up: record the split graph (text, and `capture` for warm starts) and mark the key ready
-        (if we wrote), release the lock."""
+        """After warm-up: record the split graph (its text, made only if written; `capture` for warm starts)
+        and mark the key ready (if we wrote), release the lock."""
         try:
             if capture is not None and self.mode != "closed" and not (self.dir / CAPTURE).is_file():
                 atomic_write(self.dir / CAPTURE, pack(capture))  # also replaces one found damaged on a hit
             if self.mode in ("write", "private") or (self.recovered and not self.ready):
                 if split_graph is not None:
-                    atomic_write(self.dir / SPLIT_GRAPH, split_graph.encode())
+                    atomic_write(self.dir / SPLIT_GRAPH, split_graph().encode())
                 marker = {"format": FORMAT_VERSION, "created": time.time(), "cold_seconds": compile_seconds,
                           "artifacts": sorted(p.name for p in self.dir.glob(f"*{ARTIFACT_SUFFIX}"))}
                 atomic_write(self.dir / READY, json.dumps(marker, indent=2).encode())
