@@ -155,6 +155,10 @@ class TritonAttentionBackend(AttentionBackend):
         # alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
                                waves=2, min_tiles=1)
+        # a verify batch's tokens per decode program: 1 puts each token in the rows a decode of it uses, so its
+        # attention is the decode's bit for bit (greedy tokens do not change with speculation); None packs as
+        # many as the program's rows hold, reading the context once per program instead of once per token
+        self.verify_tokens_per_program: int | None = 1
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -263,17 +267,19 @@ class TritonAttentionBackend(AttentionBackend):
         part_out = metadata.part_out if metadata.part_out is not None else out
         part_lse = metadata.part_lse if metadata.part_lse is not None else out
         counters = metadata.counters if metadata.counters is not None else common.seq_lens
-        K.decode_attention_kernel[(common.num_reqs, layout.num_kv_heads, splits)](
+        block_h = max(16, triton.next_power_of_2(self.group))  # a verify's rows come in chunks of a decode's
+        tokens = self.verify_tokens_per_program or block_h // self.group
+        chunks = triton.cdiv(metadata.query_len, tokens)
+        K.decode_attention_kernel[(common.num_reqs, layout.num_kv_heads * chunks, splits)](
             q, k, v, out, part_out, part_lse, counters, kv_cache, common.block_tables, common.seq_lens,
             common.slot_mapping, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
-            k_scale, v_scale, GROUP=self.group,
-            BLOCK_H=max(16, triton.next_power_of_2(self.group * metadata.query_len)), HEAD_DIM=layout.head_dim,
+            k_scale, v_scale, GROUP=self.group, BLOCK_H=block_h, HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
-            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
+            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, CHUNKS=chunks, TOKENS=tokens, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
-        if metadata.query_len > 1 and splits > 1:
+        if metadata.query_len > 1 and splits > 1:  # the decode kernel's warps: its fused merge's sums, same order
             K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads)](
                 part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=layout.head_dim, BLOCK_D=self.block_d,
-                NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=2)
+                NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=cfg["num_warps"])

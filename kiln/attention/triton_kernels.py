@@ -49,17 +49,21 @@ def reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, strid
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q_pos, d, d_mask, stride_cb,
                  stride_cs, stride_ckv, qk_scale, MASK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 IEEE: tl.constexpr, KV_FP8: tl.constexpr):
+                 IEEE: tl.constexpr, KV_FP8: tl.constexpr, new_pos=0, k_new=None, v_new=None,
+                 NEW: tl.constexpr = False):
     """One online-softmax step over keys [n0, n0 + BLOCK_N) gathered through the block table.
 
     MASK applies the end bound and causality (key position <= query position); interior tiles skip it.
     KV_FP8: the tiles are e4m3, converted to q's dtype; qk_scale carries k_scale, the caller applies v_scale.
+    NEW: the key/value at new_pos are k_new/v_new (in the cache's dtype), not what the cache holds there yet.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
     tok = kv_base + block * stride_cb + (offs_n % PAGE) * stride_cs  # [BLOCK_N]
     k = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    if NEW:
+        k = tl.where(offs_n[None, :] == new_pos, k_new[:, None], k)
     if KV_FP8:
         k = k.to(q.dtype)
     if IEEE:
@@ -77,6 +81,8 @@ def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q
     alpha = tl.exp2(m_i - m_safe)
     v = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
                 other=0.0)
+    if NEW:
+        v = tl.where(offs_n[:, None] == new_pos, v_new[None, :], v)
     if KV_FP8:
         v = v.to(q.dtype)
     if IEEE:
@@ -161,8 +167,10 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_TILES: tl.constexpr,
-                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1):
-    """QLEN new tokens per request (1: decode; more: a speculative verify), program (request, kv_head, split).
+                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1,
+                            CHUNKS: tl.constexpr = 1, TOKENS: tl.constexpr = 1):
+    """QLEN new tokens per request (1: decode; more: a speculative verify); program (request, kv_head x row
+    chunk, split).
 
     At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
     split 0 writes the new key/value, every split takes that position from k/v directly, and the last
@@ -175,15 +183,22 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     (an in-process A/B, bench_attention --vary merge_active at commit 2531019, 2026-11-30).
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
-    QLEN > 1: the caller has written the QLEN new keys/values to the cache; a program's rows are the
-    (token, head) pairs of its KV head, token t seeing the keys up to its position seq_len - QLEN + t, so the
-    verify of k proposals splits its context over the SMs as a decode does instead of running as a prefill
-    chunk (the varlen kernel's one program per KV head). k, v and slot are then unused.
+
+    QLEN > 1: the caller has written the QLEN new keys/values to the cache (k, v and slot are unused), and a
+    program's BLOCK_H rows are (token, head) pairs of its KV head, token t seeing the keys up to its position
+    seq_len - QLEN + t: the verify of k proposals splits its context over the SMs as a decode does. A program
+    holds TOKENS tokens (CHUNKS programs per KV head) in a decode's BLOCK_H rows. With TOKENS = 1 each token
+    sits in the rows a decode of it uses and runs the decode's arithmetic (same tiles, same layouts; the
+    decode's new key goes through the tile too), so a verified token's attention is the one a decode at its
+    position computes, bit for bit, except where the tokens straddle a change of the tiles per split (every
+    NUM_SPLITS x BLOCK_N keys). More tokens a program read the context fewer times, but a row's place in the
+    tile can change its rounding.
     """
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // CHUNKS
+    chunk = tl.program_id(1) % CHUNKS
     split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
+    num_kv_heads = tl.num_programs(1) // CHUNKS
     seq_len = tl.load(seq_lens_ptr + req)
     new_pos = seq_len - 1
     d = tl.arange(0, BLOCK_D)
@@ -191,58 +206,49 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     if QLEN == 1:
         k_new = tl.load(k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh + d, mask=d_mask, other=0.0)
         v_new = tl.load(v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + d, mask=d_mask, other=0.0)
-        if KV_FP8:  # to e4m3 and back: the values the cache holds, in units of the scales
-            k_new = _fp8_units(k_new, k_scale).to(cache_ptr.dtype.element_ty).to(tl.float32)
-            v_new = _fp8_units(v_new, v_scale).to(cache_ptr.dtype.element_ty).to(tl.float32)
+        if KV_FP8:  # to e4m3: the values the cache holds, in units of the scales
+            k_new = _fp8_units(k_new, k_scale)
+            v_new = _fp8_units(v_new, v_scale)
+        k_new = k_new.to(cache_ptr.dtype.element_ty)
+        v_new = v_new.to(cache_ptr.dtype.element_ty)
         if split == 0:
             slot = tl.load(slot_ptr + req).to(tl.int64)
             if slot >= 0:
                 dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kv_head * stride_ch + d
-                tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
-                tl.store(dst + stride_ckv, v_new.to(cache_ptr.dtype.element_ty), mask=d_mask)
+                tl.store(dst, k_new, mask=d_mask)
+                tl.store(dst + stride_ckv, v_new, mask=d_mask)
+    else:
+        k_new = tl.zeros([BLOCK_D], dtype=cache_ptr.dtype.element_ty)
+        v_new = k_new
 
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     r = tl.arange(0, BLOCK_H)  # row = (token t of the request's QLEN, head of the KV head's GROUP)
+    t = chunk * TOKENS + r // GROUP
     head = kv_head * GROUP + r % GROUP
-    h_mask = r < QLEN * GROUP
-    token = req.to(tl.int64) * QLEN + r // GROUP
+    h_mask = (r < TOKENS * GROUP) & (t < QLEN)
+    token = req.to(tl.int64) * QLEN + t
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-    q_pos = (seq_len - QLEN + r // GROUP).to(tl.int32)  # each token sees the context up to itself
+    q_pos = (seq_len - QLEN + t).to(tl.int32)  # each token sees the context up to itself
     kv_base = kv_head * stride_ch
-    if QLEN == 1:
-        # keys before the new token come from the cache (interior tiles unmasked, then a masked tail); the
-        # new token itself is added from k/v as a rank-1 update by the split that owns its position, since
-        # split 0 may still be writing it to the cache
-        cache_end = tl.minimum(end, new_pos)
-        plain_end = start + tl.maximum(cache_end - start, 0) // BLOCK_N * BLOCK_N
-    else:  # all keys from the cache; unmasked up to the first new token, which row 0 sees last
-        cache_end = end
-        plain_end = start + tl.maximum(tl.minimum(end, seq_len - QLEN + 1) - start, 0) // BLOCK_N * BLOCK_N
+    # tiles before the first new token are unmasked; from its tile on, the mask applies (a decode's new key
+    # comes from k/v in that tile, since split 0 may still be writing it to the cache)
+    plain_end = start + tl.maximum(tl.minimum(end, seq_len - QLEN) - start, 0) // BLOCK_N * BLOCK_N
     for n0 in range(start, plain_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, cache_end, bt_row, q_pos, d, d_mask,
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, end, bt_row, q_pos, d, d_mask,
                                      stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE,
                                      KV_FP8)
-    for n0 in range(plain_end, cache_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, cache_end, bt_row, q_pos, d, d_mask,
+    for n0 in range(plain_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, end, bt_row, q_pos, d, d_mask,
                                      stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE,
-                                     KV_FP8)
-    if QLEN == 1:
-        if (new_pos >= start) & (new_pos < end):
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
-            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-            l_i = l_i * alpha + p_new
-            m_i = m_new
+                                     KV_FP8, new_pos, k_new, v_new, QLEN == 1)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]  # an empty split leaves acc == 0, so o == 0
     if KV_FP8:

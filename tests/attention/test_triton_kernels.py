@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kiln.attention.base import CommonAttentionMetadata  # noqa: E402
 from kiln.attention.triton_backend import TritonAttentionBackend, build_page_indices  # noqa: E402
 from tests.attention.paged_batch import make_batch, reference, rel_err, run_backend  # noqa: E402
 
@@ -16,10 +17,12 @@ HEADS = 8
 
 
 def check(q_lens: list[int], contexts: list[int], group: int, head_dim: int, dtype: torch.dtype = torch.float32,
-          tol: float = 1e-4, seed: int = 0, mixed_decode_min: int | None = None, **decode_cfg: int) -> None:
+          tol: float = 1e-4, seed: int = 0, mixed_decode_min: int | None = None, verify_tokens: int | None = 1,
+          **decode_cfg: int) -> None:
     batch = make_batch(q_lens, contexts, HEADS, HEADS // group, head_dim, dtype, DEVICE, seed=seed)
     backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
     backend.decode_cfg.update(decode_cfg)
+    backend.verify_tokens_per_program = verify_tokens
     if mixed_decode_min is not None:
         backend.mixed_decode_min = mixed_decode_min
     out, cache = run_backend(backend, batch)
@@ -67,8 +70,7 @@ def test_uniform_decode_with_a_floor_on_tiles_per_split(min_tiles: int) -> None:
     # splits of a short context are empty and must weigh nothing in the merge
     check([1, 1, 1], [0, 95, 300], 4, 64, seed=min_tiles, min_tiles=min_tiles)
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (4, 128), (8, 64)])
 def test_uniform_multi_token_requests_run_the_split_decode_kernel(group: int, head_dim: int) -> None:
     # a speculative verify batch: every request k + 1 = 5 new tokens, each seeing the context up to itself;
     # contexts of none, ~6 and ~19 tiles split over many programs, some starting past a row's position
@@ -77,15 +79,45 @@ def test_uniform_multi_token_requests_run_the_split_decode_kernel(group: int, he
     check([5, 5, 5], [0, 95, 300], group, head_dim, seed=17 + group)
 
 
-@pytest.mark.parametrize("min_tiles", [1, 3])
-def test_multi_token_requests_whose_tokens_straddle_split_bounds(min_tiles: int) -> None:
-    # 16 new tokens (k = 15) on contexts ending just before, at and after a tile edge: the split holding the
-    # new tokens has rows that see none of its keys (they weigh nothing in the merge); one split too
-    check([16, 16, 16], [15, 16, 113], 4, 64, seed=min_tiles, min_tiles=min_tiles)
+def test_multi_token_requests_whose_tokens_straddle_split_bounds() -> None:
+    # 16 new tokens (k = 15) on contexts ending just before and after a tile edge: the split holding the new
+    # tokens has rows that see none of its keys (they weigh nothing in the merge); tokens packed into a
+    # program's rows; splits of 3 tiles; one split
+    check([16, 16], [15, 113], 4, 64, seed=1, verify_tokens=None)
+    check([16, 16], [16, 113], 4, 64, seed=2, min_tiles=3)
     batch = make_batch([16, 16], [40, 7], HEADS, 2, 64, torch.float32, DEVICE, seed=9)
     backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
     backend.num_splits = lambda n: 1  # type: ignore[method-assign]
     assert rel_err(run_backend(backend, batch)[0], reference(batch)[0]) <= 1e-4
+
+
+EXACT_CASES = [(5, 4, 95, torch.float32), (4, 2, 300, torch.float16)]  # (k + 1, GQA group, context, dtype)
+if DEVICE == "cuda":
+    EXACT_CASES += [(5, 4, 95, torch.bfloat16), (16, 4, 0, torch.bfloat16), (4, 8, 130, torch.bfloat16),
+                    (9, 2, 300, torch.bfloat16), (16, 4, 113, torch.float32)]
+
+
+@pytest.mark.parametrize(("q_len", "group", "context", "dtype"), EXACT_CASES)
+def test_a_verified_token_attends_as_its_decode_would_bit_for_bit(q_len: int, group: int, context: int,
+                                                                  dtype: torch.dtype) -> None:
+    """Speculation must not change greedy tokens: row t of a verify batch equals a decode of token t at its
+    position (the cache holding the tokens before it), exactly, not just within a tolerance."""
+    batch = make_batch([q_len], [context], HEADS, HEADS // group, 64, dtype, DEVICE, seed=q_len + group)
+    backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+    out, cache = run_backend(backend, batch)  # the verify: all q_len new keys written, then attended
+    common = batch.common
+    for t in range(q_len):
+        pos = context + t
+        decode = CommonAttentionMetadata(
+            num_reqs=1, num_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor([pos + 1], dtype=torch.int32, device=DEVICE), block_tables=common.block_tables,
+            slot_mapping=common.slot_mapping[t:t + 1], query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens_cpu=torch.tensor([pos + 1], dtype=torch.int32), max_query_len=1, max_seq_len=pos + 1,
+            uniform_decode=True)
+        one = torch.full_like(batch.q[:1], float("nan"))
+        backend.forward(batch.q[t:t + 1], batch.k[t:t + 1], batch.v[t:t + 1], one, cache.clone(),
+                        backend.build_metadata(decode))
+        assert torch.equal(one[0], out[t]), (t, (one[0].float() - out[t].float()).abs().max().item())
 
 
 def test_multi_token_requests_past_the_row_bound_stay_on_varlen() -> None:
