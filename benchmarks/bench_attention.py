@@ -14,7 +14,7 @@ measured in the same run.
     python -m benchmarks.bench_attention --sweep --vary min_tiles waves --heads 32 4 --batches 1 8
     # mixed steps (prefill chunks beside decodes): the decodes in the varlen or the decode kernel, varlen tiles
     python -m benchmarks.bench_attention --mixed --json mixed.json [--tiles 64,64,4,2 64,32,4,2]
-    # speculative verify batches (k + 1 tokens a request): the split-KV decode kernel against the varlen kernel
+    # speculative verify batches (k + 1 tokens a request): the split-KV decode kernel (per token) against varlen
     python -m benchmarks.bench_attention --verify 4 15 --batches 1 8 --contexts 512 2048 [--heads 9 3 --head-dim 64]
     # an e4m3 KV cache (kv_cache_dtype="fp8") against the same shapes in bf16: run once with each
     python -m benchmarks.bench_attention --backends triton --batches 64 256 --contexts 2048 4096 --kv-cache-dtype fp8
@@ -219,29 +219,29 @@ def mixed(layout: AttentionLayout, json_path: str | None, tiles: list[tuple[int,
 def verify(layout: AttentionLayout, batches: list[int], contexts: list[int], ks: list[int],
            json_path: str | None) -> None:
     """Uniform verify batches (every request k + 1 new tokens) as a FULL graph replays them: the split-KV decode
-    kernel with one token a program (the default: each token's attention is its decode's, bit for bit) and
-    with as many as a program's rows hold, against the varlen kernel (the path every multi-token batch took
-    before), and a one-token decode of the same batch and context beside them."""
+    kernel, a decode's programs per token (so each token's attention is its decode's, bit for bit), against the
+    varlen kernel (the path every multi-token batch took before), whatever the token bound, and a one-token
+    decode of the same batch and context beside them."""
     from kiln.attention import triton_backend
 
     backend = select_backend("triton", layout, torch.device("cuda"))(layout, torch.device("cuda"))
-    rows_bound = triton_backend.MAX_MULTI_TOKEN_ROWS
-    arms = (("split", rows_bound, 1), ("packed", rows_bound, None), ("varlen", 0, 1))
-    header = ["batch", "ctx", "k", "decode us", "varlen us", "split us", "packed us", "varlen / split",
-              "split / decode", "max |split - varlen|"]
+    bound = triton_backend.MAX_MULTI_TOKEN_TOKENS
+    header = ["batch", "ctx", "k", "decode us", "varlen us", "split us", "varlen / split", "split / decode",
+              "max |split - varlen|", "default"]
     rows, results = [], []
     for batch, ctx, k in itertools.product(batches, contexts, ks):
         decode = time_step(backend, *make_step([1] * batch, [ctx] * batch), graph=True)
         tensors, common = make_step([k + 1] * batch, [ctx] * batch)
         timed, outs = {}, {}
-        for arm, bound, tokens in arms:
-            triton_backend.MAX_MULTI_TOKEN_ROWS, backend.verify_tokens_per_program = bound, tokens
+        for arm, tokens in (("split", 1 << 30), ("varlen", 0)):
+            triton_backend.MAX_MULTI_TOKEN_TOKENS = tokens
             timed[arm] = time_step(backend, tensors, common, graph=True)
             outs[arm] = tensors[3].clone()
-        triton_backend.MAX_MULTI_TOKEN_ROWS, backend.verify_tokens_per_program = rows_bound, 1
+        triton_backend.MAX_MULTI_TOKEN_TOKENS = bound
         err = float((outs["split"].float() - outs["varlen"].float()).abs().max())
-        rows.append([batch, ctx, k, decode * 1e3, timed["varlen"] * 1e3, timed["split"] * 1e3, timed["packed"] * 1e3,
-                     timed["varlen"] / timed["split"], timed["split"] / decode, err])
+        rows.append([batch, ctx, k, decode * 1e3, timed["varlen"] * 1e3, timed["split"] * 1e3,
+                     timed["varlen"] / timed["split"], timed["split"] / decode, err,
+                     "split" if batch * (k + 1) <= bound else "varlen"])
         results.append(dict(zip(header, rows[-1])))
         print(rows[-1], flush=True)
     print(f"{stamp()}\n{HQ} q / {HKV} kv heads, D={D}, bf16, CUDA-graph replays, L2 flushed")

@@ -27,12 +27,15 @@ from kiln.attention.base import (
     CommonAttentionMetadata,
     GraphSupport,
 )
+from kiln.models.dense_gemm import TRITON_MAX_M
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
-# the most (token, head) rows one decode program holds for a multi-token request: the k + 1 tokens of a
-# speculative verify times the GQA group (k = 15 on Llama-3's group of 4)
-MAX_MULTI_TOKEN_ROWS = 64
+# a batch of requests with the same few new tokens (a speculative verify) goes to the decode kernel, token by
+# token, up to this many tokens: as many as the projections' small-M GEMM takes (kiln.models.dense_gemm), so
+# that a verified token's whole forward is a decode's, bit for bit; above it the varlen kernel is faster
+# (bench_attention --verify, docs/attention.md) and cuBLAS's GEMMs round differently anyway
+MAX_MULTI_TOKEN_TOKENS = TRITON_MAX_M
 # the varlen kernel's tile for 16-bit head_dim <= 128: (rows = tokens x padded GQA group, keys, warps, stages)
 VARLEN_TILE = (64, 64, 4, 2)
 
@@ -155,10 +158,6 @@ class TritonAttentionBackend(AttentionBackend):
         # alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
                                waves=2, min_tiles=1)
-        # a verify batch's tokens per decode program: 1 puts each token in the rows a decode of it uses, so its
-        # attention is the decode's bit for bit (greedy tokens do not change with speculation); None packs as
-        # many as the program's rows hold, reading the context once per program instead of once per token
-        self.verify_tokens_per_program: int | None = 1
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -186,9 +185,10 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
         if common.uniform_decode:
             return self._decode_metadata(common, self.num_splits(common.num_reqs))
-        # every request with the same few new tokens (a speculative verify batch): the split-KV decode kernel
-        # with a row per (token, head); the varlen kernel would give each KV head one program for the context
-        query_len = uniform_query_len(common) if common.max_query_len * self.group <= MAX_MULTI_TOKEN_ROWS else 0
+        # every request with the same few new tokens (a speculative verify batch): the split-KV decode kernel,
+        # a decode's programs per token; the varlen kernel would give each KV head one program for the context
+        few = common.num_reqs * common.max_query_len <= MAX_MULTI_TOKEN_TOKENS
+        query_len = uniform_query_len(common) if few else 0
         if query_len > 1:
             return self._decode_metadata(common, self.num_splits(common.num_reqs), query_len)
         metadata = TritonMetadata(common, 1, None, None, None)
@@ -267,17 +267,15 @@ class TritonAttentionBackend(AttentionBackend):
         part_out = metadata.part_out if metadata.part_out is not None else out
         part_lse = metadata.part_lse if metadata.part_lse is not None else out
         counters = metadata.counters if metadata.counters is not None else common.seq_lens
-        block_h = max(16, triton.next_power_of_2(self.group))  # a verify's rows come in chunks of a decode's
-        tokens = self.verify_tokens_per_program or block_h // self.group
-        chunks = triton.cdiv(metadata.query_len, tokens)
-        K.decode_attention_kernel[(common.num_reqs, layout.num_kv_heads * chunks, splits)](
+        K.decode_attention_kernel[(common.num_reqs, layout.num_kv_heads * metadata.query_len, splits)](
             q, k, v, out, part_out, part_lse, counters, kv_cache, common.block_tables, common.seq_lens,
             common.slot_mapping, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
-            k_scale, v_scale, GROUP=self.group, BLOCK_H=block_h, HEAD_DIM=layout.head_dim,
+            k_scale, v_scale, GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)),
+            HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
-            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, CHUNKS=chunks, TOKENS=tokens, num_warps=cfg["num_warps"],
+            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
         if metadata.query_len > 1 and splits > 1:  # the decode kernel's warps: its fused merge's sums, same order
             K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads)](

@@ -167,10 +167,9 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_TILES: tl.constexpr,
-                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1,
-                            CHUNKS: tl.constexpr = 1, TOKENS: tl.constexpr = 1):
-    """QLEN new tokens per request (1: decode; more: a speculative verify); program (request, kv_head x row
-    chunk, split).
+                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1):
+    """QLEN new tokens per request (1: decode; more: a speculative verify); program (request, kv_head x QLEN
+    + token, split).
 
     At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
     split 0 writes the new key/value, every split takes that position from k/v directly, and the last
@@ -184,21 +183,20 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
 
-    QLEN > 1: the caller has written the QLEN new keys/values to the cache (k, v and slot are unused), and a
-    program's BLOCK_H rows are (token, head) pairs of its KV head, token t seeing the keys up to its position
-    seq_len - QLEN + t: the verify of k proposals splits its context over the SMs as a decode does. A program
-    holds TOKENS tokens (CHUNKS programs per KV head) in a decode's BLOCK_H rows. With TOKENS = 1 each token
-    sits in the rows a decode of it uses and runs the decode's arithmetic (same tiles, same layouts; the
-    decode's new key goes through the tile too), so a verified token's attention is the one a decode at its
-    position computes, bit for bit, except where the tokens straddle a change of the tiles per split (every
-    NUM_SPLITS x BLOCK_N keys). More tokens a program read the context fewer times, but a row's place in the
-    tile can change its rounding.
+    QLEN > 1: the caller has written the QLEN new keys/values to the cache (k, v and slot are unused), and
+    token t of a request, seeing the keys up to its position seq_len - QLEN + t, gets programs of its own: the
+    verify of k proposals splits its context over the SMs as a decode does, and each token sits in the rows a
+    decode of it uses and runs the decode's arithmetic (same tiles, same layouts; the decode's new key goes
+    through the tile too), so its attention is the one a decode at its position computes, bit for bit
+    (16-bit on the H200; not fp32's IEEE dots there), except where the tokens straddle a change of the tiles
+    per split (every NUM_SPLITS x BLOCK_N keys). Packing several tokens into a program's rows read the context
+    fewer times but changed a row's rounding with its place in the tile.
     """
     req = tl.program_id(0)
-    kv_head = tl.program_id(1) // CHUNKS
-    chunk = tl.program_id(1) % CHUNKS
+    kv_head = tl.program_id(1) // QLEN
+    t = tl.program_id(1) % QLEN  # this program's token of the request
     split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1) // CHUNKS
+    num_kv_heads = tl.num_programs(1) // QLEN
     seq_len = tl.load(seq_lens_ptr + req)
     new_pos = seq_len - 1
     d = tl.arange(0, BLOCK_D)
@@ -225,18 +223,17 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    r = tl.arange(0, BLOCK_H)  # row = (token t of the request's QLEN, head of the KV head's GROUP)
-    t = chunk * TOKENS + r // GROUP
-    head = kv_head * GROUP + r % GROUP
-    h_mask = (r < TOKENS * GROUP) & (t < QLEN)
-    token = req.to(tl.int64) * QLEN + t
+    h = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + h
+    h_mask = h < GROUP
+    token = req.to(tl.int64) * QLEN + t + tl.zeros([BLOCK_H], dtype=tl.int64)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-    q_pos = (seq_len - QLEN + t).to(tl.int32)  # each token sees the context up to itself
+    q_pos = (seq_len - QLEN + t + tl.zeros([BLOCK_H], dtype=tl.int32)).to(tl.int32)  # the context up to itself
     kv_base = kv_head * stride_ch
     # tiles before the first new token are unmasked; from its tile on, the mask applies (a decode's new key
     # comes from k/v in that tile, since split 0 may still be writing it to the cache)
