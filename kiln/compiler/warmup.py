@@ -7,7 +7,6 @@ what the model computes, and the KV cache must stay untouched.
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -43,11 +42,8 @@ def warm_up(forward: CompiledForward, input_ids: torch.Tensor, positions: torch.
             dispatcher: Dispatcher) -> None:
     start = time.perf_counter()
     context = ForwardContext(attention=_no_attention)
-    counts = warmup_token_counts(dispatcher)
-    if os.environ.get("KILN_WARMUP_FORWARDS") == "first":  # an experiment's arm: the other ranges' first runs
-        counts = counts[:1]  # are left to the CUDA-graph captures' eager runs (or the first request)
     with torch.inference_mode(), set_forward_context(context):
-        for n in counts:
+        for n in warmup_token_counts(dispatcher):
             context.num_tokens = n
             forward(input_ids[:n], positions[:n])
     forward.stats.mark_warm(time.perf_counter() - start)

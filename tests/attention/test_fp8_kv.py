@@ -70,7 +70,8 @@ def dequantized(batch: PagedBatch) -> PagedBatch:
 
 CASES = [([37, 1, 64, 5, 1], [0, 200, 130, 17, 333]),  # prefill, chunk after a prefix hit, decodes
          ([1, 1, 1], [0, 95, 300]),  # uniform decode (Triton: the fused split-KV kernel)
-         ([1, 1, 1, 30, 1], [40, 0, 90, 0, 10])]  # leading decodes (Triton below: split off to the decode kernel)
+         ([1, 1, 1, 30, 1], [40, 0, 90, 0, 10]),  # leading decodes (Triton below: split off to the decode kernel)
+         ([5, 5], [60, 7])]  # a speculative verify batch (Triton: the decode kernel, token by token)
 
 
 @pytest.mark.parametrize("q_lens,contexts", CASES)
