@@ -14,6 +14,11 @@ Two parts:
     python -m benchmarks.bench_gemm --part small-m --tp 2 --json gemm.json           # H200: ~2 min
     python -m benchmarks.bench_gemm --part mid-m --m 256 128 192 64 --json mid.json   # H200: ~5 min
     python -m benchmarks.bench_gemm --preset tiny-llama --device cpu --m 1 16 --json /tmp/gemm.json  # CPU dry run
+- `host` (the M of every CUDA-graph capture size): the host's microseconds per `kiln::dense_gemm` call (torch.mm
+  above M = 16, the Triton kernel below) at the 8B projection shapes, eager and under a graph capture, at a shape
+  the process has not run before and at one it has: a warm start's capture phase spent ~0.2 ms a call there.
+
+    python -m benchmarks.bench_gemm --part host --json host.json                       # H200: < 1 min
 """
 
 from __future__ import annotations
@@ -343,9 +348,51 @@ def mid_m(args: argparse.Namespace) -> dict[str, Any]:
     return {"matmul_flops_per_s": peak, "rows": rows}
 
 
+def host_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """Host microseconds per kiln::dense_gemm call: (eager | captured) x (a shape new to the process | seen).
+    Each timed batch of calls starts on an idle device and queues far fewer launches than the device's queue
+    holds, so the time is the host's own (not waiting for the device)."""
+    import kiln.models.dense_gemm  # noqa: F401 - registers kiln::dense_gemm
+    from kiln.config import default_capture_sizes
+
+    device = args.device
+    ms = args.m or list(default_capture_sizes(256))
+    shapes = projection_shapes(args.preset)
+    ws = {proj: torch.randn(n, k, dtype=torch.bfloat16, device=device) / k ** 0.5 for proj, (n, k) in shapes.items()}
+    xs = {m: {proj: torch.randn(m, k, dtype=torch.bfloat16, device=device) for proj, (_, k) in shapes.items()}
+          for m in ms}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def calls(m: int, eager: bool = True) -> float:  # one call per projection at this M: host us per call
+        if eager:  # (a capture may not synchronise)
+            sync()
+        start = time.perf_counter()
+        for proj, w in ws.items():
+            torch.ops.kiln.dense_gemm(xs[m][proj], w)
+        return (time.perf_counter() - start) / len(ws) * 1e6
+
+    rows = []
+    for m in ms:  # eager: the first calls at this M, then the same again
+        rows.append({"m": m, "eager_new_us": calls(m), "eager_seen_us": calls(m)})
+    if device == "cuda":
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for row in rows:  # captured: seen eagerly above but new to capture, then once more in a second graph
+            for key in ("captured_first_us", "captured_again_us"):
+                graph = torch.cuda.CUDAGraph()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    graph.capture_begin(pool)
+                    row[key] = calls(row["m"], eager=False)
+                    graph.capture_end()
+    columns = ["m", "eager_new_us", "eager_seen_us", "captured_first_us", "captured_again_us"]
+    print(table(columns, [[row.get(c, float("nan")) for c in columns] for row in rows]))
+    return {"shapes": shapes, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["small-m", "mid-m"], default="small-m")
+    parser.add_argument("--part", choices=["small-m", "mid-m", "host"], default="small-m")
     parser.add_argument("--preset", default="llama3-8b")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--m", type=int, nargs="+", default=None,
@@ -360,6 +407,8 @@ def main() -> None:
     if args.part == "small-m":
         result["small_m"] = small_m(args, errors)
         print_kernels(result["small_m"])
+    elif args.part == "host":
+        result["host"] = host_cost(args)
     else:
         result["mid_m"] = mid_m(args)
     if args.json:

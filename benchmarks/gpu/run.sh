@@ -55,6 +55,9 @@ set_backend_ab() {  # decode at default settings with each attention backend (Fl
 set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm
   step gemm 240 python3 -m benchmarks.bench_gemm --part small-m --json "$R/gemm.json"
 }
+set_gemm_host() {  # the host's time per projection GEMM call, eager and under capture, new and seen shapes
+  step gemm_host 120 python3 -m benchmarks.bench_gemm --part host --json "$R/gemm_host.json"
+}
 set_tp() {  # two GPUs: all-reduce kernels, then 8B TP=1/TP=2 and 70B TP=2 decode, sync and async
   step tp 570 python3 -m benchmarks.bench_tp --json "$R/tp.json"
 }
