@@ -1,9 +1,11 @@
 """Our own Triton paged-attention backend: KV write, split-KV decode, and varlen prefill over the cache.
 
 Uniform-decode steps run one fused kernel (KV write + split-KV attention + split merge: a small-batch
-decode layer is latency-bound, so launches are what cost); every other step (prefill, chunked prefill,
-prefix hits, mixed batches) runs the reshape-and-cache kernel and one varlen kernel with a causal mask
-offset by the context already in the cache. Grids depend only on host sizes fixed by the batch descriptor
+decode layer is latency-bound, so launches are what cost); a speculative verify of at most 16 tokens
+(every request the same few) writes its keys, then runs the decode kernel token by token and a split merge,
+so each token's attention is its decode's; every other step (prefill, chunked prefill, prefix hits, mixed
+batches) runs the reshape-and-cache kernel and one varlen kernel with a causal mask offset by the context
+already in the cache. Grids depend only on host sizes fixed by the batch descriptor
 (padded tokens, requests), lengths are read on device, and the split workspace is persistent, so the
 backend can be captured in CUDA graphs for any batch: GraphSupport.ALWAYS.
 
