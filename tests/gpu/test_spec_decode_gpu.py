@@ -1,6 +1,8 @@
 """Speculative decoding on the GPU: n-gram proposals under async scheduling (verify steps behind the step in
 flight, the pending token copied on the device, FULL verify graphs) give the greedy tokens of decoding without
-speculation, on a tiny fp32 model (exact) whose prompts repeat themselves (skipped without a GPU)."""
+speculation, on a tiny model whose prompts repeat themselves: in fp32, and in bf16 one request at a time, where
+a verify's forward is a decode's bit for bit (the per-token attention path and the small-M GEMM), so even the
+logprobs are equal (skipped without a GPU)."""
 
 from __future__ import annotations
 
@@ -37,4 +39,23 @@ def test_ngram_async_matches_plain_with_graphs(tiny_checkpoint) -> None:
         assert runtime.generate([prompt], param)[0].outputs[0].token_ids == want
     assert spec.stats.num_accepted_tokens > before[0] and engine.stats.verify_behind_steps > before[1]
     assert engine.graph_replays["FULL"] > before[2]
+    runtime.shutdown()
+
+
+def test_bf16_verify_at_batch_one_reproduces_decoding_bit_for_bit(tiny_checkpoint) -> None:
+    runtime = Runtime(str(tiny_checkpoint("tiny-llama")[0]), device="cuda", dtype="bf16", level=2,
+                      compile_sizes=(), max_num_batched_tokens=128, max_num_seqs=8, kv_cache_bytes=64 << 20,
+                      cudagraph_capture_sizes=(1, 2, 4, 8, 16),
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    engine, spec = runtime.engine, runtime.engine.speculation
+    prompts = [p * 2 for p in random_prompts([6, 11, 20], 256, seed=5)]
+    param = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    for prompt in prompts:  # one request at a time: a k = 4 verify is 5 tokens, within the exact path
+        runs = {}
+        for speculate in (False, True):
+            engine.speculation = spec if speculate else None
+            out = runtime.generate([prompt], param)[0].outputs[0]
+            runs[speculate] = (out.token_ids, [step.sampled.logprob for step in out.logprobs])
+        assert runs[True] == runs[False]
+    assert spec.stats.num_accepted_tokens > 0
     runtime.shutdown()
