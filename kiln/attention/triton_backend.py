@@ -93,15 +93,20 @@ class TritonMetadata:
     query_len: int = 1  # > 1: every request has this many new tokens, attended by the decode kernel (a verify)
 
 
+def query_lens(common: CommonAttentionMetadata) -> np.ndarray:
+    """Each request's new tokens (padded requests included), from the host copy of the query offsets."""
+    return np.diff(common.query_start_loc_cpu[: common.num_reqs + 1].numpy())
+
+
 def uniform_query_len(common: CommonAttentionMetadata) -> int:
     """The new tokens of every request where all requests (padded ones included) have the same number, else 0."""
-    q_lens = np.diff(common.query_start_loc_cpu[: common.num_reqs + 1].numpy())
+    q_lens = query_lens(common)
     return int(q_lens[0]) if len(q_lens) and (q_lens == q_lens[0]).all() else 0
 
 
 def leading_decode_count(common: CommonAttentionMetadata) -> int:
     """How many requests at the front of the batch have one new token (the scheduler puts decodes first)."""
-    q_lens = np.diff(common.query_start_loc_cpu[: common.num_reqs + 1].numpy())
+    q_lens = query_lens(common)
     longer = np.flatnonzero(q_lens != 1)
     return int(longer[0]) if len(longer) else common.num_reqs
 

@@ -172,7 +172,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     + token, split).
 
     At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
-    split 0 writes the new key/value, every split takes that position from k/v directly, and the last
+    split 0 writes the new key/value, the split holding its position takes it from k/v, and the last
     split of a (request, kv_head) to finish (an atomic ticket) merges the partials and resets the
     counter. The split count is fixed per request count (not per context length) so a CUDA graph
     captured for a batch size stays valid as contexts grow; each split sizes its slice from seq_len, at
