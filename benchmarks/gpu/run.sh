@@ -103,6 +103,9 @@ set_spec_tasks() {  # n-gram speculation on the embedded model's copy / edit / f
       --json "$R/spec_tasks_k$k.json"
   done
 }
+set_spec_tests() {  # the speculative-decoding GPU tests (greedy equality with graphs, bf16 bit-for-bit at batch 1)
+  step spec_tests 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_spec_decode_gpu.py
+}
 set_tests() {  # the GPU tests
   step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
 }
