@@ -377,9 +377,11 @@ def host_cost(args: argparse.Namespace) -> dict[str, Any]:
     if device == "cuda":
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        graphs = []  # alive to the end: a shared pool is released when its last graph goes, and then unusable
         for row in rows:  # captured: seen eagerly above but new to capture, then once more in a second graph
             for key in ("captured_first_us", "captured_again_us"):
                 graph = torch.cuda.CUDAGraph()
+                graphs.append(graph)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     graph.capture_begin(pool)

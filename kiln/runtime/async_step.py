@@ -42,7 +42,10 @@ class LaunchedStep:
     host_tokens: torch.Tensor | None = None  # pinned destination of the device->host copy
     landed: DeviceEvent | None = None  # recorded after that copy
     needs_drain: bool = False  # the next step must not launch before these tokens are on the host
-    # a speculative verify step: row -> (proposals verified, proposals accepted); its rows repeat per token
+    # a speculative verify step until its samples are accepted (spec_decode/verify.py `accept`): row -> the
+    # proposals it verifies, `rows` holding one entry per sampled row; after: None
+    proposals: dict[int, list[int]] | None = None
+    # a verify step, once accepted: row -> (proposals verified, proposals accepted); its rows repeat per token
     verified: dict[int, tuple[int, int]] = field(default_factory=dict)
     _token_ids: list[int] | None = field(default=None, repr=False)
 

@@ -37,6 +37,7 @@ from kiln.runtime.sampler import needs_output_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.spec_decode.decoder import SpecDecoder, SpecDecodeStats, build_spec_decoder
+from kiln.runtime.spec_decode.verify import accept
 from kiln.runtime.startup import StartupClock, StartupTimes
 from kiln.runtime.structured.manager import StructuredOutputs
 from kiln.runtime.tokenizer_load import BackgroundTokenizer, load_tokenizer
@@ -50,6 +51,8 @@ class EngineStats:
     steps: int = 0  # launched
     overlapped_steps: int = 0  # launched while the previous step was still in flight (async scheduling)
     verify_behind_steps: int = 0  # of those, speculative verify steps (n-gram, docs/spec_decode.md)
+    verify_steps: int = 0  # speculative verify steps launched, behind a step in flight or not
+    steps_behind_verify: int = 0  # plain steps launched behind a verify in flight
     scheduled_tokens: int = 0  # tokens actually run through the model (prefix hits excluded)
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -128,6 +131,9 @@ class Engine:
         self._inflight: LaunchedStep | None = None  # launched, not yet processed (async scheduling only)
         # n-gram under async scheduling: verify behind the step in flight (False: drain it first, the A/B's arm)
         self.verify_behind_inflight = True
+        # and launch a plain step behind a verify in flight, its inputs fixed on the device (False: complete
+        # each verify before the next launch, the A/B's arm)
+        self.step_behind_verify = self.runner.steps_behind_verify
         self.structured: StructuredOutputs | None = None  # built by the first constrained request
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
@@ -387,10 +393,18 @@ class Engine:
             paused = any(r.grammar is not None for r in (*self.scheduler.running, *self.scheduler.waiting))
             if self.async_scheduling:
                 inflight = self._inflight
-                if not paused and inflight is not None and not inflight.needs_drain and self.verify_behind_inflight \
+                behind_verify = inflight is not None and inflight.proposals is not None
+                if behind_verify and (inflight.needs_drain or self.scheduler.waiting):
+                    # only a plain step of requests already running may follow a verify before its samples land
+                    # (a prefill's lengths would be read on the host)
+                    failed += self._complete(self._take_inflight())
+                    inflight, behind_verify = None, False
+                if behind_verify:
+                    pass  # a plain step behind it, below
+                elif not paused and inflight is not None and not inflight.needs_drain and self.verify_behind_inflight \
                         and self.speculation.propose_ahead(self.scheduler.running):
                     return failed + self._launch_verify_behind()
-                if not paused and self.speculation.wants_verify(self.scheduler.running):
+                elif not paused and self.speculation.wants_verify(self.scheduler.running):
                     # a verify step's outcome sets the next step's inputs: it runs with nothing in flight
                     drained = self._complete(self._take_inflight()) if self._inflight is not None else []
                     return failed + drained + self._sync_step(paused)
@@ -401,11 +415,11 @@ class Engine:
             return failed + self._sync_step(paused)
         outputs: list[RequestOutput] = failed
         if self._inflight is not None and self._inflight.needs_drain:
-            outputs = self._complete(self._take_inflight())  # penalties read those tokens' values on the host
+            outputs += self._complete(self._take_inflight())  # penalties read those tokens' values on the host
         sched = self.scheduler.schedule()
         if sched.is_empty and self._inflight is not None:
             # nothing can launch before the in-flight tokens land (e.g. each is a request's last)
-            outputs = self._complete(self._take_inflight())
+            outputs += self._complete(self._take_inflight())
             sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -422,6 +436,8 @@ class Engine:
         if not overlapped:  # outputs (if any) came from a drain above, which left nothing in flight
             return outputs
         self.stats.overlapped_steps += 1
+        if previous is not None and previous.proposals is not None:
+            self.stats.steps_behind_verify += 1
         return outputs + completed + (self._complete(previous) if previous is not None else [])
 
     def _sync_step(self, paused: bool) -> list[RequestOutput]:
@@ -431,12 +447,14 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        if self.async_scheduling and not sched.num_spec_tokens:
-            # drained for proposals that its complete lookup did not find: nothing to verify, so the step stays
-            # in flight and the next one overlaps it, as if no drain had happened
-            self._inflight = self._launch(sched)
+        step = self._launch(sched)
+        if self.async_scheduling and not step.needs_drain:
+            # a verify stays in flight, and a plain step is launched behind it; a plain step (drained for
+            # proposals that its complete lookup did not find) likewise: the next one overlaps it, as if no
+            # drain had happened
+            self._inflight = step
             return []
-        return self._complete(self._launch(sched))
+        return self._complete(step)
 
     def _launch_verify_behind(self) -> list[RequestOutput]:
         """Launch a verify step behind the plain step in flight (its first input per request is that step's token,
@@ -449,7 +467,11 @@ class Engine:
         step = self._launch(sched)
         self.stats.overlapped_steps += 1
         self.stats.verify_behind_steps += 1
-        return self._complete(previous) + self._complete(step)
+        outputs = self._complete(previous)
+        if step.needs_drain:
+            return outputs + self._complete(step)
+        self._inflight = step  # a plain step follows it before its samples land
+        return outputs
 
     def _take_inflight(self) -> LaunchedStep:
         step, self._inflight = self._inflight, None
@@ -491,15 +513,22 @@ class Engine:
                 return structured.mask(requests)
         step = self.runner.execute(sched, mask_fn)
         self.scheduler.advance(sched)
-        if step.verified:
-            self.speculation.after_verify(sched, step)
         self.stats.steps += 1
         self.stats.scheduled_tokens += sched.total_tokens
         step.needs_drain = any(needs_output_tokens(sched.requests[row].params) for row in step.rows)
+        if step.proposals is not None:
+            self.stats.verify_steps += 1
+            # a step behind a verify is written as if every proposal was accepted: only where the runner can fix
+            # its inputs on the device, and where the sampler's min_tokens count cannot be misled by that
+            step.needs_drain = step.needs_drain or not (self.step_behind_verify and all(
+                len(req.output_token_ids) >= req.params.min_tokens for req in sched.requests))
         return step
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for them), check stops, and build the outputs."""
+        if step.proposals is not None:  # a verify: its samples decide how many tokens each request gets
+            accept(step)
+            self.speculation.after_verify(step.sched, step)
         now = time.time()
         touched: dict[str, ParentRequest] = {}
         for row, token, logprobs in zip(step.rows, step.token_ids(), step.logprobs):

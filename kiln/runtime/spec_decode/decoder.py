@@ -19,7 +19,7 @@ from kiln.config import RuntimeConfig
 from kiln.models.loader.load import resolve_model_source
 from kiln.runtime.async_step import LaunchedStep
 from kiln.runtime.kv.manager import KVCacheManager
-from kiln.runtime.request import Request
+from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler import SchedulerOutput
 from kiln.runtime.spec_decode.ngram import NgramProposer
 
@@ -149,15 +149,16 @@ class SpecDecoder:
         self.backoff[request_id] = (misses, self.step + 1 + min(2 ** misses - 1, MAX_SKIP))
 
     def after_verify(self, sched: SchedulerOutput, step: LaunchedStep) -> None:
-        """After `Scheduler.advance`: each verified request emits accepted + 1 tokens (one was counted pending
-        already), and the positions of its rejected proposals are no longer computed."""
+        """Once a verify's samples are accepted: `Scheduler.advance` counted every proposal as accepted (pending
+        and computed, and so did a step launched behind it); the rejected ones are taken back, and blocks that
+        only they occupied are freed. A request preempted or finished meanwhile has nothing computed to keep."""
         stats = self.stats
         for row, (proposed, accepted) in step.verified.items():
             req = sched.requests[row]
-            req.num_pending_tokens += accepted
-            req.num_computed_tokens -= proposed - accepted
-            req.spec_token_ids = []
-            self.kv.trim(req, req.num_computed_tokens)
+            req.num_pending_tokens -= proposed - accepted
+            if req.status is RequestStatus.RUNNING:
+                req.num_computed_tokens -= proposed - accepted
+                self.kv.trim(req, req.num_computed_tokens)
             self._count(req.request_id, accepted > 0)
             stats.num_drafts += 1
             stats.num_draft_tokens += proposed
