@@ -47,6 +47,7 @@ class LaunchedStep:
     proposals: dict[int, list[int]] | None = None
     # a verify step, once accepted: row -> (proposals verified, proposals accepted); its rows repeat per token
     verified: dict[int, tuple[int, int]] = field(default_factory=dict)
+    verify_behind: bool = False  # a verify was launched behind this one, its proposals assuming all accepted
     _token_ids: list[int] | None = field(default=None, repr=False)
 
     def token_ids(self) -> list[int]:

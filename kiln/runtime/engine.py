@@ -395,15 +395,15 @@ class Engine:
                 inflight = self._inflight
                 behind_verify = inflight is not None and inflight.proposals is not None
                 if behind_verify and (inflight.needs_drain or self.scheduler.waiting):
-                    # only a plain step of requests already running may follow a verify before its samples land
-                    # (a prefill's lengths would be read on the host)
+                    # only requests already running may step behind a verify before its samples land (a
+                    # prefill's lengths would be read on the host)
                     failed += self._complete(self._take_inflight())
                     inflight, behind_verify = None, False
-                if behind_verify:
-                    pass  # a plain step behind it, below
-                elif not paused and inflight is not None and not inflight.needs_drain and self.verify_behind_inflight \
-                        and self.speculation.propose_ahead(self.scheduler.running):
+                if not paused and inflight is not None and not inflight.needs_drain and self.verify_behind_inflight \
+                        and self.speculation.propose_ahead(self.scheduler.running, self._in_flight_proposals()):
                     return failed + self._launch_verify_behind()
+                if behind_verify:
+                    pass  # nothing to propose: a plain step behind it, below
                 elif not paused and self.speculation.wants_verify(self.scheduler.running):
                     # a verify step's outcome sets the next step's inputs: it runs with nothing in flight
                     drained = self._complete(self._take_inflight()) if self._inflight is not None else []
@@ -456,10 +456,18 @@ class Engine:
             return []
         return self._complete(step)
 
+    def _in_flight_proposals(self) -> dict[str, list[int]]:
+        """The proposals of the verify in flight per request id (none: a plain step or nothing in flight)."""
+        step = self._inflight
+        if step is None or step.proposals is None:
+            return {}
+        return {step.sched.requests[row].request_id: props for row, props in step.proposals.items()}
+
     def _launch_verify_behind(self) -> list[RequestOutput]:
-        """Launch a verify step behind the plain step in flight (its first input per request is that step's token,
-        copied on the device), so the device goes from one to the other without waiting for the host; the
-        verify's read-back then completes both."""
+        """Launch a verify step behind the step in flight (its first input per request is that step's last
+        token, copied on the device; behind a verify, placed as if all its proposals were accepted and moved
+        back on the device), so the device goes from one to the other without waiting for the host; then
+        complete the step before it, while the verify runs."""
         previous = self._take_inflight()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -467,6 +475,9 @@ class Engine:
         step = self._launch(sched)
         self.stats.overlapped_steps += 1
         self.stats.verify_behind_steps += 1
+        if previous.proposals is not None:
+            self.stats.steps_behind_verify += 1
+            previous.verify_behind = True
         outputs = self._complete(previous)
         if step.needs_drain:
             return outputs + self._complete(step)

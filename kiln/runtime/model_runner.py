@@ -113,6 +113,11 @@ class ModelRunner:
         self.pending_dst_cpu, self.pending_dst = buffers((s,), torch.int64)
         self.pending_src_cpu, self.pending_src = buffers((s,), torch.int64)
         self.pending_req_cpu, self.pending_req = buffers((s,), torch.int64)  # and the request's index
+        # every input position of a chunk whose first token is pending, and the pending entry it belongs to: what
+        # moves back when that token's step was a verify that rejected proposals (`_copy_pending_tokens`)
+        self.pending_tok_cpu, self.pending_tok = buffers((n,), torch.int64)
+        self.pending_owner_cpu, self.pending_owner = buffers((n,), torch.int64)
+        self._num_pending_tok = 0
         # the previous launch's sampled tokens, on the device (a tensor-parallel worker receives rank 0's)
         self.last_sampled: torch.Tensor | None = None
         # when that launch was a verify: per sampled row, proposals rejected (`shortfall_on_device`)
@@ -163,6 +168,8 @@ class ModelRunner:
         tables = self.block_tables_cpu.numpy()
         pending_dst, pending_src = self.pending_dst_cpu.numpy(), self.pending_src_cpu.numpy()
         pending_req = self.pending_req_cpu.numpy()
+        pending_tok, pending_owner = self.pending_tok_cpu.numpy(), self.pending_owner_cpu.numpy()
+        num_pending_tok = 0
         logits_indices = self.logits_indices_cpu.numpy()  # numpy views: a tensor setitem is two aten ops
         bs = self.block_size
         sampling_rows: list[int] = []
@@ -186,14 +193,19 @@ class ModelRunner:
                     ids[cursor] = 0
                     pending_dst[num_pending], pending_src[num_pending] = cursor, self._last_rows[req.request_id]
                     pending_req[num_pending] = i
+                    pending_tok[num_pending_tok], pending_owner[num_pending_tok] = cursor, num_pending
+                    num_pending_tok += 1
                     num_pending += 1
                 pos[cursor] = start
                 slots[cursor] = 0 if start < req.num_shared_tokens else block_ids[start // bs] * bs + start % bs
             else:
                 known = req.token_ids[start:start + n]
-                if start == req.num_tokens:  # a verify chunk behind the step in flight: that step's token first
+                if start >= req.num_tokens:  # a verify chunk behind the step in flight: that step's token first
                     pending_dst[num_pending], pending_src[num_pending] = cursor, self._last_rows[req.request_id]
                     pending_req[num_pending] = i
+                    pending_tok[num_pending_tok:num_pending_tok + n] = np.arange(cursor, cursor + n)
+                    pending_owner[num_pending_tok:num_pending_tok + n] = num_pending
+                    num_pending_tok += n
                     num_pending += 1
                     known = [0]  # filled on the device
                 # speculative proposals follow the known tokens (the scheduler trimmed them to the chunk)
@@ -221,6 +233,7 @@ class ModelRunner:
         slots[num_tokens:padded] = 0  # padding writes into the null block
         if mode is RunMode.FULL:  # a FULL graph runs 1 (decode) or verify_len tokens a request: pad the requests
             num_reqs = self._pad_requests(num_reqs, padded // max(verify_len, 1), max(verify_len, 1))
+        self._num_pending_tok = num_pending_tok
         shape = BatchShape(num_tokens, padded, num_reqs, len(sampling_rows), max(sched.num_new_tokens, default=0),
                            int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks, verify_len)
         return shape, sampling_rows, num_pending
@@ -317,9 +330,9 @@ class ModelRunner:
         """Put the previous step's sampled tokens into input_ids on the device, in place (CUDA graphs read that
         buffer). Queued after the upload on the same stream, so it lands over the placeholders.
 
-        Behind a verify the host wrote each pending token's position as if every proposal was accepted: the
-        token is the sample at its last accepted row, and its position, slot and length move back by the
-        proposals rejected (`last_shortfall`), all on the device."""
+        Behind a verify the host wrote each request's inputs as if every proposal was accepted: its pending
+        token is the sample at its last accepted row, and the positions and slots of its chunk, and its length,
+        move back by the proposals rejected (`last_shortfall`), all on the device."""
         nb = self.device.type == "cuda"
         dst = self.pending_dst[:num].copy_(self.pending_dst_cpu[:num], non_blocking=nb)
         src = self.pending_src[:num].copy_(self.pending_src_cpu[:num], non_blocking=nb)
@@ -328,15 +341,18 @@ class ModelRunner:
             self.input_ids.index_copy_(0, dst, self.last_sampled.index_select(0, src))
             return
         req = self.pending_req[:num].copy_(self.pending_req_cpu[:num], non_blocking=nb)
+        count = self._num_pending_tok
+        tok = self.pending_tok[:count].copy_(self.pending_tok_cpu[:count], non_blocking=nb)
+        owner = self.pending_owner[:count].copy_(self.pending_owner_cpu[:count], non_blocking=nb)
         shift = shortfall.index_select(0, src)
         self.input_ids.index_copy_(0, dst, self.last_sampled.index_select(0, src - shift))
-        positions = self.positions.index_select(0, dst) - shift
-        self.positions.index_copy_(0, dst, positions)
-        lengths = (positions + 1).to(self.seq_lens.dtype)
-        self.seq_lens.index_copy_(0, req, lengths)
+        positions = self.positions.index_select(0, tok) - shift.index_select(0, owner)
+        self.positions.index_copy_(0, tok, positions)
         bs = self.block_size
-        slots = self.block_tables[req, positions // bs].to(torch.int64) * bs + positions % bs
-        self.slot_mapping.index_copy_(0, dst, slots)
+        slots = self.block_tables[req.index_select(0, owner), positions // bs].to(torch.int64) * bs + positions % bs
+        self.slot_mapping.index_copy_(0, tok, slots)
+        lengths = self.seq_lens.index_select(0, req) - shift.to(self.seq_lens.dtype)
+        self.seq_lens.index_copy_(0, req, lengths)
         if self.device.type == "cpu":  # the attention backend may read the host's lengths (shortfall is known)
             self.seq_lens_cpu.index_copy_(0, req, lengths)
 

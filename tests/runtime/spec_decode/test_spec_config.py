@@ -79,6 +79,10 @@ def test_ngram_lookup() -> None:
     # one token in flight: the proposals start after the lookup's guess for it (9), at most k of them
     assert NgramIndex(1, 4).propose(tokens, 2, skip=1) == [1, 6]
     assert NgramIndex(1, 4).propose([4, 4], 3, skip=1) == []  # nothing known beyond the guess
+    # a verify in flight proposed 9 1: looked up as if accepted (suffix 8 9 1), past the guess 6 for its bonus
+    index = NgramIndex(1, 4)
+    assert index.propose(tokens, 2, skip=1, assumed=[9, 1]) == [7, 8]
+    assert index.propose(tokens, 2) == [9, 1]  # the assumed tokens were never indexed
 
 
 def test_verify_behind_the_step_in_flight_only_while_copying() -> None:
