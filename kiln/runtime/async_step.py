@@ -9,6 +9,7 @@ being read. On CPU every copy is synchronous and the events are no-ops, so the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,9 @@ class LaunchedStep:
     # a verify step, once accepted: row -> (proposals verified, proposals accepted); its rows repeat per token
     verified: dict[int, tuple[int, int]] = field(default_factory=dict)
     verify_behind: bool = False  # a verify was launched behind this one, its proposals assuming all accepted
+    # a verify: the speculative decoder's roll-back once accepted (the one that launched it, even if the
+    # engine's speculation was switched since)
+    after_accept: Callable[[SchedulerOutput, LaunchedStep], None] | None = None
     _token_ids: list[int] | None = field(default=None, repr=False)
 
     def token_ids(self) -> list[int]:

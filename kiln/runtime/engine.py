@@ -529,6 +529,7 @@ class Engine:
         step.needs_drain = any(needs_output_tokens(sched.requests[row].params) for row in step.rows)
         if step.proposals is not None:
             self.stats.verify_steps += 1
+            step.after_accept = self.speculation.after_verify
             # a step behind a verify is written as if every proposal was accepted: only where the runner can fix
             # its inputs on the device, and where the sampler's min_tokens count cannot be misled by that
             step.needs_drain = step.needs_drain or not (self.step_behind_verify and all(
@@ -539,7 +540,7 @@ class Engine:
         """Append a launched step's tokens (waiting for them), check stops, and build the outputs."""
         if step.proposals is not None:  # a verify: its samples decide how many tokens each request gets
             accept(step)
-            self.speculation.after_verify(step.sched, step)
+            step.after_accept(step.sched, step)
         now = time.time()
         touched: dict[str, ParentRequest] = {}
         for row, token, logprobs in zip(step.rows, step.token_ids(), step.logprobs):
