@@ -58,21 +58,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-STEP_KINDS = ("verify behind", "verify", "behind a verify", "overlapped", "plain")
+STEP_KINDS = ("verify behind", "verify", "overlapped", "plain")
 
 
 def timed_steps(rt: Runtime, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     """One more generate, each engine step timed on the host and named by what it launched: a verify behind the
-    step in flight, a verify with nothing in flight, a plain step behind a verify in flight, a plain step
-    launched overlapped, or one launched alone (the first, or after a verify completed). -> per kind: count and
-    mean ms (a step's time includes its waits)."""
-    engine = rt.engine
+    step in flight, a verify with nothing in flight, a plain step launched overlapped, or one launched alone
+    (the first, or after a verify). -> per kind: count and mean ms (a step's time includes its waits)."""
+    engine, spec = rt.engine, rt.engine.speculation
     times: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}
     engine.add_request(prompt, params)
     while engine.has_unfinished():
         stats = engine.stats
-        before = (stats.steps, stats.verify_behind_steps, stats.overlapped_steps, stats.verify_steps,
-                  stats.steps_behind_verify)
+        before = (stats.steps, stats.verify_behind_steps, stats.overlapped_steps,
+                  spec.stats.num_drafts if spec is not None else 0)
         start = time.perf_counter()
         engine.step()
         elapsed = (time.perf_counter() - start) * 1e3
@@ -80,10 +79,8 @@ def timed_steps(rt: Runtime, prompt: list[int], params: SamplingParams) -> dict[
             continue  # only finished the step in flight
         if stats.verify_behind_steps > before[1]:
             kind = "verify behind"
-        elif stats.verify_steps > before[3]:
+        elif spec is not None and spec.stats.num_drafts > before[3]:
             kind = "verify"
-        elif stats.steps_behind_verify > before[4]:
-            kind = "behind a verify"
         else:
             kind = "overlapped" if stats.overlapped_steps > before[2] else "plain"
         times[kind].append(elapsed)
@@ -91,13 +88,12 @@ def timed_steps(rt: Runtime, prompt: list[int], params: SamplingParams) -> dict[
 
 
 def run_task(rt: Runtime, prompt: list[int], max_tokens: int, speculate: bool, spec: Any, default_async: bool,
-             repeats: int, behind_verify: bool = True) -> dict[str, Any]:
-    """`behind_verify`: a plain step may launch behind a verify in flight (the engine's default where the
-    attention backend allows it)."""
+             repeats: int, behind: bool = True) -> dict[str, Any]:
+    """`behind`: n-gram verify steps may launch behind the step in flight (the engine's default)."""
     engine = rt.engine
     engine.speculation = spec if speculate else None
     engine.async_scheduling = default_async and (not speculate or isinstance(spec.proposer, NgramProposer))
-    engine.step_behind_verify = behind_verify and engine.runner.steps_behind_verify
+    engine.verify_behind_inflight = behind
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     rt.generate([prompt], params)  # warm: every shape this task runs
     before = dict(spec.stats.as_dict()) if spec is not None else {}
@@ -155,11 +151,11 @@ def bench_tasks(args: argparse.Namespace) -> dict[str, Any]:
         off = run_task(rt, prompt, args.max_tokens, False, spec, default_async, args.repeats)
         entry = results["tasks"][task] = {"spec": on, "plain": off, "speedup": on["tokens_per_s"] / off["tokens_per_s"],
                                           "prompt_tokens": len(prompt)}
-        if args.sync_arm and default_async:  # the A/B: each verify completes before the next launch
-            sync_run = entry["spec_sync"] = run_task(rt, prompt, args.max_tokens, True, spec, default_async,
-                                                   args.repeats, behind_verify=False)
-            entry["speedup_sync"] = sync_run["tokens_per_s"] / off["tokens_per_s"]
-            entry["same_tokens_sync"] = sync_run.pop("token_ids") == on["token_ids"]
+        if args.drain_arm and default_async:  # the A/B: every verify drains the step in flight first
+            drain = entry["spec_drain"] = run_task(rt, prompt, args.max_tokens, True, spec, default_async,
+                                                   args.repeats, behind=False)
+            entry["speedup_drain"] = drain["tokens_per_s"] / off["tokens_per_s"]
+            entry["same_tokens_drain"] = drain.pop("token_ids") == on["token_ids"]
         entry["same_tokens"] = on.pop("token_ids") == off.pop("token_ids")
     engine.speculation = spec
     rt.shutdown()
@@ -202,7 +198,6 @@ def bench_verify_ratio(args: argparse.Namespace) -> dict[str, Any]:
 
     graphs = engine.runner.graphs
     full_verify_len = graphs.full_verify_len if graphs is not None else 0
-    engine.step_behind_verify = False  # every timed step one whole verify, nothing launched behind it
 
     def start_request(speculation: Any, steps: int, full_verify: bool = True) -> None:
         """One request past its prefill and a few steps, each step then a verify (`speculation`) or a plain one."""
@@ -277,8 +272,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--background-timeout", type=float, default=120.0,
                         help="seconds to wait for -O2's background compiles before measuring")
     parser.add_argument("--tasks", nargs="*", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--sync-arm", action="store_true",
-                        help="async scheduling: also speculate with each verify completed before the next launch")
+    parser.add_argument("--drain-arm", action="store_true",
+                        help="async scheduling: also speculate with every verify draining the step in flight")
     parser.add_argument("--skip-tasks", action="store_true", help="only the verify-step ratio")
     parser.add_argument("--verify-ratio", action="store_true", help="also time verify vs plain decode steps")
     parser.add_argument("--ratio-model", default="llama3-8b")
@@ -304,10 +299,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{task:6} {r['plain']['tokens_per_s']:11.1f} {s['tokens_per_s']:10.1f} {r['speedup']:6.2f}x "
                   f"{s['acceptance']:6.2f} {1 + s['mean_accepted']:10.2f} {str(r['same_tokens']):>5}  "
                   + " ".join(f"{p:.2f}" for p in s["accepted_per_pos"]))
-            arms = [("spec", s), ("plain", r["plain"])] + ([("sync", r["spec_sync"])] if "spec_sync" in r else [])
-            if "spec_sync" in r:
-                print(f"       sync arm: {r['spec_sync']['tokens_per_s']:.1f} tok/s = {r['speedup_sync']:.2f}x, "
-                      f"same tokens as spec: {r['same_tokens_sync']}")
+            arms = [("spec", s), ("plain", r["plain"])] + ([("drain", r["spec_drain"])] if "spec_drain" in r else [])
+            if "spec_drain" in r:
+                print(f"       drain arm: {r['spec_drain']['tokens_per_s']:.1f} tok/s = {r['speedup_drain']:.2f}x, "
+                      f"same tokens as spec: {r['same_tokens_drain']}")
             for name, arm in arms:
                 print(f"       {name} steps: " + ", ".join(f"{kind} {v['steps']} x {v['mean_ms']:.2f} ms"
                                                      for kind, v in arm["step_kinds"].items() if v["steps"]))

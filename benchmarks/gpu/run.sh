@@ -90,7 +90,7 @@ set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a pla
     --json "$R/spec_verify_smollm2.json"
 }
 set_spec_tasks() {  # n-gram speculation on the embedded model's copy / edit / free tasks, k = 4 to 15, and the
-  # arm whose verify steps complete before the next launch (the A/B of a plain step behind a verify)
+  # arm whose verify steps drain the step in flight (the A/B of verifying behind it)
   # its GGUF (~94 MiB) travels as `split -n 2` halves .carry/smollm2-{a,b}.part, one per call of a warm machine
   local gguf=/tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf
   if [ "$(ls /tmp/parts/smollm2-*.part 2>/dev/null | wc -l)" != 2 ]; then
@@ -99,7 +99,7 @@ set_spec_tasks() {  # n-gram speculation on the embedded model's copy / edit / f
   cat /tmp/parts/smollm2-a.part /tmp/parts/smollm2-b.part > $gguf
   for k in ${SPEC_TASK_KS:-4 8 12 15}; do  # SPEC_TASK_KS="8 15": a subset
     KILN_EMBEDDED_GGUF=$gguf step "spec_tasks_k$k" 110 python3 -m benchmarks.bench_spec_decode --device cuda \
-      --max-tokens 128 --capture-sizes 1 2 4 8 16 --background-timeout 30 --repeats 5 -k $k --sync-arm \
+      --max-tokens 128 --capture-sizes 1 2 4 8 16 --background-timeout 30 --repeats 5 -k $k --drain-arm \
       --json "$R/spec_tasks_k$k.json"
   done
 }

@@ -60,9 +60,6 @@ class AttentionBackend(ABC):
     supports_cache_only: ClassVar[bool] = False
     # reads and writes a float8_e4m3fn cache with per-layer scales (kiln/models/kv_quant.py)
     supports_fp8_kv: ClassVar[bool] = False
-    # reads the requests' lengths from the device buffers alone (the host copies only size grids), so a step
-    # whose lengths are fixed on the device before its forward runs right (a step behind a speculative verify)
-    lengths_on_device: ClassVar[bool] = False
 
     def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
         self.layout = layout

@@ -124,7 +124,6 @@ def head_of(common: CommonAttentionMetadata, rows: int) -> CommonAttentionMetada
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     graph_support = GraphSupport.ALWAYS
-    lengths_on_device = True
     supported_devices = ("cuda",)
     supports_fp8_kv = True
 

@@ -9,7 +9,6 @@ being read. On CPU every copy is synchronous and the events are no-ops, so the s
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,15 +42,8 @@ class LaunchedStep:
     host_tokens: torch.Tensor | None = None  # pinned destination of the device->host copy
     landed: DeviceEvent | None = None  # recorded after that copy
     needs_drain: bool = False  # the next step must not launch before these tokens are on the host
-    # a speculative verify step until its samples are accepted (spec_decode/verify.py `accept`): row -> the
-    # proposals it verifies, `rows` holding one entry per sampled row; after: None
-    proposals: dict[int, list[int]] | None = None
-    # a verify step, once accepted: row -> (proposals verified, proposals accepted); its rows repeat per token
+    # a speculative verify step: row -> (proposals verified, proposals accepted); its rows repeat per token
     verified: dict[int, tuple[int, int]] = field(default_factory=dict)
-    verify_behind: bool = False  # a verify was launched behind this one, its proposals assuming all accepted
-    # a verify: the speculative decoder's roll-back once accepted (the one that launched it, even if the
-    # engine's speculation was switched since)
-    after_accept: Callable[[SchedulerOutput, LaunchedStep], None] | None = None
     _token_ids: list[int] | None = field(default=None, repr=False)
 
     def token_ids(self) -> list[int]:

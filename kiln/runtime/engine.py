@@ -37,7 +37,6 @@ from kiln.runtime.sampler import needs_output_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.spec_decode.decoder import SpecDecoder, SpecDecodeStats, build_spec_decoder
-from kiln.runtime.spec_decode.verify import accept
 from kiln.runtime.startup import StartupClock, StartupTimes
 from kiln.runtime.structured.manager import StructuredOutputs
 from kiln.runtime.tokenizer_load import BackgroundTokenizer, load_tokenizer
@@ -51,8 +50,6 @@ class EngineStats:
     steps: int = 0  # launched
     overlapped_steps: int = 0  # launched while the previous step was still in flight (async scheduling)
     verify_behind_steps: int = 0  # of those, speculative verify steps (n-gram, docs/spec_decode.md)
-    verify_steps: int = 0  # speculative verify steps launched, behind a step in flight or not
-    steps_behind_verify: int = 0  # plain steps launched behind a verify in flight
     scheduled_tokens: int = 0  # tokens actually run through the model (prefix hits excluded)
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -131,9 +128,6 @@ class Engine:
         self._inflight: LaunchedStep | None = None  # launched, not yet processed (async scheduling only)
         # n-gram under async scheduling: verify behind the step in flight (False: drain it first, the A/B's arm)
         self.verify_behind_inflight = True
-        # and launch a plain step behind a verify in flight, its inputs fixed on the device (False: complete
-        # each verify before the next launch, the A/B's arm)
-        self.step_behind_verify = self.runner.steps_behind_verify
         self.structured: StructuredOutputs | None = None  # built by the first constrained request
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s attention backend)", self.pool.num_usable,
                     config.cache.block_size, self.kv.capacity_tokens, self.backend.name)
@@ -393,18 +387,10 @@ class Engine:
             paused = any(r.grammar is not None for r in (*self.scheduler.running, *self.scheduler.waiting))
             if self.async_scheduling:
                 inflight = self._inflight
-                behind_verify = inflight is not None and inflight.proposals is not None
-                if behind_verify and (inflight.needs_drain or self.scheduler.waiting):
-                    # only requests already running may step behind a verify before its samples land (a
-                    # prefill's lengths would be read on the host)
-                    failed += self._complete(self._take_inflight())
-                    inflight, behind_verify = None, False
                 if not paused and inflight is not None and not inflight.needs_drain and self.verify_behind_inflight \
-                        and self.speculation.propose_ahead(self.scheduler.running, self._in_flight_proposals()):
+                        and self.speculation.propose_ahead(self.scheduler.running):
                     return failed + self._launch_verify_behind()
-                if behind_verify:
-                    pass  # nothing to propose: a plain step behind it, below
-                elif not paused and self.speculation.wants_verify(self.scheduler.running):
+                if not paused and self.speculation.wants_verify(self.scheduler.running):
                     # a verify step's outcome sets the next step's inputs: it runs with nothing in flight
                     drained = self._complete(self._take_inflight()) if self._inflight is not None else []
                     return failed + drained + self._sync_step(paused)
@@ -436,8 +422,6 @@ class Engine:
         if not overlapped:  # outputs (if any) came from a drain above, which left nothing in flight
             return outputs
         self.stats.overlapped_steps += 1
-        if previous is not None and previous.proposals is not None:
-            self.stats.steps_behind_verify += 1
         return outputs + completed + (self._complete(previous) if previous is not None else [])
 
     def _sync_step(self, paused: bool) -> list[RequestOutput]:
@@ -447,27 +431,17 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        step = self._launch(sched)
-        if self.async_scheduling and not step.needs_drain:
-            # a verify stays in flight, and a plain step is launched behind it; a plain step (drained for
-            # proposals that its complete lookup did not find) likewise: the next one overlaps it, as if no
-            # drain had happened
-            self._inflight = step
+        if self.async_scheduling and not sched.num_spec_tokens:
+            # drained for proposals that its complete lookup did not find: nothing to verify, so the step stays
+            # in flight and the next one overlaps it, as if no drain had happened
+            self._inflight = self._launch(sched)
             return []
-        return self._complete(step)
-
-    def _in_flight_proposals(self) -> dict[str, list[int]]:
-        """The proposals of the verify in flight per request id (none: a plain step or nothing in flight)."""
-        step = self._inflight
-        if step is None or step.proposals is None:
-            return {}
-        return {step.sched.requests[row].request_id: props for row, props in step.proposals.items()}
+        return self._complete(self._launch(sched))
 
     def _launch_verify_behind(self) -> list[RequestOutput]:
-        """Launch a verify step behind the step in flight (its first input per request is that step's last
-        token, copied on the device; behind a verify, placed as if all its proposals were accepted and moved
-        back on the device), so the device goes from one to the other without waiting for the host; then
-        complete the step before it, while the verify runs."""
+        """Launch a verify step behind the plain step in flight (its first input per request is that step's token,
+        copied on the device), so the device goes from one to the other without waiting for the host; the
+        verify's read-back then completes both."""
         previous = self._take_inflight()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -475,14 +449,7 @@ class Engine:
         step = self._launch(sched)
         self.stats.overlapped_steps += 1
         self.stats.verify_behind_steps += 1
-        if previous.proposals is not None:
-            self.stats.steps_behind_verify += 1
-            previous.verify_behind = True
-        outputs = self._complete(previous)
-        if step.needs_drain:
-            return outputs + self._complete(step)
-        self._inflight = step  # a plain step follows it before its samples land
-        return outputs
+        return self._complete(previous) + self._complete(step)
 
     def _take_inflight(self) -> LaunchedStep:
         step, self._inflight = self._inflight, None
@@ -524,23 +491,15 @@ class Engine:
                 return structured.mask(requests)
         step = self.runner.execute(sched, mask_fn)
         self.scheduler.advance(sched)
+        if step.verified:
+            self.speculation.after_verify(sched, step)
         self.stats.steps += 1
         self.stats.scheduled_tokens += sched.total_tokens
         step.needs_drain = any(needs_output_tokens(sched.requests[row].params) for row in step.rows)
-        if step.proposals is not None:
-            self.stats.verify_steps += 1
-            step.after_accept = self.speculation.after_verify
-            # a step behind a verify is written as if every proposal was accepted: only where the runner can fix
-            # its inputs on the device, and where the sampler's min_tokens count cannot be misled by that
-            step.needs_drain = step.needs_drain or not (self.step_behind_verify and all(
-                len(req.output_token_ids) >= req.params.min_tokens for req in sched.requests))
         return step
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for them), check stops, and build the outputs."""
-        if step.proposals is not None:  # a verify: its samples decide how many tokens each request gets
-            accept(step)
-            step.after_accept(step.sched, step)
         now = time.time()
         touched: dict[str, ParentRequest] = {}
         for row, token, logprobs in zip(step.rows, step.token_ids(), step.logprobs):

@@ -26,7 +26,7 @@ from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import Sampler, SamplingBatch, plain_greedy
 from kiln.runtime.scheduler import SchedulerOutput
-from kiln.runtime.spec_decode.verify import sample_rows, shortfall_on_device
+from kiln.runtime.spec_decode.verify import verify_step
 from kiln.runtime.structured.bitmask import apply_token_mask
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -112,23 +112,12 @@ class ModelRunner:
         # input_ids positions whose token is still on the device, and its row in the previous step's samples
         self.pending_dst_cpu, self.pending_dst = buffers((s,), torch.int64)
         self.pending_src_cpu, self.pending_src = buffers((s,), torch.int64)
-        self.pending_req_cpu, self.pending_req = buffers((s,), torch.int64)  # and the request's index
-        # every input position of a chunk whose first token is pending, and the pending entry it belongs to: what
-        # moves back when that token's step was a verify that rejected proposals (`_copy_pending_tokens`)
-        self.pending_tok_cpu, self.pending_tok = buffers((n,), torch.int64)
-        self.pending_owner_cpu, self.pending_owner = buffers((n,), torch.int64)
-        self._num_pending_tok = 0
         # the previous launch's sampled tokens, on the device (a tensor-parallel worker receives rank 0's)
         self.last_sampled: torch.Tensor | None = None
-        # when that launch was a verify: per sampled row, proposals rejected (`shortfall_on_device`)
-        self.last_shortfall: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}  # request id -> its row there
         # The host buffers are uploaded without blocking: the next fill must wait until the copies ran.
         self._inputs_consumed = DeviceEvent(device)
-        self._readback = TokenReadback(max(s, n), device)  # a verify samples a row per token
-        # a step may launch behind a verify in flight, its inputs fixed on the device: the attention backend
-        # must read lengths there (on the CPU the host copies are fixed too, at once)
-        self.steps_behind_verify = device.type == "cpu" or backend.lengths_on_device
+        self._readback = TokenReadback(s, device)
 
     # -- input preparation -------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> PreparedBatch:
@@ -167,9 +156,6 @@ class ModelRunner:
         seq_lens = self.seq_lens_cpu.numpy()
         tables = self.block_tables_cpu.numpy()
         pending_dst, pending_src = self.pending_dst_cpu.numpy(), self.pending_src_cpu.numpy()
-        pending_req = self.pending_req_cpu.numpy()
-        pending_tok, pending_owner = self.pending_tok_cpu.numpy(), self.pending_owner_cpu.numpy()
-        num_pending_tok = 0
         logits_indices = self.logits_indices_cpu.numpy()  # numpy views: a tensor setitem is two aten ops
         bs = self.block_size
         sampling_rows: list[int] = []
@@ -192,20 +178,13 @@ class ModelRunner:
                 else:  # sampled by the step in flight: filled on the device
                     ids[cursor] = 0
                     pending_dst[num_pending], pending_src[num_pending] = cursor, self._last_rows[req.request_id]
-                    pending_req[num_pending] = i
-                    pending_tok[num_pending_tok], pending_owner[num_pending_tok] = cursor, num_pending
-                    num_pending_tok += 1
                     num_pending += 1
                 pos[cursor] = start
                 slots[cursor] = 0 if start < req.num_shared_tokens else block_ids[start // bs] * bs + start % bs
             else:
                 known = req.token_ids[start:start + n]
-                if start >= req.num_tokens:  # a verify chunk behind the step in flight: that step's token first
+                if start == req.num_tokens:  # a verify chunk behind the step in flight: that step's token first
                     pending_dst[num_pending], pending_src[num_pending] = cursor, self._last_rows[req.request_id]
-                    pending_req[num_pending] = i
-                    pending_tok[num_pending_tok:num_pending_tok + n] = np.arange(cursor, cursor + n)
-                    pending_owner[num_pending_tok:num_pending_tok + n] = num_pending
-                    num_pending_tok += n
                     num_pending += 1
                     known = [0]  # filled on the device
                 # speculative proposals follow the known tokens (the scheduler trimmed them to the chunk)
@@ -233,7 +212,6 @@ class ModelRunner:
         slots[num_tokens:padded] = 0  # padding writes into the null block
         if mode is RunMode.FULL:  # a FULL graph runs 1 (decode) or verify_len tokens a request: pad the requests
             num_reqs = self._pad_requests(num_reqs, padded // max(verify_len, 1), max(verify_len, 1))
-        self._num_pending_tok = num_pending_tok
         shape = BatchShape(num_tokens, padded, num_reqs, len(sampling_rows), max(sched.num_new_tokens, default=0),
                            int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks, verify_len)
         return shape, sampling_rows, num_pending
@@ -328,33 +306,11 @@ class ModelRunner:
 
     def _copy_pending_tokens(self, num: int) -> None:
         """Put the previous step's sampled tokens into input_ids on the device, in place (CUDA graphs read that
-        buffer). Queued after the upload on the same stream, so it lands over the placeholders.
-
-        Behind a verify the host wrote each request's inputs as if every proposal was accepted: its pending
-        token is the sample at its last accepted row, and the positions and slots of its chunk, and its length,
-        move back by the proposals rejected (`last_shortfall`), all on the device."""
+        buffer). Queued after the upload on the same stream, so it lands over the placeholders."""
         nb = self.device.type == "cuda"
         dst = self.pending_dst[:num].copy_(self.pending_dst_cpu[:num], non_blocking=nb)
         src = self.pending_src[:num].copy_(self.pending_src_cpu[:num], non_blocking=nb)
-        shortfall = self.last_shortfall
-        if shortfall is None:
-            self.input_ids.index_copy_(0, dst, self.last_sampled.index_select(0, src))
-            return
-        req = self.pending_req[:num].copy_(self.pending_req_cpu[:num], non_blocking=nb)
-        count = self._num_pending_tok
-        tok = self.pending_tok[:count].copy_(self.pending_tok_cpu[:count], non_blocking=nb)
-        owner = self.pending_owner[:count].copy_(self.pending_owner_cpu[:count], non_blocking=nb)
-        shift = shortfall.index_select(0, src)
-        self.input_ids.index_copy_(0, dst, self.last_sampled.index_select(0, src - shift))
-        positions = self.positions.index_select(0, tok) - shift.index_select(0, owner)
-        self.positions.index_copy_(0, tok, positions)
-        bs = self.block_size
-        slots = self.block_tables[req.index_select(0, owner), positions // bs].to(torch.int64) * bs + positions % bs
-        self.slot_mapping.index_copy_(0, tok, slots)
-        lengths = self.seq_lens.index_select(0, req) - shift.to(self.seq_lens.dtype)
-        self.seq_lens.index_copy_(0, req, lengths)
-        if self.device.type == "cpu":  # the attention backend may read the host's lengths (shortfall is known)
-            self.seq_lens_cpu.index_copy_(0, req, lengths)
+        self.input_ids.index_copy_(0, dst, self.last_sampled.index_select(0, src))
 
     # -- forward -------------------------------------------------------------------------------------
     def forward_context(self, metadata: CommonAttentionMetadata, num_tokens: int) -> ForwardContext:
@@ -414,17 +370,10 @@ class ModelRunner:
             tokens = self.forward_greedy(batch)
         else:
             logits = self.forward(batch)
-        rows = batch.sampling_rows
-        self.last_shortfall = None
-        if sched.num_spec_tokens:  # a verify: a row per token; the engine accepts once the samples land
-            tokens, logprobs = sample_rows(self.sampler, logits, sched, rows, self.eos_token_ids)
-            proposals = {i: list(sched.requests[i].spec_token_ids) for i in set(rows)}
-            self.last_shortfall = shortfall_on_device(tokens, rows, proposals)
-            self._last_rows = {sched.requests[i].request_id: j for j, i in enumerate(rows)}  # its last row
-            self.last_sampled = tokens
-            host, landed = self._readback.start(tokens)
-            return LaunchedStep(sched, rows, logprobs, host, landed, proposals=proposals)
-        reqs = [sched.requests[i] for i in rows]
+        if sched.num_spec_tokens:  # synchronous: how many tokens each request gets is read back here
+            self.last_sampled = None
+            return verify_step(self.sampler, sched, batch.sampling_rows, logits, self.eos_token_ids)
+        reqs = [sched.requests[i] for i in batch.sampling_rows]
         self._last_rows = {r.request_id: j for j, r in enumerate(reqs)}
         if not reqs:
             self.last_sampled = None
@@ -447,7 +396,7 @@ class ModelRunner:
                 self.on_sampled(tokens)
         self.last_sampled = tokens
         host, landed = self._readback.start(tokens)
-        return LaunchedStep(sched, rows, logprobs, host, landed)
+        return LaunchedStep(sched, batch.sampling_rows, logprobs, host, landed)
 
     @torch.inference_mode()
     def execute_replica(self, shape: BatchShape, num_pending: int, local_greedy: bool = False) -> torch.Tensor | None:

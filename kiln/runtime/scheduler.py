@@ -146,11 +146,10 @@ class Scheduler:
 
     def advance(self, out: SchedulerOutput) -> None:
         """Record a launched step: its tokens count as computed, and each sampling request has one more
-        token pending until the engine appends it; a verifying request as many as if every proposal is
-        accepted (the speculative decoder takes the rejected ones back once the samples land)."""
+        token pending until the engine appends it."""
         for i, (req, num_new) in enumerate(zip(out.requests, out.num_new_tokens)):
             if out.samples(i):
-                req.num_pending_tokens += 1 + (out.num_drafts(i) if out.num_spec_tokens else 0)
+                req.num_pending_tokens += 1
             req.num_computed_tokens += num_new
 
     def finish(self, req: Request, status: RequestStatus) -> None:

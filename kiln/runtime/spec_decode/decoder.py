@@ -19,7 +19,7 @@ from kiln.config import RuntimeConfig
 from kiln.models.loader.load import resolve_model_source
 from kiln.runtime.async_step import LaunchedStep
 from kiln.runtime.kv.manager import KVCacheManager
-from kiln.runtime.request import Request, RequestStatus
+from kiln.runtime.request import Request
 from kiln.runtime.scheduler import SchedulerOutput
 from kiln.runtime.spec_decode.ngram import NgramProposer
 
@@ -58,9 +58,6 @@ class SpecDecoder:
         # lookup on its complete context then finds none counts a miss, like a rejection, so free-form text
         # does not drain the overlapped steps for lookups that keep failing
         self.expected: set[str] = set()
-        # requests whose verify in flight was launched behind one that then rejected proposals: its proposals
-        # continued the rejected ones, so its failure says nothing about the request's copying (no miss counted)
-        self.stale: set[str] = set()
         # fill short proposals up to k (or the length limit): with FULL CUDA graphs for verify batches of k + 1
         # tokens a request, a shorter verify runs PIECEWISE graphs with eager attention between them, whose
         # launches cost the host several times a FULL replay (docs/spec_decode.md)
@@ -86,35 +83,27 @@ class SpecDecoder:
                 self.expected.add(req.request_id)
         return bool(self.expected)
 
-    def propose_ahead(self, running: list[Request], in_flight: dict[str, list[int]] | None = None) -> bool:
-        """Async scheduling with a step in flight (n-gram only): proposals for each request whose next input is
-        that step's last token and whose last verify accepted something, looked up from the tokens on the host
-        past the lookup's guess for that token. `in_flight`: the proposals of a verify in flight per request,
-        taken as accepted (what the step behind it assumes; if some are rejected, the device moves that step
-        back and its proposals, guesses past them, mostly fail). They are verified behind the step in flight,
-        which then need not complete first; a wrong guess costs only the proposals (the target's own token at
-        each position decides) and counts as a miss like any rejection. A request not copying at the moment (no
+    def propose_ahead(self, running: list[Request]) -> bool:
+        """Async scheduling with a plain step in flight (n-gram only): proposals for each request whose pending
+        token is its next input and whose last verify accepted something, looked up from the tokens on the host
+        past the lookup's guess for the pending one. They are verified behind the step in flight, which then
+        need not be drained first; a wrong guess costs only the proposals (the target's own token at each
+        position decides) and counts as a miss like any rejection. A request not copying at the moment (no
         verify yet, or its last one rejected) is proposed for from its complete context instead, after a drain:
         on free text the guesses fail, and each failed verify behind costs about a plain step. Sets
         `spec_token_ids` (cleared elsewhere); -> whether any request got proposals."""
         if not isinstance(self.proposer, NgramProposer):
             return False
-        in_flight = in_flight or {}
         reqs, limits = [], []
         for req in running:
             req.spec_token_ids = []
             room = req.max_total_tokens - req.num_tokens_with_pending - 1
-            # not behind a verify known to be stale: its proposals are wrong, so guesses past them would be too
-            if (req.num_pending_tokens and req.num_computed_tokens == req.num_tokens_with_pending - 1
-                    and req.request_id not in self.stale
+            if (req.num_pending_tokens == 1 and req.num_computed_tokens == req.num_tokens
                     and self.backoff.get(req.request_id, (1, 0))[0] == 0 and self._eligible(req, room)):
                 reqs.append(req)
                 limits.append(room)
-        if not reqs:
-            return False
-        assumed = [in_flight.get(req.request_id, []) for req in reqs]
         proposed = False
-        for req, limit, proposal in zip(reqs, limits, self.proposer.propose(reqs, limits, skip=1, assumed=assumed)):
+        for req, limit, proposal in zip(reqs, limits, self.proposer.propose(reqs, limits, skip=1) if reqs else []):
             req.spec_token_ids = self._padded(proposal, limit)
             proposed = proposed or bool(proposal)
         return proposed
@@ -143,7 +132,6 @@ class SpecDecoder:
         if len(self.backoff) > 2 * len(running):
             live = {req.request_id for req in running}
             self.backoff = {r: b for r, b in self.backoff.items() if r in live}
-            self.stale &= live
         release = getattr(self.proposer, "release", None)
         if release is not None:
             release({req.request_id for req in running})
@@ -161,22 +149,16 @@ class SpecDecoder:
         self.backoff[request_id] = (misses, self.step + 1 + min(2 ** misses - 1, MAX_SKIP))
 
     def after_verify(self, sched: SchedulerOutput, step: LaunchedStep) -> None:
-        """Once a verify's samples are accepted: `Scheduler.advance` counted every proposal as accepted (pending
-        and computed, and so did a step launched behind it); the rejected ones are taken back, and blocks that
-        only they occupied are freed. A request preempted or finished meanwhile has nothing computed to keep."""
+        """After `Scheduler.advance`: each verified request emits accepted + 1 tokens (one was counted pending
+        already), and the positions of its rejected proposals are no longer computed."""
         stats = self.stats
         for row, (proposed, accepted) in step.verified.items():
             req = sched.requests[row]
-            req.num_pending_tokens -= proposed - accepted
-            if req.status is RequestStatus.RUNNING:
-                req.num_computed_tokens -= proposed - accepted
-                self.kv.trim(req, req.num_computed_tokens)
-            stale = req.request_id in self.stale
-            self.stale.discard(req.request_id)
-            if step.verify_behind and accepted < proposed:
-                self.stale.add(req.request_id)
-            if accepted or not stale:
-                self._count(req.request_id, accepted > 0)
+            req.num_pending_tokens += accepted
+            req.num_computed_tokens -= proposed - accepted
+            req.spec_token_ids = []
+            self.kv.trim(req, req.num_computed_tokens)
+            self._count(req.request_id, accepted > 0)
             stats.num_drafts += 1
             stats.num_draft_tokens += proposed
             stats.num_accepted_tokens += accepted

@@ -31,13 +31,10 @@ class NgramIndex:
                 first.setdefault(tuple(tokens[start:start + n]), start)
         self.indexed = length
 
-    def propose(self, tokens: list[int], k: int, skip: int = 0, assumed: list[int] | None = None) -> list[int]:
+    def propose(self, tokens: list[int], k: int, skip: int = 0) -> list[int]:
         """Up to k tokens following the earliest earlier occurrence of the longest suffix of n_max..n_min tokens,
-        after the first `skip` of them (the guesses for tokens still in flight). `assumed`: tokens taken to
-        follow `tokens` (a verify's proposals in flight), part of the suffix but never indexed."""
+        after the first `skip` of them (the guesses for tokens still in flight)."""
         self.extend(tokens)
-        if assumed:
-            tokens = tokens + assumed
         length = len(tokens)
         for n, first in self.first.items():
             if n > length - 1:
@@ -54,17 +51,15 @@ class NgramProposer:
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
         self._indexes: dict[str, tuple[Request, NgramIndex]] = {}
 
-    def propose(self, reqs: list[Request], limits: list[int], skip: int = 0,
-                assumed: list[list[int]] | None = None) -> list[list[int]]:
+    def propose(self, reqs: list[Request], limits: list[int], skip: int = 0) -> list[list[int]]:
         """Each request's proposals from its tokens on the host; `skip`: that many of its next tokens are in
-        flight, so the proposals start after the lookup's guesses for them; `assumed` (per request): tokens in
-        flight taken as known before those (a verify's proposals, as if all are accepted)."""
+        flight, so the proposals start after the lookup's guesses for them."""
         out = []
-        for j, (req, limit) in enumerate(zip(reqs, limits)):
+        for req, limit in zip(reqs, limits):
             entry = self._indexes.get(req.request_id)
             if entry is None or entry[0] is not req:  # a new request (ids can be reused once one finishes)
                 entry = self._indexes[req.request_id] = (req, NgramIndex(self.n_min, self.n_max))
-            out.append(entry[1].propose(req.token_ids, min(self.k, limit), skip, assumed[j] if assumed else None))
+            out.append(entry[1].propose(req.token_ids, min(self.k, limit), skip))
         return out
 
     def release(self, live: set[str]) -> None:

@@ -33,9 +33,8 @@ def accepted_length(target_tokens: list[int], proposals: list[int]) -> int:
 
 
 def sample_rows(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput, rows: list[int],
-                eos_token_ids: frozenset[int]) -> tuple[torch.Tensor, list]:
-    """One token per logits row, left on the device; row r of request i sees the request's output plus its
-    first j proposals."""
+                eos_token_ids: frozenset[int]) -> tuple[list[int], list]:
+    """One token per logits row; row r of request i sees the request's output plus its first j proposals."""
     params, generators, prompts, outputs = [], [], [], []
     previous, j = -1, 0
     for i in rows:
@@ -46,44 +45,18 @@ def sample_rows(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput, 
         generators.append(req.generator)
         prompts.append(req.prompt_token_ids)
         outputs.append(req.output_token_ids + req.spec_token_ids[:j] if j else req.output_token_ids)
-    # the tokens of steps still in flight count towards min_tokens (the engine lets a step run behind a
-    # verify only once min_tokens is met, so an optimistic count there changes nothing)
+    # a request verified behind the step in flight has that step's token pending (min_tokens counts it)
     pending = [sched.requests[i].num_pending_tokens for i in rows]
-    return sampler.sample(logits, SamplingBatch(params, generators, prompts, outputs, eos_token_ids, pending))
+    tokens, logprobs = sampler.sample(logits, SamplingBatch(params, generators, prompts, outputs, eos_token_ids,
+                                                            pending))
+    return tokens.tolist(), logprobs
 
 
-def shortfall_on_device(tokens: torch.Tensor, rows: list[int], proposals: dict[int, list[int]]) -> torch.Tensor:
-    """Per sampled row, on the device: at each request's last row, how many of its proposals the samples
-    rejected (k - accepted); 0 elsewhere. A step launched behind the verify before its samples reach the host
-    places its token there: its inputs were written as if every proposal was accepted, and this shifts them
-    back (`ModelRunner._copy_pending_tokens`)."""
-    width = max((len(p) for p in proposals.values()), default=0)
-    gather, expect, last, counts = [], [], [], []
-    start = 0
-    while start < len(rows):
-        props = proposals.get(rows[start], [])
-        end = start + len(props)  # the request's last row
-        # row start + j is the target's token where proposal j was guessed; padding repeats the last row,
-        # whose expected -1 never matches, so the product stops there
-        gather += [start + j for j in range(len(props))] + [end] * (width + 1 - len(props))
-        expect += props + [-1] * (width + 1 - len(props))
-        last.append(end)
-        counts.append(len(props))
-        start = end + 1
-    host = torch.tensor(gather + expect + last + counts, dtype=torch.int64)
-    index = host.to(tokens.device, non_blocking=True)
-    n = len(last)
-    g, e = index[: n * (width + 1)].view(n, -1), index[n * (width + 1): 2 * n * (width + 1)].view(n, -1)
-    accepted = (tokens[g] == e).to(torch.int64).cumprod(dim=1).sum(dim=1)
-    shortfall = torch.zeros_like(tokens)
-    shortfall[index[2 * n * (width + 1): -n]] = index[-n:] - accepted
-    return shortfall
-
-
-def accept(step: LaunchedStep, accept_fn=accepted_length) -> None:
-    """Turn a verify step's sampled rows, once on the host, into its outcome: one entry in `rows` per emitted
-    token, and per verified request (row -> (proposals, accepted)) for the scheduler's roll-back."""
-    sampled, rows, logprobs = step.token_ids(), step.rows, step.logprobs
+def verify_step(sampler: Sampler, sched: SchedulerOutput, rows: list[int], logits: torch.Tensor,
+                eos_token_ids: frozenset[int], accept=accepted_length) -> LaunchedStep:
+    """The step's outcome, read back now (a verify step is synchronous): one entry in `rows` per emitted token,
+    and per verified request (row -> (proposals, accepted)) for the scheduler's roll-back."""
+    sampled, logprobs = sample_rows(sampler, logits, sched, rows, eos_token_ids)
     out_rows: list[int] = []
     out_tokens: list[int] = []
     out_logprobs: list = []
@@ -91,25 +64,13 @@ def accept(step: LaunchedStep, accept_fn=accepted_length) -> None:
     start = 0
     while start < len(rows):
         i = rows[start]
-        proposals = step.proposals.get(i, [])
+        proposals = sched.requests[i].spec_token_ids
         end = start + len(proposals) + 1
-        accepted = accept_fn(sampled[start:end], proposals)
+        accepted = accept(sampled[start:end], proposals)
         out_rows += [i] * (accepted + 1)
         out_tokens += sampled[start:start + accepted + 1]
         out_logprobs += logprobs[start:start + accepted + 1]
         if proposals:
             verified[i] = (len(proposals), accepted)
         start = end
-    step.rows, step.logprobs, step._token_ids, step.verified = out_rows, out_logprobs, out_tokens, verified
-    step.proposals = None
-
-
-def verify_step(sampler: Sampler, sched: SchedulerOutput, rows: list[int], logits: torch.Tensor,
-                eos_token_ids: frozenset[int], accept_fn=accepted_length) -> LaunchedStep:
-    """A verify step's outcome, read back at once (the tests' entry: the runner launches the sampling and
-    the engine calls `accept` once the samples land)."""
-    sampled, logprobs = sample_rows(sampler, logits, sched, rows, eos_token_ids)
-    step = LaunchedStep(sched, list(rows), logprobs, _token_ids=sampled.tolist(),
-                        proposals={i: list(sched.requests[i].spec_token_ids) for i in set(rows)})
-    accept(step, accept_fn)
-    return step
+    return LaunchedStep(sched, out_rows, out_logprobs, verified=verified, _token_ids=out_tokens)

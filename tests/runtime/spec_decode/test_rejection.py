@@ -35,7 +35,6 @@ def plain_sequences(logits: torch.Tensor) -> list[tuple[int, ...]]:
         reqs = [Request(str(i), s, PARAMS, frozenset(), 100) for i, s in enumerate(seqs)]
         sched = SchedulerOutput(requests=reqs, num_new_tokens=[1] * N)
         tokens, _ = sample_rows(sampler, logits[[s[-1] for s in seqs]], sched, list(range(N)), frozenset())
-        tokens = tokens.tolist()
         for s, t in zip(seqs, tokens):
             s.append(t)
     return [tuple(s[1:LENGTH + 1]) for s in seqs]
@@ -67,8 +66,8 @@ def kiln_verify(sampler, sched, rows, logits):
 
 def resample_from_full_target(sampler, sched, rows, logits):
     """Broken on purpose: accept with probability p(d), but on rejection draw from all of p (d included)."""
-    decide = sample_rows(sampler, logits, sched, rows, frozenset())[0].tolist()
-    fresh = sample_rows(sampler, logits, sched, rows, frozenset())[0].tolist()
+    decide, _ = sample_rows(sampler, logits, sched, rows, frozenset())
+    fresh, _ = sample_rows(sampler, logits, sched, rows, frozenset())
     out, start = [], 0
     while start < len(rows):
         i = rows[start]

@@ -102,10 +102,8 @@ def test_greedy_tokens_unchanged(runtime, plain, method) -> None:
 def test_ngram_with_async_scheduling_overlaps_plain_and_verify_steps(runtime, plain) -> None:
     """n-gram under async scheduling: a step whose requests have no proposals launches overlapped, and a verify
     step launches behind the step in flight (its first input that step's token, the proposals looked up without
-    it) or, where only the complete context proposes, after draining it; a plain step launches behind each
-    verify before its samples land (its inputs written as if all proposals were accepted, moved back on the
-    device by the rejected ones); the greedy tokens stay the plain ones, stops and limits inside an accepted run
-    included."""
+    it) or, where only the complete context proposes, after draining it; the greedy tokens stay the plain ones,
+    stops and limits inside an accepted run included."""
     engine = runtime.engine
     free = runtime.apply_chat_template([{"role": "user", "content": "Write a poem about the sea."}])
     free_params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -119,27 +117,17 @@ def test_ngram_with_async_scheduling_overlaps_plain_and_verify_steps(runtime, pl
                                 for p, q in ((free, free_params), (copy, copy_params)))
     engine.async_scheduling = True
     try:
-        after_verify = engine.stats.steps_behind_verify
-        spec_before = dict(engine.speculation.stats.as_dict())
         outs, counts = generate(runtime, "ngram")  # copy prompts: proposals nearly every step
-        batch_after_verify = engine.stats.steps_behind_verify - after_verify
         overlapped, behind = engine.stats.overlapped_steps, engine.stats.verify_behind_steps
-        after_verify = engine.stats.steps_behind_verify
         with speculating(runtime, "ngram"):
             got_copy = runtime.generate([copy], copy_params)[0].outputs[0].token_ids
             behind = engine.stats.verify_behind_steps - behind
-            after_verify = engine.stats.steps_behind_verify - after_verify
             got_free = runtime.generate([free], free_params)[0].outputs[0].token_ids
-            spec_after = engine.speculation.stats.as_dict()
     finally:
         engine.async_scheduling = False
     for got, want in zip(outs, plain):
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     assert counts["spec_decode_num_accepted_tokens"] > 0
-    # rejected proposals too, so a step behind a verify had its inputs moved back
-    assert spec_after["spec_decode_num_accepted_tokens"] - spec_before["spec_decode_num_accepted_tokens"] < \
-        spec_after["spec_decode_num_draft_tokens"] - spec_before["spec_decode_num_draft_tokens"]
-    assert batch_after_verify > 0 and after_verify > 0
     assert got_copy == want_copy and behind > 0
     assert got_free == want_free
     assert engine.stats.overlapped_steps > overlapped
@@ -169,16 +157,12 @@ def test_seeded_sampling_reproduces(runtime) -> None:
     assert first == second
 
 
-@pytest.mark.parametrize("overlapped", [False, True])
-def test_preemption_mid_run(runtime, plain, overlapped) -> None:
+def test_preemption_mid_run(runtime, plain) -> None:
     """Take the pool's free blocks while speculating requests decode: the youngest are preempted (their
-    proposals dropped) and recomputed, and every output is still the non-speculative one; under async
-    scheduling also with verify steps in flight and plain steps launched behind them."""
+    proposals dropped) and recomputed, and every output is still the non-speculative one."""
     engine = runtime.engine
     ps = prompts(runtime)
-    engine.async_scheduling = overlapped
-    with speculating(runtime, "ngram"), contextlib.ExitStack() as restore:
-        restore.callback(setattr, engine, "async_scheduling", False)
+    with speculating(runtime, "ngram"):
         ids = [engine.add_request(p, s) for p, s in zip(ps + [ps[0]], PARAMS)]
         outs = {}
         for _ in range(3):
