@@ -115,6 +115,11 @@ class ModelRunner:
         # the previous launch's sampled tokens, on the device (a tensor-parallel worker receives rank 0's)
         self.last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}  # request id -> its row there
+        # numpy views of the host buffers, made once: a tensor setitem is two aten ops, and at batch 1 the fill's
+        # torch-side writes and `.numpy()` calls were half of its ~33 us on the CPU
+        self._np = {name: getattr(self, f"{name}_cpu").numpy() for name in (
+            "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+            "block_tables_packed", "logits_indices", "pending_dst", "pending_src")}
         # The host buffers are uploaded without blocking: the next fill must wait until the copies ran.
         self._inputs_consumed = DeviceEvent(device)
         self._readback = TokenReadback(s, device)
@@ -149,14 +154,11 @@ class ModelRunner:
         mode = self.run_mode(num_tokens, uniform_decode, verify_len)
         verify_len = verify_len if mode is RunMode.FULL else 0
         padded = self.graphs.padded_size(num_tokens, mode, verify_len) if self.graphs is not None else num_tokens
-        ids = self.input_ids_cpu.numpy()
-        pos = self.positions_cpu.numpy()
-        slots = self.slot_mapping_cpu.numpy()
-        qsl = self.query_start_loc_cpu.numpy()
-        seq_lens = self.seq_lens_cpu.numpy()
-        tables = self.block_tables_cpu.numpy()
-        pending_dst, pending_src = self.pending_dst_cpu.numpy(), self.pending_src_cpu.numpy()
-        logits_indices = self.logits_indices_cpu.numpy()  # numpy views: a tensor setitem is two aten ops
+        views = self._np
+        ids, pos, slots = views["input_ids"], views["positions"], views["slot_mapping"]
+        qsl, seq_lens, tables = views["query_start_loc"], views["seq_lens"], views["block_tables"]
+        pending_dst, pending_src = views["pending_dst"], views["pending_src"]
+        logits_indices = views["logits_indices"]
         bs = self.block_size
         sampling_rows: list[int] = []
         qsl[0] = 0
@@ -232,10 +234,13 @@ class ModelRunner:
     def _pad_requests(self, num_reqs: int, padded: int, query_len: int = 1) -> int:
         """Padded requests: query_len tokens each, attending to the first slots of the null block (valid but
         empty)."""
-        start = self.query_start_loc_cpu[num_reqs].item()
-        self.query_start_loc_cpu[num_reqs + 1: padded + 1] = torch.arange(1, padded - num_reqs + 1) * query_len + start
-        self.seq_lens_cpu[num_reqs:padded] = query_len
-        self.block_tables_cpu[num_reqs:padded, 0] = 0
+        if padded == num_reqs:
+            return padded
+        views = self._np
+        qsl = views["query_start_loc"]
+        qsl[num_reqs + 1: padded + 1] = np.arange(1, padded - num_reqs + 1) * query_len + qsl[num_reqs]
+        views["seq_lens"][num_reqs:padded] = query_len
+        views["block_tables"][num_reqs:padded, 0] = 0
         for i in range(num_reqs, padded):
             self._row_owner[i] = None
         return padded
@@ -299,8 +304,8 @@ class ModelRunner:
         size = num_reqs * width
         if size == 0:
             return
-        np.copyto(self.block_tables_packed_cpu.numpy()[:size].reshape(num_reqs, width),
-                  self.block_tables_cpu.numpy()[:num_reqs, :width])
+        np.copyto(self._np["block_tables_packed"][:size].reshape(num_reqs, width),
+                  self._np["block_tables"][:num_reqs, :width])
         packed = self.block_tables_packed[:size].copy_(self.block_tables_packed_cpu[:size], non_blocking=non_blocking)
         self.block_tables[:num_reqs, :width].copy_(packed.view(num_reqs, width))
 
@@ -331,13 +336,21 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         """Hidden states of the sampling tokens -> logits [num sampling requests, vocab]."""
-        hidden = self.run_model(batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(self._sampling_rows(batch, self.run_model(batch)))
 
     @torch.inference_mode()
     def forward_greedy(self, batch: PreparedBatch) -> torch.Tensor:
         """Greedy ids of the sampling tokens, the same on every tensor-parallel rank (no logits gathered)."""
-        return self.model.greedy_tokens(self.run_model(batch)[batch.logits_indices])
+        return self.model.greedy_tokens(self._sampling_rows(batch, self.run_model(batch)))
+
+    @staticmethod
+    def _sampling_rows(batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden rows that get logits. Where every token samples (decode, a verify of whole chunks) they
+        are the first rows in order: a view, not a gather kernel."""
+        shape = batch.shape
+        if shape.num_sampling == shape.num_tokens:
+            return hidden[: shape.num_tokens]
+        return hidden[batch.logits_indices]
 
     def run_model(self, batch: PreparedBatch) -> torch.Tensor:
         """The forward over the padded batch, as a FULL graph, PIECEWISE graphs, or compiled/eager pieces."""
