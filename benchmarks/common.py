@@ -268,7 +268,7 @@ class StackSampler:
         self.inclusive: collections.Counter[str] = collections.Counter()
         self.leaf: collections.Counter[str] = collections.Counter()
         self.paths: collections.Counter[str] = collections.Counter()  # innermost frame <- its callers
-        self.timeline: list[tuple[float, str]] = []  # (seconds since start, innermost kiln frame)
+        self.timeline: list[tuple[float, str]] = []  # (seconds since start, innermost frame outside torch/triton)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-stack-sampler", daemon=True)
 
@@ -295,9 +295,11 @@ class StackSampler:
             self.leaf[stack[0]] += 1
             self.paths[" <- ".join(stack[:5])] += 1
             self.inclusive.update(set(stack))
-            kiln_frame = next((label for label in stack if label.split(":")[0].count("/") and not
-                               label.startswith(("torch/", "triton/", "<", "3.", "benchmarks", "bench_"))), "?")
-            self.timeline.append((time.perf_counter() - self.started, kiln_frame))
+            # kiln's, or another library's it called (filelock, jinja2, ...): the first frame in a package that
+            # is not torch, triton, the standard library or the benchmark itself
+            own_frame = next((label for label in stack if label.split(":")[0].count("/") and not
+                              label.startswith(("torch/", "triton/", "<", "3.", "benchmarks", "bench_"))), "?")
+            self.timeline.append((time.perf_counter() - self.started, own_frame))
 
     def report(self, top: int = 70) -> str:
         """The `top` functions by inclusive share, then by self share, as seconds of the sampled wall time."""
@@ -309,7 +311,8 @@ class StackSampler:
         lines += [f"{n * scale:11.2f}  {name}" for name, n in self.leaf.most_common(top // 2)]
         lines += ["", "self s       innermost five frames"]
         lines += [f"{n * scale:11.2f}  {name}" for name, n in self.paths.most_common(top // 2)]
-        lines += ["", "timeline: per 0.25 s, the innermost kiln frames most sampled (share)"]
+        lines += ["", "timeline: per 0.25 s, the innermost frames outside torch, triton and the standard library "
+                  "most sampled (share)"]
         buckets: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         for at, label in self.timeline:
             buckets[int(at / 0.25)][label] += 1
