@@ -81,6 +81,16 @@ set_moe() {  # the MoE GPU tests, a launch-config sweep at Qwen3-30B-A3B's layer
   [ -s "$R/fused_moe_h200.json" ] && table="$R/fused_moe_h200.json"
   KILN_FUSED_MOE_CONFIGS="$table" step moe 330 python3 -m benchmarks.bench_moe --json "$R/moe.json"
 }
+set_moe_ab() {  # the MoE op tests on the GPU, then Qwen3-30B-A3B's decode step at batch 1/8/64 profiled with the code in
+  # .ab/base (`git archive <commit> kiln benchmarks | tar -x -C .ab/base`, carried) and with the working tree, alternated
+  step moe_op_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/models/test_fused_moe.py \
+    tests/gpu/test_moe_gpu.py
+  for arm in base new; do
+    local dir=.; [ "$arm" = base ] && dir=.ab/base
+    step "moe_profile_$arm" 170 bash -c "cd $dir && exec python3 -m benchmarks.bench_profile \
+      --configs qwen3-30b-a3b:1:bf16 --batches 1 8 64 --steps 12 --json $R/moe_profile_$arm.json"
+  done
+}
 set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape; then
   # the same on the SmolLM2-135M shape with each kind of step profiled (kernels, GPU idle, host calls)
   step spec_verify 125 python3 -m benchmarks.bench_spec_decode --device cuda --skip-tasks --verify-ratio \

@@ -1,8 +1,9 @@
 """A mixture-of-experts feed-forward layer: the router, then the routed experts as one `kiln::fused_moe` call.
 
-The router (softmax over the experts, top-k, renormalisation where the config asks for it) is plain torch, traced
-and compiled by Inductor with the rest of the model; the experts' weights are stacked per layer at load time,
-w13 [E, 2I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I], the layout the op's kernels read.
+The router is its GEMM, traced and compiled by Inductor with the rest of the model, then `kiln::moe_topk` (top-k,
+softmax, renormalisation where the config asks for it, in one kernel); the experts' weights are stacked per layer
+at load time, w13 [E, 2I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I], the layout the op's
+kernels read.
 
 Tensor parallelism, by default, splits every expert's intermediate dim over the ranks (the dense MLP's column-
 then row-parallel split, per expert): each rank computes a partial output for every token and the ranks sum
@@ -18,10 +19,10 @@ activation's dtype (weight-only FP8: half the bytes streamed). FP8 checkpoints' 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kiln.models.fused_moe.op  # noqa: F401 - registers kiln::fused_moe
+import kiln.models.fused_moe.routing  # noqa: F401 - registers kiln::moe_topk
 from kiln.models.base import ModelSpec
 from kiln.models.layers import _copy_checked
 from kiln.models.parallel import all_reduce, tp_rank, tp_size
@@ -67,20 +68,15 @@ class SparseMoeBlock(nn.Module):
         self._received: set[tuple[str, int]] = set()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x).float()
-        # unsorted: the experts' order within a token's k does not matter to the weighted sum, and sorting the
-        # k winners was a kernel of its own (4 us a layer at batch 1 on the H200)
-        if self.norm_topk_prob:  # softmax is monotonic, and renormalised over the top k it is their softmax:
-            top, ids = torch.topk(logits, self.top_k, dim=-1, sorted=False)  # one reduction over E fewer per layer
-            weights = F.softmax(top, dim=-1)
-        else:
-            weights, ids = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1, sorted=False)
+        weights, ids = torch.ops.kiln.moe_topk(self.gate(x), self.top_k, self.norm_topk_prob)
         if self.expert_parallel:  # global ids -> this rank's; another rank's experts -> num_local (skipped)
             ids = ids - self.first_expert
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local), self.num_local)
-        out = torch.ops.kiln.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids.to(torch.int32),
-                                       self.w13_scale, self.w2_scale)
-        return all_reduce(out)
+        pairs = torch.ops.kiln.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids,
+                                         self.w13_scale, self.w2_scale, self.expert_parallel)
+        # summed here, not in the op: Inductor folds the K rows into the kernel of the residual add that follows
+        # (at TP=1; under TP into the all-reduce's input)
+        return all_reduce(pairs.sum(dim=1))
 
     # -- loading ------------------------------------------------------------------------------------------------
 

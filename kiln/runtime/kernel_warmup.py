@@ -70,8 +70,9 @@ def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
     return launches
 
 
-# (experts on this rank, intermediate per rank, hidden, top_k, weight dtype, activation dtype, FP8 scales)
-MoeShape = tuple[int, int, int, int, torch.dtype, torch.dtype, bool]
+# (experts on this rank, intermediate per rank, hidden, top_k, weight dtype, activation dtype, FP8 scales,
+#  the router's experts (all of them), renormalised routing weights)
+MoeShape = tuple[int, int, int, int, torch.dtype, torch.dtype, bool, int, bool]
 
 
 def moe_shapes(model: torch.nn.Module) -> list[MoeShape]:
@@ -81,7 +82,7 @@ def moe_shapes(model: torch.nn.Module) -> list[MoeShape]:
         if isinstance(module, SparseMoeBlock) and module.w13_weight.is_cuda:
             w13 = module.w13_weight
             seen[(w13.shape[0], module.inter, w13.shape[2], module.top_k, w13.dtype, module.gate.weight.dtype,
-                  module.w13_scale is not None)] = None
+                  module.w13_scale is not None, module.num_experts, module.norm_topk_prob)] = None
     return list(seen)
 
 
@@ -89,9 +90,11 @@ def run_moe(shapes: Iterable[MoeShape], sizes: Iterable[int], device: torch.devi
     """Each expert layer at each token count, on zeros (every token on expert 0: the kernels and launch configs
     compile the same whatever the routing). -> launches."""
     from kiln.models.fused_moe.kernels import fused_moe_triton  # triton: imported where a GPU start needs it
+    from kiln.models.fused_moe.routing_triton import moe_topk_triton
 
     launches = 0
-    for experts, inter, hidden, top_k, dtype, act_dtype, scaled in shapes:
+    for experts, inter, hidden, top_k, dtype, act_dtype, scaled, router_experts, renormalize in shapes:
+        moe_topk_triton(torch.zeros(1, router_experts, dtype=act_dtype, device=device), top_k, renormalize)
         w13 = torch.zeros(experts, 2 * inter, hidden, dtype=dtype, device=device)
         w2 = torch.zeros(experts, hidden, inter, dtype=dtype, device=device)
         scales = (torch.ones(experts, 2 * inter, device=device), torch.ones(experts, hidden, device=device)) \

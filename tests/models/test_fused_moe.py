@@ -14,13 +14,16 @@ from tests.conftest import define_interpreted  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
-    define_interpreted("kiln.models.fused_moe.align_triton", "kiln.models.fused_moe.kernels")
+    define_interpreted("kiln.models.fused_moe.align_triton", "kiln.models.fused_moe.kernels",
+                       "kiln.models.fused_moe.routing_triton")
 
 from kiln.models.fused_moe.align import align_by_expert, max_padded_pairs  # noqa: E402
 from kiln.models.fused_moe.align_triton import align_by_expert_triton  # noqa: E402
 from kiln.models.fused_moe.configs import MoeKernelConfig, heuristic, pick_config  # noqa: E402
 from kiln.models.fused_moe.kernels import fused_moe_triton  # noqa: E402
 from kiln.models.fused_moe.reference import fused_moe_reference  # noqa: E402
+from kiln.models.fused_moe.routing import moe_topk_reference  # noqa: E402
+from kiln.models.fused_moe.routing_triton import moe_topk_triton  # noqa: E402
 from kiln.models.quant.fp8 import quantize_weight  # noqa: E402
 
 
@@ -49,23 +52,33 @@ def test_reference_is_the_dense_formula() -> None:
     every = torch.einsum("tei,ehi->teh", torch.nn.functional.silu(gate) * up, w2)  # [T, E, H]
     dense = torch.zeros(9, 7).scatter_add_(1, ids.long(), weights)[:, :6]  # routing weight per (token, expert)
     expected = (every * dense.unsqueeze(-1)).sum(1)
-    torch.testing.assert_close(fused_moe_reference(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
+    pairs = fused_moe_reference(x, w13, w2, weights, ids)
+    assert pairs.shape == (9, 2, 16)  # a weighted row per (token, k) pair, summed by the caller
+    assert torch.equal(pairs[0, 1], torch.zeros(16))
+    torch.testing.assert_close(pairs.sum(1), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, config", [
-    (1, 8, 2, MoeKernelConfig(1, 16, 32)),     # decode: pair kernels
-    (1, 8, 2, MoeKernelConfig(16, 16, 16)),    # one token through the grouped kernels
-    (5, 8, 3, MoeKernelConfig(1, 32, 16)),     # N and K not multiples of the tile
-    (37, 8, 2, MoeKernelConfig(16, 32, 32)),
-    (37, 6, 4, MoeKernelConfig(32, 16, 16)),
-    (1000, 8, 5, MoeKernelConfig(64, 32, 32)),  # 5000 pairs: the torch layout (align.py)
+@pytest.mark.parametrize("tokens, experts, top_k, config, remote", [
+    (1, 8, 2, MoeKernelConfig(1, 16, 32), True),      # decode: pair kernels
+    (1, 8, 2, MoeKernelConfig(16, 16, 16), True),     # one token through the grouped kernels
+    (5, 8, 3, MoeKernelConfig(1, 32, 16), False),     # N and K not multiples of the tile
+    (37, 8, 2, MoeKernelConfig(16, 32, 32), True),
+    (37, 6, 4, MoeKernelConfig(32, 16, 16), False),
+    (1000, 8, 5, MoeKernelConfig(64, 32, 32), True),  # 5000 pairs: the torch layout (align.py)
 ])
-def test_kernels_match_reference(tokens: int, experts: int, top_k: int, config: MoeKernelConfig) -> None:
+def test_kernels_match_reference(tokens: int, experts: int, top_k: int, config: MoeKernelConfig,
+                                 remote: bool) -> None:
+    """Every pair's weighted row; with `remote` (expert parallelism) a third of the tokens route a pair to another
+    rank's expert, whose row must come back zero (the grouped kernels never visit it)."""
     x, w13, w2, weights, ids = problem(tokens, experts, top_k, 40, 24, seed=tokens, unused=2)
-    ids[::3, 0] = experts  # expert parallelism: pairs whose expert lives on another rank
+    if remote:
+        ids[::3, 0] = experts
     x, w13, w2, weights, ids = (t.to(DEVICE) for t in (x, w13, w2, weights, ids))
-    got = fused_moe_triton(x, w13, w2, weights, ids, config=config)
+    got = fused_moe_triton(x, w13, w2, weights, ids, remote_experts=remote, config=config)
+    assert got.shape == (tokens, top_k, 40)
     torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
+    if remote:
+        assert torch.equal(got[::3, 0], torch.zeros_like(got[::3, 0]))
 
 
 @pytest.mark.parametrize("block_m", [1, 16])
@@ -108,6 +121,23 @@ def test_triton_align_equals_torch_align(tokens: int, experts: int, top_k: int, 
     want = align_by_expert(ids, experts, block_m)
     got = align_by_expert_triton(ids.to(DEVICE), experts, block_m)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 128, 8), (7, 8, 2), (3, 60, 4), (5, 6, 6)])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_kernel_matches_torch(tokens: int, experts: int, top_k: int, renormalize: bool,
+                                      dtype: torch.dtype) -> None:
+    """`kiln::moe_topk`'s kernel: the same experts as torch.topk (as sets: the order is free) and, per expert,
+    the same weight, on 16-bit logits as the router's GEMM leaves them; E not a power of two, k = E."""
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens + experts)).to(dtype)
+    weights, ids = moe_topk_triton(logits.to(DEVICE), top_k, renormalize)
+    want_weights, want_ids = moe_topk_reference(logits, top_k, renormalize)
+    assert ids.dtype == want_ids.dtype == torch.int32 and weights.dtype == torch.float32
+    got_order, want_order = ids.cpu().long().sort(dim=-1), want_ids.long().sort(dim=-1)
+    assert torch.equal(got_order.values, want_order.values)
+    torch.testing.assert_close(weights.cpu().gather(1, got_order.indices),
+                               want_weights.gather(1, want_order.indices), rtol=1e-5, atol=1e-6)
 
 
 def test_config_table_and_rule() -> None:

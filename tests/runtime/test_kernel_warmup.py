@@ -43,7 +43,7 @@ def test_moe_shapes_are_the_distinct_expert_layers() -> None:
     if DEVICE.type == "cpu":  # kiln::fused_moe runs its Triton kernels on CUDA only: nothing to compile
         assert shapes == []
         return
-    assert shapes == [(8, 32, 64, 2, torch.bfloat16, torch.bfloat16, False)]  # two sparse layers, one shape
+    assert shapes == [(8, 32, 64, 2, torch.bfloat16, torch.bfloat16, False, 8, False)]  # two sparse layers, one shape
     assert run_moe(shapes, [1, 4, 64], DEVICE) == 3
 
 

@@ -5,12 +5,13 @@ Two shapes of the same two GEMMs (h = silu(x W_gate^T) * (x W_up^T), then y = h 
 - grouped (BLOCK_M >= 16): pairs sorted and padded per expert (align.py, align_triton.py); each program
   multiplies a BLOCK_M-row block of one expert's pairs by a BLOCK_N slice of that expert's weight with tl.dot.
   The gate and up slices are read by the same program, so SiLU-and-mul happens on the accumulators and only h is
-  written. The down kernel scales each row by its routing weight and writes it to its pair's row; the K rows of
-  a token are summed after.
+  written. The down kernel scales each row by its routing weight and writes it to its pair's row.
 - pairs (BLOCK_M == 1, decode): no sorting at all. One program per (pair, N slice) streams its expert's weight
-  as a matrix-vector product; the down kernel runs one program per (token, N slice) and sums the token's K
-  experts in registers, routing weights applied, so the output is written once. A repeated expert is read once
-  per pair that chose it, which is why this only pays while pairs are few (the tuned table says where).
+  as a matrix-vector product, in both kernels. A repeated expert is read once per pair that chose it, which is
+  why this only pays while pairs are few (the tuned table says where).
+
+Both return each pair's weighted row, [T, K, H]: the caller sums a token's K rows in the traced graph, where
+Inductor folds the sum into the residual add that follows (a zero fill and a sum kernel a layer fewer).
 
 Weights may be e4m3 with one fp32 scale per (expert, output channel): the tile is widened to the activation's
 dtype before the product and the scale applied to the accumulator (exact: the scale is constant along K).
@@ -142,35 +143,36 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, 
 
 
 @triton.jit
-def _pair_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, out_ptr, H, INTER, NUM_E, s_ht, s_we, s_wn, s_ot,
-                      TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
-    token = tl.program_id(0)
+def _pair_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, NUM_E, s_ht, s_we, s_wn, s_yt,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+    pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
+    y_ptrs = y_ptr + pair.to(tl.int64) * s_yt + offs_n
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert >= NUM_E:  # another rank's expert: its row adds nothing to the token's sum
+        tl.store(y_ptrs, tl.zeros((BLOCK_N,), dtype=y_ptr.dtype.element_ty), mask=n_mask)
+        return
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in tl.static_range(TOPK):
-        pair = token * TOPK + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        if expert < NUM_E:
-            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            b_ptrs = w_ptr + expert * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
-            for k0 in range(0, INTER, BLOCK_K):
-                k_mask = k0 + offs_k < INTER
-                a = tl.load(h_ptr + pair.to(tl.int64) * s_ht + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-                part += tl.sum(b * a[None, :], axis=1)
-                b_ptrs += BLOCK_K
-            if SCALED:
-                part *= tl.load(ws_ptr + expert * H + offs_n, mask=n_mask, other=0.0)
-            acc += tl.load(tw_ptr + pair) * part
-    tl.store(out_ptr + token.to(tl.int64) * s_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    b_ptrs = w_ptr + expert * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    for k0 in range(0, INTER, BLOCK_K):
+        k_mask = k0 + offs_k < INTER
+        a = tl.load(h_ptr + pair.to(tl.int64) * s_ht + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(b * a[None, :], axis=1)
+        b_ptrs += BLOCK_K
+    if SCALED:
+        acc *= tl.load(ws_ptr + expert * H + offs_n, mask=n_mask, other=0.0)
+    acc *= tl.load(tw_ptr + pair)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                     w2_scale: torch.Tensor | None = None, config: MoeKernelConfig | None = None) -> torch.Tensor:
+                     w2_scale: torch.Tensor | None = None, remote_experts: bool = False,
+                     config: MoeKernelConfig | None = None) -> torch.Tensor:
     """The same contract as fused_moe_reference (reference.py), on the Triton kernels."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
@@ -186,19 +188,19 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     scaled = w13_scale is not None
     ws13, ws2 = (w13_scale.float().contiguous(), w2_scale.float().contiguous()) if scaled else (tw, tw)
     num_pairs = num_tokens * top_k
-    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
-        return torch.empty_like(x)
+        return x.new_empty((0, top_k, hidden))
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if config.block_m == 1:
+        y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # every row written, zeros included
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, config.block_n))](
             x, w13, ws13, ids, h, hidden, inter, num_experts, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
             TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
-        out = torch.empty_like(x)
-        _pair_down_kernel[(num_tokens, triton.cdiv(hidden, config.block_n))](
-            h, w2, ws2, tw, ids, out, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
-            out.stride(0), TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
-        return out
+        _pair_down_kernel[(num_pairs, triton.cdiv(hidden, config.block_n))](
+            h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
+            y.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
+        return y.view(num_tokens, top_k, hidden)
     align = align_by_expert_triton if num_pairs <= MAX_PAIRS else align_by_expert
     sorted_pairs, block_expert = align(ids, num_experts, config.block_m)
     blocks = block_expert.numel()
@@ -207,10 +209,10 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         x, w13, ws13, sorted_pairs, block_expert, h, num_pairs, hidden, inter, num_experts, x.stride(0),
         w13.stride(0), w13.stride(1), h.stride(0), TOPK=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALED=scaled, IEEE=ieee, **launch)
-    # rows of pairs routed to another rank's experts are never written: they must be zero in the sum
-    y = torch.zeros((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    # the sorted layout leaves out pairs routed to another rank's experts: only then must their rows be zeroed
+    y = (torch.zeros if remote_experts else torch.empty)((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _grouped_down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
         h, w2, ws2, tw, sorted_pairs, block_expert, y, num_pairs, hidden, inter, num_experts, h.stride(0),
         w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALED=scaled, IEEE=ieee, **launch)
-    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+    return y.view(num_tokens, top_k, hidden)

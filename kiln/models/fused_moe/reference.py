@@ -1,7 +1,8 @@
 """The routed experts in plain torch, one expert at a time: the op's CPU path and the oracle of its tests.
 
-out[t] = sum over k of topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, k]; an id
->= the number of experts names an expert held by another rank (expert parallelism) and contributes nothing.
+out[t, k] = topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, k]: each (token, k)
+pair's weighted row, which the caller sums over k; an id >= the number of experts names an expert held by
+another rank (expert parallelism), whose row is zero.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ def expert_weight(weight: torch.Tensor, scale: torch.Tensor | None, expert: int,
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                        w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        w2_scale: torch.Tensor | None = None, remote_experts: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights / topk_ids [T, K]
-    -> [T, H] in x's dtype; the weighted sum accumulates in fp32."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    -> [T, K, H] in x's dtype (the routing weight applied in fp32). `remote_experts` is the kernels' hint
+    (rows of other ranks' experts must be zeroed); here every row starts at zero."""
+    out = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     for expert in range(w13.shape[0]):
         token, slot = (topk_ids == expert).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
         gate, up = F.linear(x[token], expert_weight(w13, w13_scale, expert, x.dtype)).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, expert_weight(w2, w2_scale, expert, x.dtype))
-        out.index_add_(0, token, y.float() * topk_weights[token, slot].float().unsqueeze(-1))
+        out[token, slot] = y.float() * topk_weights[token, slot].float().unsqueeze(-1)
     return out.to(x.dtype)
