@@ -83,13 +83,19 @@ set_moe() {  # the MoE GPU tests, a launch-config sweep at Qwen3-30B-A3B's layer
 }
 set_moe_ab() {  # the MoE op tests on the GPU, then Qwen3-30B-A3B's decode step at batch 1/8/64 profiled with the code in
   # .ab/base (`git archive <commit> kiln benchmarks | tar -x -C .ab/base`, carried) and with the working tree, alternated
-  step moe_op_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/models/test_fused_moe.py \
-    tests/gpu/test_moe_gpu.py
+  [ -n "${MOE_AB_SKIP_TESTS:-}" ] || step moe_op_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/models/test_fused_moe.py tests/gpu/test_moe_gpu.py
   for arm in base new; do
-    local dir=.; [ "$arm" = base ] && dir=.ab/base
-    step "moe_profile_$arm" 170 bash -c "cd $dir && exec python3 -m benchmarks.bench_profile \
+    local dir=$PWD; [ "$arm" = base ] && dir=$PWD/.ab/base  # its own kiln in every process (compile workers too)
+    PYTHONPATH=$dir:/tmp/site step "moe_profile_$arm" 170 bash -c "cd $dir && exec python3 -m benchmarks.bench_profile \
       --configs qwen3-30b-a3b:1:bf16 --batches 1 8 64 --steps 12 --json $R/moe_profile_$arm.json"
   done
+}
+set_moe_decode() {  # Qwen3-30B-A3B decode at batch 1/8/64 and offline beside the floors (the shipped launch table), and
+  # its batch-1/8 step's kernels
+  step moe_decode 300 python3 -m benchmarks.bench_moe --parts decode offline --json "$R/moe.json"
+  step moe_profile 170 python3 -m benchmarks.bench_profile --configs qwen3-30b-a3b:1:bf16 --batches 1 8 --steps 12 \
+    --json "$R/moe_profile.json"
 }
 set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape; then
   # the same on the SmolLM2-135M shape with each kind of step profiled (kernels, GPU idle, host calls)

@@ -74,9 +74,13 @@ class SparseMoeBlock(nn.Module):
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local), self.num_local)
         pairs = torch.ops.kiln.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids,
                                          self.w13_scale, self.w2_scale, self.expert_parallel)
-        # summed here, not in the op: Inductor folds the K rows into the kernel of the residual add that follows
-        # (at TP=1; under TP into the all-reduce's input)
-        return all_reduce(pairs.sum(dim=1))
+        # summed here, not in the op, as k adds (pointwise, where `sum(dim=1)` was a reduction kernel of its own):
+        # Inductor folds them into the kernel of the residual add and RMSNorm that follows (at TP=1)
+        rows = pairs.unbind(dim=1)
+        out = rows[0]
+        for row in rows[1:]:
+            out = out + row
+        return all_reduce(out)
 
     # -- loading ------------------------------------------------------------------------------------------------
 
