@@ -94,7 +94,7 @@ set_moe_ab() {  # the MoE op tests on the GPU, then Qwen3-30B-A3B's decode step 
 set_moe_decode() {  # Qwen3-30B-A3B decode at batch 1/8/64 and offline beside the floors (the shipped launch table), and
   # its batch-1/8 step's kernels
   step moe_decode 300 python3 -m benchmarks.bench_moe --parts decode offline --json "$R/moe.json"
-  step moe_profile 170 python3 -m benchmarks.bench_profile --configs qwen3-30b-a3b:1:bf16 --batches 1 8 --steps 12 \
+  [ -n "${MOE_SKIP_PROFILE:-}" ] || step moe_profile 170 python3 -m benchmarks.bench_profile --configs qwen3-30b-a3b:1:bf16 --batches 1 8 --steps 12 \
     --json "$R/moe_profile.json"
 }
 set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape; then
