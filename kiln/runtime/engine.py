@@ -78,7 +78,7 @@ class Engine:
         # the tokenizer (the first `import transformers`) loads on a thread while the model loads and compiles,
         # and the compiler's imports run on another beside the load
         tokenizer_job = self._start_tokenizer(config, loaded, clock)
-        start_compiler_imports(config.compilation.level, self.device)
+        compiler_imports = start_compiler_imports(config.compilation.level, self.device)
         self._tp_procs: list = []
         self._ready = threading.Event()  # set once built: ends the tensor-parallel start-up watch
         self._channel = None
@@ -87,6 +87,8 @@ class Engine:
         if config.tensor_parallel_size > 1:
             agree = self._start_tensor_parallel(config)
         self.worker = Worker(config, self.device, loaded, agree_num_blocks=agree, clock=clock)
+        if compiler_imports is not None:  # the compile phase imports the same modules: never both at once
+            compiler_imports.join()
         self.worker.warm_up()
         if self._tp_group is not None:  # the workers open theirs after their warm-up too
             from kiln.runtime import distributed as tp

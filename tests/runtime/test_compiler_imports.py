@@ -38,3 +38,34 @@ def test_no_thread_without_a_compile_on_a_gpu(level: int, device: str) -> None:
 def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KILN_COMPILER_PREIMPORT", "0")
     assert start_compiler_imports(2, torch.device("cuda")) is None
+
+
+def test_the_engine_joins_the_thread_before_its_compile_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile phase imports the same modules, and two threads importing that stack at once can hand one of
+    them a half-initialised module (a KeyError: 'torch._dynamo' on the H200): the phase waits for the thread."""
+    import threading
+    import time
+
+    from kiln import Runtime
+    from kiln.runtime import engine as engine_module
+    from kiln.runtime.worker import Worker
+
+    finished = threading.Event()
+
+    def slow_imports(level: int, device: torch.device) -> threading.Thread:
+        thread = threading.Thread(target=lambda: (time.sleep(0.5), finished.set()))
+        thread.start()
+        return thread
+
+    seen: list[bool] = []
+    warm_up = Worker.warm_up
+
+    def recording_warm_up(self: Worker) -> None:
+        seen.append(finished.is_set())
+        warm_up(self)
+
+    monkeypatch.setattr(engine_module, "start_compiler_imports", slow_imports)
+    monkeypatch.setattr(Worker, "warm_up", recording_warm_up)
+    rt = Runtime("tiny-llama", load_format="dummy", device="cpu", level=0)
+    rt.shutdown()
+    assert seen == [True]
