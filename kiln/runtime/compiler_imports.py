@@ -6,7 +6,7 @@ materialisation) first touches them. None of it needs the model, so the engine s
 first thing, beside the weight load, whose main-thread time is mostly waiting on reads and copies with the
 GIL released, and joins the thread before the compile phase. Two threads importing that stack at once are not
 safe: its modules import each other in cycles, and CPython's deadlock avoidance then hands one thread a module
-the other is still initialising (or has just removed after a failure). On the H200 three of seven MoE starts
+the other is still initialising (or has just removed after a failure). On the H200 three of eight MoE starts
 (2026-12-02) died in the compile phase's `from torch._dynamo.source import ...` with `KeyError:
 'torch._dynamo'` while the thread was still importing; the main thread would have waited on the module locks
 anyway. An import that fails on the thread fails again, with its traceback, where the main thread imports it.
