@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -197,6 +198,7 @@ def main() -> None:
                                           args.device, args.offline_requests, args.host,
                                           tuple(args.offline_at)))
         except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others
+            traceback.print_exc()  # where it failed: the one-line record below does not say
             results.append({"config": spec, "error": f"{type(exc).__name__}: {exc}"[:400]})
             print(results[-1], flush=True)
         if args.json:
