@@ -161,10 +161,15 @@ class TritonAttentionBackend(AttentionBackend):
         # fewer than ~32 do not pay for the extra launch, bench_attention.py --mixed)
         self.mixed_decode_min = int(os.environ.get("KILN_MIXED_DECODE_MIN", "32"))
         # decode launch: BLOCK_N keys per tile, warps, pipeline stages, the program waves the split count
-        # aims for, and the fewest tiles a split takes (benchmarks/bench_attention.py --sweep measures the
-        # alternatives)
+        # aims for, the fewest tiles a split takes, and where the splits merge ("fused": the last split of a KV
+        # head merges its GROUP heads in turn; "kernel": a launch of its own, a program per head; the
+        # KILN_DECODE_MERGE variable picks it for whole-model A/Bs) (benchmarks/bench_attention.py --sweep
+        # measures the alternatives)
+        merge = os.environ.get("KILN_DECODE_MERGE", "fused")
+        if merge not in ("fused", "kernel"):
+            raise ValueError(f"KILN_DECODE_MERGE={merge!r}: expected 'fused' or 'kernel'")
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
-                               waves=2, min_tiles=1)
+                               waves=2, min_tiles=1, merge=merge)
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -274,6 +279,7 @@ class TritonAttentionBackend(AttentionBackend):
         part_out = metadata.part_out if metadata.part_out is not None else out
         part_lse = metadata.part_lse if metadata.part_lse is not None else out
         counters = metadata.counters if metadata.counters is not None else common.seq_lens
+        fused = metadata.query_len == 1 and cfg["merge"] == "fused"  # a verify's tokens always merge apart
         K.decode_attention_kernel[(common.num_reqs, layout.num_kv_heads * metadata.query_len, splits)](
             q, k, v, out, part_out, part_lse, counters, kv_cache, common.block_tables, common.seq_lens,
             common.slot_mapping, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -282,9 +288,9 @@ class TritonAttentionBackend(AttentionBackend):
             HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
-            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
+            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, FUSED_MERGE=fused, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
-        if metadata.query_len > 1 and splits > 1:  # the decode kernel's warps: its fused merge's sums, same order
+        if not fused and splits > 1:  # the decode kernel's warps: its fused merge's sums, same order
             K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads)](
                 part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=layout.head_dim, BLOCK_D=self.block_d,
                 NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=cfg["num_warps"])

@@ -167,7 +167,8 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_TILES: tl.constexpr,
-                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1):
+                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1,
+                            FUSED_MERGE: tl.constexpr = True):
     """QLEN new tokens per request (1: decode; more: a speculative verify); program (request, kv_head x QLEN
     + token, split).
 
@@ -179,7 +180,9 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     least MIN_TILES tiles, so a short context may occupy only its first splits: the rest find no keys and
     their partials (o = 0, lse = -inf) weigh 0 in the merge. The merge reads all NUM_SPLITS rows: masking it
     to the splits holding keys measured 8-12% slower at batch 1 on the H200 and no faster at batch 8-64
-    (an in-process A/B, bench_attention --vary merge_active at commit 2531019, 2026-11-30).
+    (an in-process A/B, bench_attention --vary merge_active at commit 2531019, 2026-11-30). The fused merge
+    loops over the GROUP heads of its KV head one after another; without FUSED_MERGE the caller launches
+    merge_splits_kernel instead (a program per head, the same arithmetic: bench_attention --vary merge).
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
 
@@ -259,7 +262,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + base + split, lse, mask=h_mask)
         tl.store(part_o_ptr + (base + split)[:, None].to(tl.int64) * HEAD_DIM + d[None, :], o, mask=out_mask)
-        if QLEN == 1:  # the merge, fused in (QLEN > 1: merge_splits_kernel, a launch of its own)
+        if QLEN == 1 and FUSED_MERGE:  # the merge, fused in (else merge_splits_kernel, a launch of its own)
             tl.debug_barrier()  # every thread's partials are stored before the (release) ticket
             counter = counter_ptr + req * num_kv_heads + kv_head
             if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # acq_rel: all other splits' partials are visible
