@@ -109,6 +109,16 @@ set_attention_merge() {  # the decode splits' merge fused into the kernel agains
       --configs qwen3-30b-a3b:1:bf16 llama3-8b:1:bf16 --batches 1 8 --steps 12 --json "$R/profile_merge_$merge.json"
   done
 }
+set_moe_router() {  # the MoE router's GEMM then the top-k kernel, against both in one kernel (KILN_MOE_ROUTER=fused), twice
+  # each alternated; the op tests first (the fused kernel against torch on the GPU)
+  step moe_router_tests 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/models/test_fused_moe.py -k rout
+  for round in 1 2; do
+    for router in gemm fused; do
+      KILN_MOE_ROUTER=$router step "moe_profile_${router}_$round" 110 python3 -m benchmarks.bench_profile \
+        --configs qwen3-30b-a3b:1:bf16 --batches 1 8 64 --steps 12 --json "$R/moe_profile_${router}_$round.json"
+    done
+  done
+}
 set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape; then
   # the same on the SmolLM2-135M shape with each kind of step profiled (kernels, GPU idle, host calls)
   step spec_verify 125 python3 -m benchmarks.bench_spec_decode --device cuda --skip-tasks --verify-ratio \

@@ -287,7 +287,7 @@ def _init_worker(env: dict[str, str], compile_threads: int, torch_value: bytes |
     import kiln.models.attention_op  # noqa: F401 - registers torch.ops.kiln.* that pieces may call
     import kiln.models.dense_gemm  # noqa: F401 - kiln::dense_gemm (16-bit pieces on CUDA)
     import kiln.models.fused_moe.op  # noqa: F401 - kiln::fused_moe (mixture-of-experts pieces)
-    import kiln.models.fused_moe.routing  # noqa: F401 - kiln::moe_topk (their routing)
+    import kiln.models.fused_moe.routing  # noqa: F401 - kiln::moe_route (their routing)
     import kiln.models.quant.fp8_gemm  # noqa: F401 - kiln::fp8_gemm (FP8 pieces on CUDA)
     import kiln.passes.ops  # noqa: F401
 

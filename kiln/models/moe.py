@@ -1,9 +1,8 @@
 """A mixture-of-experts feed-forward layer: the router, then the routed experts as one `kiln::fused_moe` call.
 
-The router is its GEMM, traced and compiled by Inductor with the rest of the model, then `kiln::moe_topk` (top-k,
-softmax, renormalisation where the config asks for it, in one kernel); the experts' weights are stacked per layer
-at load time, w13 [E, 2I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I], the layout the op's
-kernels read.
+The router is `kiln::moe_route` (its GEMM, then top-k, softmax and renormalisation where the config asks for it in
+one kernel); the experts' weights are stacked per layer at load time, w13 [E, 2I, H] (each expert's gate rows,
+then its up rows) and w2 [E, H, I], the layout the op's kernels read.
 
 Tensor parallelism, by default, splits every expert's intermediate dim over the ranks (the dense MLP's column-
 then row-parallel split, per expert): each rank computes a partial output for every token and the ranks sum
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 import kiln.models.fused_moe.op  # noqa: F401 - registers kiln::fused_moe
-import kiln.models.fused_moe.routing  # noqa: F401 - registers kiln::moe_topk
+import kiln.models.fused_moe.routing  # noqa: F401 - registers kiln::moe_route
 from kiln.models.base import ModelSpec
 from kiln.models.layers import _copy_checked
 from kiln.models.parallel import all_reduce, tp_rank, tp_size
@@ -68,7 +67,7 @@ class SparseMoeBlock(nn.Module):
         self._received: set[tuple[str, int]] = set()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = torch.ops.kiln.moe_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        weights, ids = torch.ops.kiln.moe_route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
         if self.expert_parallel:  # global ids -> this rank's; another rank's experts -> num_local (skipped)
             ids = ids - self.first_expert
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local), self.num_local)

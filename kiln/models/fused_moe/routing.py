@@ -1,10 +1,11 @@
-"""`kiln::moe_topk`: a MoE layer's routing (top-k of the router logits, their weights) as one op.
+"""`kiln::moe_route`: a MoE layer's routing (the router GEMM, the top k of its logits and their weights) as one op.
 
 In plain torch the router after its GEMM is a cast of the logits to fp32, `torch.topk` (an ATen kernel Inductor
 cannot fuse) and a softmax over the k winners: three kernels a layer, each a few microseconds inside a CUDA
-graph whatever the batch, 48 times a Qwen3-30B-A3B decode step. On CUDA one Triton program per token does all of
-it on the GEMM's output as it is (16-bit), with k passes of max-and-mask over the token's E logits in registers;
-elsewhere the torch formula (also the tests' oracle).
+graph whatever the batch, 48 times a Qwen3-30B-A3B decode step. On CUDA the GEMM's output goes to one Triton
+program per token, which picks the top k of the E logits with k passes of max-and-mask in registers and computes
+their weights (routing_triton.py; KILN_MOE_ROUTER=fused also folds the GEMM in, for small batches); elsewhere the
+torch formula, also the tests' oracle.
 
 `renormalize` (Qwen3's norm_topk_prob, always for Mixtral): the weights are the softmax of the k winning logits,
 which equals the full softmax renormalised over them. Otherwise they are the full softmax's values at the
@@ -26,17 +27,18 @@ def moe_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> t
     return weights, ids.to(torch.int32)
 
 
-@torch.library.custom_op("kiln::moe_topk", mutates_args=())
-def moe_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (any float dtype) -> (weights fp32 [T, K], expert ids int32 [T, K])."""
-    if logits.is_cuda:
-        from kiln.models.fused_moe.routing_triton import moe_topk_triton
+@torch.library.custom_op("kiln::moe_route", mutates_args=())
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], the router's weight [E, H] -> (weights fp32 [T, K], expert ids int32 [T, K])."""
+    if x.is_cuda:
+        from kiln.models.fused_moe.routing_triton import moe_route_triton
 
-        return moe_topk_triton(logits, top_k, renormalize)
-    return moe_topk_reference(logits, top_k, renormalize)
+        return moe_route_triton(x, gate_weight, top_k, renormalize)
+    return moe_topk_reference(F.linear(x, gate_weight), top_k, renormalize)
 
 
-@moe_topk.register_fake
-def _moe_topk_fake(logits, top_k, renormalize):
-    shape = (logits.shape[0], top_k)
-    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
+@moe_route.register_fake
+def _moe_route_fake(x, gate_weight, top_k, renormalize):
+    shape = (x.shape[0], top_k)
+    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int32)
