@@ -3,9 +3,9 @@
 Why a custom op: routing makes every shape inside the layer data-dependent (how many tokens each expert gets),
 which Dynamo could only trace with graph breaks and Inductor could only compile per routing. Opaque to both (the
 fake gives the output's shape: a row per (token, k) pair), the op lets the whole model trace as one graph;
-Inductor compiles the router, norms, attention and the sum of each token's rows around it and calls the op as an
-extern kernel, and CUDA graphs capture it. Its sizes depend on the token count alone (align.py), and it never
-syncs with the host.
+Inductor compiles the norms, attention and the sum of each token's rows around it and calls the op (and the
+routing's, routing.py) as an extern kernel, and CUDA graphs capture it. Its sizes depend on the token count
+alone (align.py), and it never syncs with the host.
 
 On CUDA it runs the Triton kernels (kernels.py); elsewhere the torch reference (reference.py).
 """
