@@ -20,10 +20,9 @@ def expert_weight(weight: torch.Tensor, scale: torch.Tensor | None, expert: int,
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                        w2_scale: torch.Tensor | None = None, remote_experts: bool = False) -> torch.Tensor:
+                        w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights / topk_ids [T, K]
-    -> [T, K, H] in x's dtype (the routing weight applied in fp32). `remote_experts` is the kernels' hint
-    (rows of other ranks' experts must be zeroed); here every row starts at zero."""
+    -> [T, K, H] in x's dtype (the routing weight applied in fp32); every row starts at zero."""
     out = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     for expert in range(w13.shape[0]):
         token, slot = (topk_ids == expert).nonzero(as_tuple=True)

@@ -30,9 +30,10 @@ _tickets: dict[torch.device, torch.Tensor] = {}  # per device, FUSED_MAX_TOKENS 
 
 
 @triton.jit
-def _top_k(logits, offs, slots, TOPK: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr,
-           RENORMALIZE: tl.constexpr):
-    """(weights, ids) [K_POW2] of the top k of one token's logits [E_POW2] (-inf past the experts)."""
+def _write_top_k(logits, offs, weights_ptr, ids_ptr, token, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+                 E_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """The top k of one token's logits [E_POW2] (-inf past the experts) and their weights, stored at its rows."""
+    slots = tl.arange(0, K_POW2)
     top = tl.full((K_POW2,), float("-inf"), tl.float32)
     ids = tl.zeros((K_POW2,), tl.int32)
     remaining = logits
@@ -48,7 +49,9 @@ def _top_k(logits, offs, slots, TOPK: tl.constexpr, K_POW2: tl.constexpr, E_POW2
     else:  # the full softmax's values at the winners
         peak = tl.max(logits, axis=0)
         weights = tl.exp(top - peak) / tl.sum(tl.exp(logits - peak), axis=0)
-    return weights, ids
+    keep = slots < TOPK
+    tl.store(weights_ptr + token * TOPK + slots, weights, mask=keep)
+    tl.store(ids_ptr + token * TOPK + slots, ids, mask=keep)
 
 
 @triton.jit
@@ -57,11 +60,7 @@ def _moe_topk_kernel(logits_ptr, weights_ptr, ids_ptr, NUM_E, s_lt, TOPK: tl.con
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_POW2)
     logits = tl.load(logits_ptr + token * s_lt + offs, mask=offs < NUM_E, other=float("-inf")).to(tl.float32)
-    slots = tl.arange(0, K_POW2)
-    weights, ids = _top_k(logits, offs, slots, TOPK, K_POW2, E_POW2, RENORMALIZE)
-    keep = slots < TOPK
-    tl.store(weights_ptr + token * TOPK + slots, weights, mask=keep)
-    tl.store(ids_ptr + token * TOPK + slots, ids, mask=keep)
+    _write_top_k(logits, offs, weights_ptr, ids_ptr, token, TOPK, K_POW2, E_POW2, RENORMALIZE)
 
 
 @triton.jit
@@ -86,24 +85,22 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, ticket_ptr, weights_ptr, ids_ptr
         offs = tl.arange(0, E_POW2)
         logits = tl.load(logits_ptr + token * NUM_E + offs, mask=offs < NUM_E, other=float("-inf"),
                          cache_modifier=".cg")
-        slots = tl.arange(0, K_POW2)
-        weights, ids = _top_k(logits, offs, slots, TOPK, K_POW2, E_POW2, RENORMALIZE)
-        keep = slots < TOPK
-        tl.store(weights_ptr + token * TOPK + slots, weights, mask=keep)
-        tl.store(ids_ptr + token * TOPK + slots, ids, mask=keep)
+        _write_top_k(logits, offs, weights_ptr, ids_ptr, token, TOPK, K_POW2, E_POW2, RENORMALIZE)
         tl.store(ticket_ptr + token, 0)
 
 
-def _outputs(num_tokens: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(num_tokens: int, top_k: int, num_experts: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (weights, ids) outputs, once top_k is checked against the experts."""
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must be in [1, {num_experts}] (the number of experts)")
     return (torch.empty((num_tokens, top_k), dtype=torch.float32, device=device),
             torch.empty((num_tokens, top_k), dtype=torch.int32, device=device))
 
 
 def moe_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_experts = logits.shape
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k {top_k} must be in [1, {num_experts}] (the number of experts)")
-    weights, ids = _outputs(num_tokens, top_k, logits.device)
+    weights, ids = _outputs(num_tokens, top_k, num_experts, logits.device)
     if num_tokens == 0:
         return weights, ids
     if logits.stride(1) != 1:
@@ -133,11 +130,9 @@ def moe_route_triton(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, ren
     tickets = _tickets_for(x.device) if fused and 0 < num_tokens <= FUSED_MAX_TOKENS else None
     if tickets is None:
         return moe_topk_triton(F.linear(x, gate_weight), top_k, renormalize)
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k {top_k} must be in [1, {num_experts}] (the number of experts)")
+    weights, ids = _outputs(num_tokens, top_k, num_experts, x.device)
     x = x.contiguous()
     gate_weight = gate_weight.contiguous()
-    weights, ids = _outputs(num_tokens, top_k, x.device)
     logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=x.device)
     _moe_route_kernel[(num_tokens, triton.cdiv(num_experts, _BLOCK_E))](
         x, gate_weight, logits, tickets, weights, ids, num_experts, x.shape[1], x.stride(0), gate_weight.stride(0),
