@@ -98,26 +98,19 @@ set_moe_decode() {  # Qwen3-30B-A3B decode at batch 1/8/64 and offline beside th
   [ -n "${MOE_SKIP_PROFILE:-}" ] || step moe_profile 170 python3 -m benchmarks.bench_profile --configs qwen3-30b-a3b:1:bf16 --batches 1 8 --steps 12 \
     --json "$R/moe_profile.json"
 }
-set_attention_merge() {  # the decode splits' merge fused into the kernel against a kernel of its own: the kernel alone at
-  # 32 query / 8 and 4 KV heads (Llama-3-8B, Qwen3-30B-A3B), then whole decode steps with each (KILN_DECODE_MERGE)
+set_attention_merge() {  # the decode splits' merge fused into the kernel against a kernel of its own (KILN_DECODE_MERGE),
+  # the kernel alone at 32 query / 8 and 4 KV heads (Llama-3-8B, Qwen3-30B-A3B); the merge tests compiled on the GPU
+  step attention_merge_tests 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/attention/test_triton_kernels.py \
+    -k "merge or split"
   for kv in 8 4; do
     step "attention_merge_kv$kv" 120 python3 -m benchmarks.bench_attention --sweep --vary merge --heads 32 "$kv" \
       --batches 1 8 64 --contexts 160 600 2048 --json "$R/attention_merge_kv$kv.json"
   done
-  for merge in fused kernel; do
-    KILN_DECODE_MERGE=$merge step "moe_profile_merge_$merge" 150 python3 -m benchmarks.bench_profile \
-      --configs qwen3-30b-a3b:1:bf16 llama3-8b:1:bf16 --batches 1 8 --steps 12 --json "$R/profile_merge_$merge.json"
-  done
 }
-set_moe_router() {  # the MoE router's GEMM then the top-k kernel, against both in one kernel (KILN_MOE_ROUTER=fused), twice
-  # each alternated; the op tests first (the fused kernel against torch on the GPU)
+set_moe_router() {  # the MoE router's GEMM then the top-k kernel against both in one kernel (KILN_MOE_ROUTER=fused),
+  # graphed, one process; the op tests first (the fused kernel against torch on the GPU)
   step moe_router_tests 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/models/test_fused_moe.py -k rout
-  for round in 1 2; do
-    for router in gemm fused; do
-      KILN_MOE_ROUTER=$router step "moe_profile_${router}_$round" 110 python3 -m benchmarks.bench_profile \
-        --configs qwen3-30b-a3b:1:bf16 --batches 1 8 64 --steps 12 --json "$R/moe_profile_${router}_$round.json"
-    done
-  done
+  step moe_router 120 python3 -m benchmarks.bench_moe --parts router --json "$R/moe_router.json"
 }
 set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape; then
   # the same on the SmolLM2-135M shape with each kind of step profiled (kernels, GPU idle, host calls)
