@@ -8,12 +8,9 @@ run (this GPU's copy bandwidth):
 - the offline run (256 requests, input and output lengths uniform in 100..1024, greedy, EOS ignored) beside the
   time its decode steps would take at the floors;
 - one MoE layer: a plain torch loop over experts (kiln's reference path) vs the fused op, per token count; the
-  fused op inside a CUDA graph beside the bytes of the experts it must read, in bf16 and with FP8 experts;
-- (--parts router, not by default) one layer's routing inside a CUDA graph, per token count: the router GEMM then
-  the top-k kernel against the one kernel that folds the GEMM in (KILN_MOE_ROUTER=fused), beside the torch
-  formula and the router weight's bytes.
+  fused op inside a CUDA graph beside the bytes of the experts it must read, in bf16 and with FP8 experts.
 
-    python -m benchmarks.bench_moe --json moe.json [--model qwen3-30b-a3b] [--parts layer decode offline router]
+    python -m benchmarks.bench_moe --json moe.json [--model qwen3-30b-a3b] [--parts layer decode offline]
 
 Each part records its failure in the JSON instead of ending the run.
 """
@@ -34,8 +31,6 @@ from kiln import Runtime
 from kiln.models.base import ModelSpec
 from kiln.models.fused_moe.kernels import fused_moe_triton
 from kiln.models.fused_moe.reference import fused_moe_reference
-from kiln.models.fused_moe.routing import moe_topk_reference
-from kiln.models.fused_moe.routing_triton import FUSED_MAX_TOKENS, moe_route_triton
 from kiln.models.loader.presets import preset_view
 from kiln.models.quant.fp8 import quantize_weight
 
@@ -104,32 +99,6 @@ def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
         print(f"layer tokens={tokens}: loop {times['torch loop']:.0f} us, fused {times['fused']:.0f} us", flush=True)
 
 
-def part_router(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
-    """The routing of one layer, graphed, each arm on the same inputs and router weights (rotated past L2 as a
-    step's 48 layers are); the fused arm must pick the same experts with the same weights."""
-    h, e, k = spec.hidden_size, spec.moe.num_experts, spec.moe.top_k
-    gates = [torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(160)]  # 80 MB at 128x2048
-    arms = {"torch": lambda x, g: moe_topk_reference(torch.nn.functional.linear(x, g), k, True),
-            "gemm_topk": lambda x, g: moe_route_triton(x, g, k, True, fused=False),
-            "fused": lambda x, g: moe_route_triton(x, g, k, True, fused=True)}
-    for tokens in (1, 8, 64):
-        assert tokens <= FUSED_MAX_TOKENS
-        x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
-        w_ref, ids_ref = arms["gemm_topk"](x, gates[0])
-        w_fused, ids_fused = arms["fused"](x, gates[0])
-        order_ref, order_fused = ids_ref.sort(dim=1), ids_fused.sort(dim=1)
-        same_ids = bool(torch.equal(order_ref.values, order_fused.values))
-        weight_err = (w_ref.gather(1, order_ref.indices) - w_fused.gather(1, order_fused.indices)).abs().max().item()
-        row = dict(part="router", tokens=tokens, same_ids=same_ids, weight_err=weight_err,
-                   floor_us=e * h * 2 / copy_bps * 1e6)
-        for name, fn in arms.items():
-            row[f"{name}_us"] = graphed_microseconds(lambda i, x=x, fn=fn: fn(x, gates[i % len(gates)]), calls=48)
-        row["fused_vs_gemm_topk"] = row["fused_us"] / row["gemm_topk_us"]
-        rows.append(row)
-        print(f"router tokens={tokens}: gemm+topk {row['gemm_topk_us']:.1f} us, fused {row['fused_us']:.1f} us",
-              flush=True)
-
-
 def part_decode(rt: Runtime, spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
     for batch in (1, 8, 64):
         step = decode_step_seconds(rt.engine, batch, PROMPT_LEN, steps=32)
@@ -187,9 +156,6 @@ def main() -> None:
     if "layer" in args.parts:
         attempt("layer", part_layer, spec, ceil.copy_bytes_per_s, rows)
         torch.cuda.empty_cache()
-    if "router" in args.parts:
-        attempt("router", part_router, spec, ceil.copy_bytes_per_s, rows)
-        torch.cuda.empty_cache()
     if {"decode", "offline"} & set(args.parts):
         start = time.perf_counter()
         rt = None
@@ -210,8 +176,6 @@ def main() -> None:
     print(report["stamp"], f"copy {report['copy_gb_per_s']:.0f} GB/s", f"build {report.get('build_s', 0):.0f} s")
     for part, cols in (("layer", ["tokens", "loop_us", "fused_us", "speedup", "graphed_us", "floor_us", "x_floor",
                                   "fp8_graphed_us", "rel_err"]),
-                       ("router", ["tokens", "torch_us", "gemm_topk_us", "fused_us", "fused_vs_gemm_topk", "floor_us",
-                                   "same_ids", "weight_err"]),
                        ("decode", ["batch", "step_ms", "active_floor_ms", "x_active_floor", "full_floor_ms",
                                    "x_full_floor"]),
                        ("offline", ["requests", "seconds", "output_tokens_per_s", "decode_floor_s", "x_floor",

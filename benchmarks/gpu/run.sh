@@ -98,20 +98,6 @@ set_moe_decode() {  # Qwen3-30B-A3B decode at batch 1/8/64 and offline beside th
   [ -n "${MOE_SKIP_PROFILE:-}" ] || step moe_profile 170 python3 -m benchmarks.bench_profile --configs qwen3-30b-a3b:1:bf16 --batches 1 8 --steps 12 \
     --json "$R/moe_profile.json"
 }
-set_attention_merge() {  # the decode splits' merge fused into the kernel against a kernel of its own (KILN_DECODE_MERGE),
-  # the kernel alone at 32 query / 8 and 4 KV heads (Llama-3-8B, Qwen3-30B-A3B); the merge tests compiled on the GPU
-  step attention_merge_tests 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/attention/test_triton_kernels.py \
-    -k "merge or split"
-  for kv in 8 4; do
-    step "attention_merge_kv$kv" 120 python3 -m benchmarks.bench_attention --sweep --vary merge --heads 32 "$kv" \
-      --batches 1 8 64 --contexts 160 600 2048 --json "$R/attention_merge_kv$kv.json"
-  done
-}
-set_moe_router() {  # the MoE router's GEMM then the top-k kernel against both in one kernel (KILN_MOE_ROUTER=fused),
-  # graphed, one process; the op tests first (the fused kernel against torch on the GPU)
-  step moe_router_tests 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/models/test_fused_moe.py -k rout
-  step moe_router 120 python3 -m benchmarks.bench_moe --parts router --json "$R/moe_router.json"
-}
 set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a plain decode step, Llama-3-8B shape; then
   # the same on the SmolLM2-135M shape with each kind of step profiled (kernels, GPU idle, host calls)
   step spec_verify 125 python3 -m benchmarks.bench_spec_decode --device cuda --skip-tasks --verify-ratio \

@@ -1,11 +1,11 @@
 """Our own Triton paged-attention backend: KV write, split-KV decode, and varlen prefill over the cache.
 
-Uniform-decode steps run one fused kernel (KV write + split-KV attention + split merge: a small-batch
-decode layer is latency-bound, so launches are what cost); a speculative verify of at most 16 tokens
-(every request the same few) writes its keys, then runs the decode kernel token by token and a split merge,
-so each token's attention is its decode's; every other step (prefill, chunked prefill, prefix hits, mixed
-batches) runs the reshape-and-cache kernel and one varlen kernel with a causal mask offset by the context
-already in the cache. Grids depend only on host sizes fixed by the batch descriptor
+Uniform-decode steps run one fused kernel (KV write + split-KV attention: a small-batch decode layer is
+latency-bound, so launches are what cost) and, with splits, a merge kernel (a program per head); a speculative
+verify of at most 16 tokens (every request the same few) writes its keys, then runs the decode kernel token by
+token and the same merge, so each token's attention is its decode's; every other step (prefill, chunked
+prefill, prefix hits, mixed batches) runs the reshape-and-cache kernel and one varlen kernel with a causal mask
+offset by the context already in the cache. Grids depend only on host sizes fixed by the batch descriptor
 (padded tokens, requests), lengths are read on device, and the split workspace is persistent, so the
 backend can be captured in CUDA graphs for any batch: GraphSupport.ALWAYS.
 
@@ -87,7 +87,6 @@ class TritonMetadata:
     num_splits: int  # decode only; fixed by the request count, so graph-stable
     part_out: torch.Tensor | None  # [num_reqs, Hq, num_splits, D] fp32 partials (decode with splits)
     part_lse: torch.Tensor | None  # [num_reqs, Hq, num_splits] fp32
-    counters: torch.Tensor | None  # [num_reqs, Hkv] int32 split tickets, zero between launches
     # a mixed batch run eagerly: its leading one-token requests, attended by the decode kernel
     leading_decodes: TritonMetadata | None = None
     query_len: int = 1  # > 1: every request has this many new tokens, attended by the decode kernel (a verify)
@@ -153,7 +152,6 @@ class TritonAttentionBackend(AttentionBackend):
         # captured graph may still point at them.
         self._part_out = torch.empty(0, dtype=torch.float32, device=device)
         self._part_lse = torch.empty(0, dtype=torch.float32, device=device)
-        self._counters = torch.zeros(0, dtype=torch.int32, device=device)
         self._retired: list[torch.Tensor] = []
         self._prefill_cfg = self._prefill_config()
         # a mixed batch with at least this many leading decodes sends them to the decode kernel: in the
@@ -161,15 +159,10 @@ class TritonAttentionBackend(AttentionBackend):
         # fewer than ~32 do not pay for the extra launch, bench_attention.py --mixed)
         self.mixed_decode_min = int(os.environ.get("KILN_MIXED_DECODE_MIN", "32"))
         # decode launch: BLOCK_N keys per tile, warps, pipeline stages, the program waves the split count
-        # aims for, the fewest tiles a split takes, and where the splits merge ("fused": the last split of a KV
-        # head merges its GROUP heads in turn; "kernel": a launch of its own, a program per head; the
-        # KILN_DECODE_MERGE variable picks it for whole-model A/Bs) (benchmarks/bench_attention.py --sweep
-        # measures the alternatives)
-        merge = os.environ.get("KILN_DECODE_MERGE", "fused")
-        if merge not in ("fused", "kernel"):
-            raise ValueError(f"KILN_DECODE_MERGE={merge!r}: expected 'fused' or 'kernel'")
+        # aims for and the fewest tiles a split takes (benchmarks/bench_attention.py --sweep measures the
+        # alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
-                               waves=2, min_tiles=1, merge=merge)
+                               waves=2, min_tiles=1)
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -203,7 +196,7 @@ class TritonAttentionBackend(AttentionBackend):
         query_len = uniform_query_len(common) if few else 0
         if query_len > 1:
             return self._decode_metadata(common, self.num_splits(common.num_reqs), query_len)
-        metadata = TritonMetadata(common, 1, None, None, None)
+        metadata = TritonMetadata(common, 1, None, None)
         least = self.mixed_decode_min
         rows = leading_decode_count(common) if 0 < least < common.num_reqs else 0
         # Graph-stable grids (ALWAYS) hold for what a graph may capture: the split below depends on the
@@ -217,17 +210,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _decode_metadata(self, common: CommonAttentionMetadata, splits: int, query_len: int = 1) -> TritonMetadata:
         if splits == 1:
-            return TritonMetadata(common, 1, None, None, None, query_len=query_len)
+            return TritonMetadata(common, 1, None, None, query_len=query_len)
         rows = common.num_reqs * query_len * self.layout.num_heads * splits
         if self._part_lse.numel() < rows:
             self._retired += [self._part_out, self._part_lse]
             self._part_out = torch.empty(rows * self.layout.head_dim, dtype=torch.float32, device=self.device)
             self._part_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
-        if self._counters.numel() < common.num_reqs * self.layout.num_kv_heads:
-            self._retired.append(self._counters)
-            self._counters = torch.zeros(common.num_reqs * self.layout.num_kv_heads, dtype=torch.int32,
-                                         device=self.device)
-        return TritonMetadata(common, splits, self._part_out, self._part_lse, self._counters, query_len=query_len)
+        return TritonMetadata(common, splits, self._part_out, self._part_lse, query_len=query_len)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TritonMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -278,19 +267,17 @@ class TritonAttentionBackend(AttentionBackend):
         layout, common, splits, cfg = self.layout, metadata.common, metadata.num_splits, self.decode_cfg
         part_out = metadata.part_out if metadata.part_out is not None else out
         part_lse = metadata.part_lse if metadata.part_lse is not None else out
-        counters = metadata.counters if metadata.counters is not None else common.seq_lens
-        fused = metadata.query_len == 1 and cfg["merge"] == "fused"  # a verify's tokens always merge apart
         K.decode_attention_kernel[(common.num_reqs, layout.num_kv_heads * metadata.query_len, splits)](
-            q, k, v, out, part_out, part_lse, counters, kv_cache, common.block_tables, common.seq_lens,
+            q, k, v, out, part_out, part_lse, kv_cache, common.block_tables, common.seq_lens,
             common.slot_mapping, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
             k_scale, v_scale, GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)),
             HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
-            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, FUSED_MERGE=fused, num_warps=cfg["num_warps"],
+            MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
+            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
-        if not fused and splits > 1:  # the decode kernel's warps: its fused merge's sums, same order
+        if splits > 1:
             K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads)](
                 part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=layout.head_dim, BLOCK_D=self.block_d,
                 NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=cfg["num_warps"])

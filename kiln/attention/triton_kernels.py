@@ -161,28 +161,22 @@ def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl
 
 
 @triton.jit
-def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, cache_ptr, bt_ptr,
+def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, cache_ptr, bt_ptr,
                             seq_lens_ptr, slot_ptr, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                             stride_vh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
                             k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                            NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_TILES: tl.constexpr,
-                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1,
-                            FUSED_MERGE: tl.constexpr = True):
+                            NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
+                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1):
     """QLEN new tokens per request (1: decode; more: a speculative verify); program (request, kv_head x QLEN
     + token, split).
 
-    At small batch a decode layer is latency-bound, so the KV write and the split merge are fused in:
-    split 0 writes the new key/value, the split holding its position takes it from k/v, and the last
-    split of a (request, kv_head) to finish (an atomic ticket) merges the partials and resets the
-    counter. The split count is fixed per request count (not per context length) so a CUDA graph
-    captured for a batch size stays valid as contexts grow; each split sizes its slice from seq_len, at
-    least MIN_TILES tiles, so a short context may occupy only its first splits: the rest find no keys and
-    their partials (o = 0, lse = -inf) weigh 0 in the merge. The merge reads all NUM_SPLITS rows: masking it
-    to the splits holding keys measured 8-12% slower at batch 1 on the H200 and no faster at batch 8-64
-    (an in-process A/B, bench_attention --vary merge_active at commit 2531019, 2026-11-30). The fused merge
-    loops over the GROUP heads of its KV head one after another; without FUSED_MERGE the caller launches
-    merge_splits_kernel instead (a program per head, the same arithmetic: bench_attention --vary merge).
+    At small batch a decode layer is latency-bound, so the KV write is fused in: split 0 writes the new
+    key/value and the split holding its position takes it from k/v. With splits, merge_splits_kernel (a launch
+    of its own, a program per (token, head)) merges the partials. The split count is fixed per request count
+    (not per context length) so a CUDA graph captured for a batch size stays valid as contexts grow; each split
+    sizes its slice from seq_len, at least MIN_TILES tiles, so a short context may occupy only its first
+    splits: the rest find no keys and their partials (o = 0, lse = -inf) weigh 0 in the merge.
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
 
@@ -262,26 +256,22 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + base + split, lse, mask=h_mask)
         tl.store(part_o_ptr + (base + split)[:, None].to(tl.int64) * HEAD_DIM + d[None, :], o, mask=out_mask)
-        if QLEN == 1 and FUSED_MERGE:  # the merge, fused in (else merge_splits_kernel, a launch of its own)
-            tl.debug_barrier()  # every thread's partials are stored before the (release) ticket
-            counter = counter_ptr + req * num_kv_heads + kv_head
-            if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # acq_rel: all other splits' partials are visible
-                # one [splits, D] tile per head (a loop over splits would pay an L2 round trip per split)
-                for hh in range(GROUP):
-                    head_hh = kv_head * GROUP + hh
-                    _merge_splits(part_o_ptr, part_lse_ptr, (req * (GROUP * num_kv_heads) + head_hh) * NUM_SPLITS,
-                                  out_ptr + req.to(tl.int64) * stride_ot + head_hh * stride_oh, d, d_mask, HEAD_DIM,
-                                  NUM_SPLITS, BLOCK_S)
-                tl.store(counter, 0)  # ready for the next layer, step or graph replay
 
 
 @triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, row0, out_row_ptr, d, d_mask, HEAD_DIM: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One (token, head)'s split partials (rows row0 .. row0 + NUM_SPLITS) merged by their log-sum-exps."""
+def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The decode's split merge, program (token, head): its NUM_SPLITS partials weighed by their log-sum-exps.
+    It reads all NUM_SPLITS rows: masking it to the splits holding keys measured 8-12% slower at batch 1 on the
+    H200 and no faster at batch 8-64 (an in-process A/B of the merge then fused into the decode kernel,
+    bench_attention --vary merge_active at commit 2531019, 2026-11-30)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
     sp = tl.arange(0, BLOCK_S)
     sp_mask = sp < NUM_SPLITS
-    row = row0 + sp
+    row = (token * tl.num_programs(1) + head) * NUM_SPLITS + sp
     lse = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
@@ -289,20 +279,8 @@ def _merge_splits(part_o_ptr, part_lse_ptr, row0, out_row_ptr, d, d_mask, HEAD_D
                    mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(w, axis=0)
     merged = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_row_ptr + d, merged.to(out_row_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
-def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The split merge of a multi-token decode, program (token, head): all rows at once, where a fused merge
-    would leave one program per (request, KV head) looping over QLEN x GROUP rows."""
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    _merge_splits(part_o_ptr, part_lse_ptr, (token * tl.num_programs(1) + head) * NUM_SPLITS,
-                  out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh, d, d < HEAD_DIM, HEAD_DIM, NUM_SPLITS,
-                  BLOCK_S)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
 
 
 @triton.jit

@@ -62,22 +62,6 @@ def test_uniform_decode_with_splits(group: int, head_dim: int) -> None:
     check([1, 1, 1], [0, 95, 300], group, head_dim, seed=7 + group)
 
 
-@pytest.mark.parametrize("group", [1, 8])
-def test_decode_splits_merged_by_a_kernel_of_their_own_equal_the_fused_merge(group: int) -> None:
-    """merge="kernel": the decode's split partials merged by merge_splits_kernel (a program per head) instead of
-    by the last split of each KV head: the same arithmetic, so the same bits."""
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    batch = make_batch([1, 1, 1], [0, 95, 300], HEADS, HEADS // group, 64, dtype, DEVICE, seed=group)
-    outs = []
-    for merge in ("fused", "kernel"):
-        backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
-        backend.decode_cfg["merge"] = merge
-        assert backend.build_metadata(batch.common).num_splits > 1
-        outs.append(run_backend(backend, batch)[0])
-    assert torch.equal(outs[0], outs[1])
-    assert rel_err(outs[1], reference(batch)[0]) <= (1e-4 if dtype == torch.float32 else 2e-2)
-
-
 @pytest.mark.parametrize("min_tiles", [2, 5])
 def test_uniform_decode_with_a_floor_on_tiles_per_split(min_tiles: int) -> None:
     # contexts of 1, 6 and 19 tiles (16 keys each in fp32) over 32 splits of >= min_tiles tiles: the later
@@ -144,7 +128,7 @@ def test_multi_token_batches_past_the_small_gemm_bound_stay_on_varlen() -> None:
 
 
 def test_decode_state_is_clean_between_steps() -> None:
-    # the split tickets and partial workspace are reused by the next step: it must not see stale state
+    # the partial workspace is reused by the next step: it must not see stale state
     first = make_batch([1, 1], [300, 40], HEADS, 2, 64, torch.float32, DEVICE, seed=1)
     second = make_batch([1, 1], [20, 290], HEADS, 2, 64, torch.float32, DEVICE, seed=2)
     backend = TritonAttentionBackend(first.layout, torch.device(DEVICE))

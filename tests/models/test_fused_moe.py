@@ -23,7 +23,7 @@ from kiln.models.fused_moe.configs import MoeKernelConfig, heuristic, pick_confi
 from kiln.models.fused_moe.kernels import fused_moe_triton  # noqa: E402
 from kiln.models.fused_moe.reference import fused_moe_reference  # noqa: E402
 from kiln.models.fused_moe.routing import moe_topk_reference  # noqa: E402
-from kiln.models.fused_moe.routing_triton import FUSED_MAX_TOKENS, moe_route_triton, moe_topk_triton  # noqa: E402
+from kiln.models.fused_moe.routing_triton import moe_topk_triton  # noqa: E402
 from kiln.models.quant.fp8 import quantize_weight  # noqa: E402
 
 
@@ -143,23 +143,6 @@ def same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tenso
     assert torch.equal(got_order.values, want_order.values)
     torch.testing.assert_close(weights.cpu().gather(1, got_order.indices),
                                want_weights.gather(1, want_order.indices), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("tokens, experts, hidden", [(1, 128, 256), (3, 60, 200), (FUSED_MAX_TOKENS, 8, 64)])
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_fused_router_kernel_matches_gemm_then_top_k(tokens: int, experts: int, hidden: int,
-                                                    renormalize: bool) -> None:
-    """KILN_MOE_ROUTER=fused: the router GEMM inside the kernel, split over programs of 16 experts, the last of a
-    token's programs picking its top k (E not a multiple of 16, H not of the 128-wide K tile). Twice: the
-    tickets it takes are left at zero for the next call. Past FUSED_MAX_TOKENS the GEMM path serves."""
-    g = torch.Generator().manual_seed(tokens + experts)
-    x, gate = torch.randn(tokens, hidden, generator=g), torch.randn(experts, hidden, generator=g) * 0.1
-    want = moe_topk_reference(x @ gate.T, 2, renormalize)
-    for _ in range(2):
-        same_routing(moe_route_triton(x.to(DEVICE), gate.to(DEVICE), 2, renormalize, fused=True), want)
-    x = torch.randn(FUSED_MAX_TOKENS + 1, hidden, generator=g)
-    same_routing(moe_route_triton(x.to(DEVICE), gate.to(DEVICE), 2, renormalize, fused=True),
-                 moe_topk_reference(x @ gate.T, 2, renormalize))
 
 
 def test_config_table_and_rule() -> None:

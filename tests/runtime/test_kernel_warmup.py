@@ -21,9 +21,9 @@ def test_attention_warmup_runs_one_batch_per_split_count_and_one_prefill() -> No
     sizes = [1, 2, 8]
     splits = {backend.num_splits(n) for n in sizes}
     assert 1 < len(splits) < len(sizes)  # some sizes share a split count: one launch serves them
-    workspace = backend._part_out.data_ptr(), backend._counters.data_ptr()
+    workspace = backend._part_out.data_ptr(), backend._part_lse.data_ptr()
     assert run_attention(backend, sizes, block_table_width=16) == len(splits) + 1
-    assert (backend._part_out.data_ptr(), backend._counters.data_ptr()) == workspace  # the runner's: untouched
+    assert (backend._part_out.data_ptr(), backend._part_lse.data_ptr()) == workspace  # the runner's: untouched
 
 
 def test_gemm_shapes_are_the_distinct_projections() -> None:
