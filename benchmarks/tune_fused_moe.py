@@ -5,8 +5,9 @@ routing, timed inside a CUDA graph as kiln runs it, weight copies rotated so tha
     python -m benchmarks.tune_fused_moe --out kiln/models/fused_moe/configs/h200.json   # Qwen3-30B-A3B shape
     python -m benchmarks.tune_fused_moe --shape 8,14336,4096,2 --out mixtral.json        # E,N,K,top_k
 
-The output merges into an existing --out file (other shapes kept). --budget-s stops the sweep early, writing
-what it has (buckets not reached fall back to the rule in configs.py).
+The output merges into an existing --out file (other shapes, and buckets not swept, kept). --budget-s stops the
+sweep early, writing what it has (buckets it did not reach keep the file's entry, else take the rule in
+configs.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from kiln.models.fused_moe.kernels import fused_moe_triton
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 PAIR_CANDIDATES = [MoeKernelConfig(1, bn, bk, w, s) for bn, bk, w, s in
                    ((16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4))]
+# (16, 16, ...): at one token the 8 experts' gate-up in 32-wide slices is 192 programs of 256 KB on 132 SMs, so
+# half the SMs stream two and set the time; 16-wide slices give each SM about three of 128 KB
 GROUPED_CANDIDATES = [MoeKernelConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
-                      ((16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
+                      ((16, 16, 128, 4, 4), (16, 16, 256, 4, 3), (16, 16, 128, 2, 4), (16, 32, 256, 4, 3),
+                       (16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
                        (32, 64, 64, 4, 4), (32, 128, 64, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3),
                        (64, 128, 64, 4, 4), (128, 128, 64, 8, 3))]
 
@@ -90,7 +94,9 @@ def main() -> None:
         print(f"tokens {bucket}: best {best} {timings[best]:.1f} us (rule {rule_us:.1f} us)", flush=True)
     out = Path(args.out)
     table_json = json.loads(out.read_text()) if out.is_file() else {}
-    table_json.setdefault("configs", {})[shape_key(num_experts, inter, hidden, top_k, dtype)] = chosen
+    configs = table_json.setdefault("configs", {})
+    key = shape_key(num_experts, inter, hidden, top_k, dtype)
+    configs[key] = dict(sorted({**configs.get(key, {}), **chosen}.items(), key=lambda item: int(item[0])))
     table_json["source"] = f"python -m benchmarks.tune_fused_moe --shape {args.shape} ({stamp()})"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table_json, indent=1) + "\n")

@@ -73,11 +73,15 @@ set_structured() {  # grammar compile and cache-hit times, the JSON-schema-const
     --tokenizer synthetic --batches 1 16 64 --steps 32 --json "$R/structured.json"
 }
 set_moe() {  # the MoE GPU tests, a launch-config sweep at Qwen3-30B-A3B's layer, then decode/offline with it
+  # (MOE_TUNE_BUCKETS="1 2 4": only those token counts swept, the shipped table's other entries kept;
+  # MOE_TUNE_BUDGET_S: the sweep's bound, default 50)
   local tests=tests/gpu/test_moe_gpu.py; [ -n "${MOE_SKIP_OP_TESTS:-}" ] && tests=""
   step moe_tests 240 python3 -m pytest -q -p no:cacheprovider $tests \
     tests/runtime/test_kernel_warmup.py::test_moe_shapes_are_the_distinct_expert_layers
   cp kiln/models/fused_moe/configs/h200.json "$R/fused_moe_h200.json"
-  step moe_tune 75 python3 -m benchmarks.tune_fused_moe --budget-s 50 --out "$R/fused_moe_h200.json"
+  local budget=${MOE_TUNE_BUDGET_S:-50}
+  step moe_tune $((budget + 25)) python3 -m benchmarks.tune_fused_moe --budget-s "$budget" \
+    ${MOE_TUNE_BUCKETS:+--buckets $MOE_TUNE_BUCKETS} --out "$R/fused_moe_h200.json"
   local table=""  # the sweep's table when it left one, else the shipped table
   [ -s "$R/fused_moe_h200.json" ] && table="$R/fused_moe_h200.json"
   KILN_FUSED_MOE_CONFIGS="$table" step moe 330 python3 -m benchmarks.bench_moe --json "$R/moe.json"
