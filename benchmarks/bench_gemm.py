@@ -12,6 +12,7 @@ Two parts:
   choice is in the log as "AUTOTUNE mm").
 
     python -m benchmarks.bench_gemm --part small-m --tp 2 --json gemm.json           # H200: ~2 min
+    python -m benchmarks.bench_gemm --preset qwen3-30b-a3b --projections qkv o --m 1 8 --json gemm.json
     python -m benchmarks.bench_gemm --part mid-m --m 256 128 192 64 --json mid.json   # H200: ~5 min
     python -m benchmarks.bench_gemm --preset tiny-llama --device cpu --m 1 16 --json /tmp/gemm.json  # CPU dry run
 - `host` (the M of every CUDA-graph capture size): the host's microseconds per `kiln::dense_gemm` call (torch.mm
@@ -300,7 +301,10 @@ def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
         ms = tuple(args.m or KERNEL_M)
-        result = kernel_table(projection_shapes(args.preset, args.tp), args.device, ms, args.budget_s, errors)
+        shapes = projection_shapes(args.preset, args.tp)
+        if args.projections:  # e.g. a MoE preset's attention projections alone
+            shapes = {name: shape for name, shape in shapes.items() if name.partition("/")[0] in args.projections}
+        result = kernel_table(shapes, args.device, ms, args.budget_s, errors)
         result["step_totals"] = step_totals(result["summary"], PRESETS[args.preset]["num_hidden_layers"])
         return result
     finally:
@@ -400,6 +404,8 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=None,
                         help="token counts (default: 1..64 for small-m, 256 128 192 64 for mid-m)")
     parser.add_argument("--tp", type=int, default=1, help="small-m: also one rank's shards at this TP (bf16 only)")
+    parser.add_argument("--projections", nargs="+", choices=["qkv", "o", "gate_up", "down"], default=None,
+                        help="small-m: only these projections")
     parser.add_argument("--budget-s", type=float, default=300.0, help="no new shape or autotune after this")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

@@ -55,6 +55,10 @@ set_backend_ab() {  # decode at default settings with each attention backend (Fl
 set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm
   step gemm 240 python3 -m benchmarks.bench_gemm --part small-m --json "$R/gemm.json"
 }
+set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS and kiln's small-M kernel, every tile config
+  step gemm_moe 200 python3 -m benchmarks.bench_gemm --part small-m --preset qwen3-30b-a3b --projections qkv o \
+    --m 1 8 --json "$R/gemm_moe.json"
+}
 set_gemm_host() {  # the host's time per projection GEMM call, eager and under capture, new and seen shapes
   step gemm_host 120 python3 -m benchmarks.bench_gemm --part host --json "$R/gemm_host.json"
 }
@@ -74,7 +78,7 @@ set_structured() {  # grammar compile and cache-hit times, the JSON-schema-const
 }
 set_moe() {  # the MoE GPU tests, a launch-config sweep at Qwen3-30B-A3B's layer, then decode/offline with it
   # (MOE_TUNE_BUCKETS="1 2 4": only those token counts swept, the shipped table's other entries kept;
-  # MOE_TUNE_BUDGET_S: the sweep's bound, default 50)
+  # MOE_TUNE_BUDGET_S: the sweep's bound, default 50; MOE_PARTS: bench_moe's parts)
   local tests=tests/gpu/test_moe_gpu.py; [ -n "${MOE_SKIP_OP_TESTS:-}" ] && tests=""
   step moe_tests 240 python3 -m pytest -q -p no:cacheprovider $tests \
     tests/runtime/test_kernel_warmup.py::test_moe_shapes_are_the_distinct_expert_layers
@@ -84,7 +88,8 @@ set_moe() {  # the MoE GPU tests, a launch-config sweep at Qwen3-30B-A3B's layer
     ${MOE_TUNE_BUCKETS:+--buckets $MOE_TUNE_BUCKETS} --out "$R/fused_moe_h200.json"
   local table=""  # the sweep's table when it left one, else the shipped table
   [ -s "$R/fused_moe_h200.json" ] && table="$R/fused_moe_h200.json"
-  KILN_FUSED_MOE_CONFIGS="$table" step moe 330 python3 -m benchmarks.bench_moe --json "$R/moe.json"
+  KILN_FUSED_MOE_CONFIGS="$table" step moe 330 python3 -m benchmarks.bench_moe --parts ${MOE_PARTS:-layer decode offline} \
+    --json "$R/moe.json"
 }
 set_moe_ab() {  # the MoE op tests on the GPU, then Qwen3-30B-A3B's decode step at batch 1/8/64 profiled with the code in
   # .ab/base (`git archive <commit> kiln benchmarks | tar -x -C .ab/base`, carried) and with the working tree, alternated
