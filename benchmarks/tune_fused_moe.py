@@ -97,7 +97,9 @@ def main() -> None:
     configs = table_json.setdefault("configs", {})
     key = shape_key(num_experts, inter, hidden, top_k, dtype)
     configs[key] = dict(sorted({**configs.get(key, {}), **chosen}.items(), key=lambda item: int(item[0])))
-    table_json["source"] = f"python -m benchmarks.tune_fused_moe --shape {args.shape} ({stamp()})"
+    source = f"python -m benchmarks.tune_fused_moe --shape {args.shape} --buckets {' '.join(chosen)} ({stamp()})"
+    previous = table_json.get("source", "").split("; other buckets: ")[-1]
+    table_json["source"] = f"{source}; other buckets: {previous}" if previous and len(chosen) < len(BUCKETS) else source
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table_json, indent=1) + "\n")
     print(table(["tokens", "best (bm, bn, bk, warps, stages)", "best us", "rule us", "rule / best"], rows))

@@ -152,16 +152,21 @@ def test_heuristic_fills_an_h200_without_tiny_splits(proj: str, m: int, monkeypa
     assert k // config.split_k >= 4 * config.block_k  # every split pipelines over a few K steps
 
 
-def test_measured_table_wins_over_the_rule_for_fp8_only() -> None:
+def test_measured_tables_win_over_the_rule_per_operand_width() -> None:
     """A shape in TUNED takes its measured config at every M up to the entry's M (the next larger entry's
-    otherwise); 16-bit operands always take the rule (the table was measured for e4m3)."""
-    from kiln.models.quant.fp8_kernel import TUNED
+    otherwise); 16-bit operands look in TUNED_16BIT instead (TUNED was measured for e4m3), where one config
+    serves every M <= 16 so that a verify of up to 16 tokens sums as a decode does."""
+    from kiln.models.quant.fp8_kernel import TUNED, TUNED_16BIT
 
     (n, k, _), _ = next(iter(TUNED.items()))
     entries = sorted((max_m, cfg) for (tn, tk, max_m), cfg in TUNED.items() if (tn, tk) == (n, k))
     for m in (1, 3, 64):
         assert pick_config(m, n, k, num_sms=132) == next(cfg for max_m, cfg in entries if m <= max_m)
     assert pick_config(1, n, k, num_sms=132, element_bytes=2).block_k == 128
+    for (n, k, max_m), config in TUNED_16BIT.items():
+        assert max_m >= 16 and (n, k, 1) not in TUNED_16BIT
+        assert {pick_config(m, n, k, num_sms=132, element_bytes=2) for m in (1, 9, 16)} == {config}
+        assert pick_config(1, n, k, num_sms=132).block_k == 256  # e4m3 operands take the rule here
 
 
 def test_op_on_cpu_is_scaled_mm() -> None:

@@ -77,6 +77,16 @@ TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {  # H200, 2026-11-30 (docs/B
     (28672, 4096, 64): Fp8GemmConfig(128, 128, 1, 8, 4),
 }
 
+# The 16-bit path's (N, K, largest M) table, the same lookup. One config for every M <= 16 of a shape: M = 1
+# (decode) and M <= 16 (a speculative verify) must sum in the same order for greedy tokens to stay the same.
+# Qwen3-30B-A3B's attention projections, where the rule's split (qkv 2, o 8) took 9.07 / 8.94 us at M = 1 against
+# 8.28 / 7.93 (H200, 2026-12-02, `bench_gemm --preset qwen3-30b-a3b --projections qkv o --m 1 8`, the same
+# winners at M = 8; benchmarks/results/2026-12-02-h200-34c24bb).
+TUNED_16BIT: dict[tuple[int, int, int], Fp8GemmConfig] = {
+    (5120, 2048, 16): Fp8GemmConfig(64, 128, 1, 4, 4),
+    (2048, 4096, 16): Fp8GemmConfig(64, 128, 4, 4, 4),
+}
+
 # Split-K's reduction folded into the GEMM kernel (the last split of each output tile to finish sums the
 # partials, counted by an atomic per tile) instead of a second kernel: one launch fewer per split GEMM at the
 # same partial-sum traffic and bit-identical results. KILN_FP8_FOLD_SPLIT_K=1 turns it on; off until the H200
@@ -97,12 +107,11 @@ def block_m_for(m: int) -> int:
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int, element_bytes: int = 1) -> Fp8GemmConfig:
-    """The tile config for an [M, K] x [N, K]^T GEMM on a GPU with num_sms SMs (TUNED holds FP8 shapes;
-    16-bit operands take the rule with half the K tile, the same bytes per step)."""
-    if element_bytes == 1:
-        for (tn, tk, max_m), config in TUNED.items():
-            if tn == n and tk == k and m <= max_m:
-                return config
+    """The tile config for an [M, K] x [N, K]^T GEMM on a GPU with num_sms SMs (TUNED holds FP8 shapes,
+    TUNED_16BIT 16-bit ones; the rule gives 16-bit operands half the K tile, the same bytes per step)."""
+    for (tn, tk, max_m), config in (TUNED if element_bytes == 1 else TUNED_16BIT).items():
+        if tn == n and tk == k and m <= max_m:
+            return config
     block_n, block_k = 64, 256 // element_bytes
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m_for(m))
     split = 1
