@@ -102,8 +102,10 @@ set_moe_ab() {  # the MoE op tests on the GPU, then Qwen3-30B-A3B's decode step 
   done
 }
 set_moe_decode() {  # Qwen3-30B-A3B decode at batch 1/8/64 and offline beside the floors (the shipped launch table), and
-  # its batch-1/8 step's kernels
-  step moe_decode 300 python3 -m benchmarks.bench_moe --parts decode offline --json "$R/moe.json"
+  # its batch-1/8 step's kernels (MOE_OP_TESTS=1: the op tests on the GPU first; MOE_PARTS: bench_moe's parts)
+  [ -z "${MOE_OP_TESTS:-}" ] || step moe_op_tests 150 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/models/test_fused_moe.py tests/gpu/test_moe_gpu.py
+  step moe_decode 300 python3 -m benchmarks.bench_moe --parts ${MOE_PARTS:-decode offline} --json "$R/moe.json"
   [ -n "${MOE_SKIP_PROFILE:-}" ] || step moe_profile 170 python3 -m benchmarks.bench_profile --configs qwen3-30b-a3b:1:bf16 --batches 1 8 --steps 12 \
     --json "$R/moe_profile.json"
 }
