@@ -8,8 +8,8 @@ run (this GPU's copy bandwidth):
 - the offline run (256 requests, input and output lengths uniform in 100..1024, greedy, EOS ignored) beside the
   time its decode steps would take at the floors;
 - one MoE layer: a plain torch loop over experts (kiln's reference path) vs the fused op, per token count; the
-  fused op inside a CUDA graph beside the bytes of the experts it must read, in bf16 and with FP8 experts (and,
-  where the kernels lay their blocks out in place, the same op through the align kernel, in the same process).
+  fused op inside a CUDA graph beside the bytes of the experts it must read, in bf16 and with FP8 experts (and, up
+  to 8 tokens, with the grouped kernels' blocks laid out in place and through the align kernel, one process).
 
     python -m benchmarks.bench_moe --json moe.json [--model qwen3-30b-a3b] [--parts layer decode offline]
 
@@ -84,17 +84,19 @@ def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
                 fn(x, w13, w2, weights, ids)
             torch.cuda.synchronize()
             times[name] = (time.perf_counter() - start) / 10 * 1e6
+
         def graphed(x=x, weights=weights, ids=ids) -> float:
             return graphed_microseconds(
                 lambda i: fused_moe_triton(x, *copies[i % len(copies)], weights, ids), calls=8)
 
         times["graphed"] = graphed()
-        if ids.numel() <= moe_kernels.IN_PLACE_PAIRS:  # the same op with the align kernel, in this process
-            in_place, moe_kernels.IN_PLACE_PAIRS = moe_kernels.IN_PLACE_PAIRS, 0
+        default = moe_kernels.IN_PLACE_TOKENS
+        for name, bound in (("graphed_in_place", tokens), ("graphed_align", 0)):  # both layouts, this process
+            moe_kernels.IN_PLACE_TOKENS = bound
             try:
-                times["graphed_align"] = graphed()
+                times[name] = graphed() if tokens <= 8 else float("nan")
             finally:
-                moe_kernels.IN_PLACE_PAIRS = in_place
+                moe_kernels.IN_PLACE_TOKENS = default
         times["fp8_graphed"] = graphed_microseconds(
             lambda i, x=x, weights=weights, ids=ids: fused_moe_triton(
                 x, fp8[i % 4][0], fp8[i % 4][2], weights, ids, fp8[i % 4][1], fp8[i % 4][3]), calls=8)
@@ -105,7 +107,7 @@ def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
         rows.append(dict(part="layer", tokens=tokens, loop_us=times["torch loop"], fused_us=times["fused"],
                          speedup=times["torch loop"] / times["fused"], graphed_us=times["graphed"],
                          floor_us=floor_us, x_floor=times["graphed"] / floor_us, fp8_graphed_us=times["fp8_graphed"],
-                         graphed_align_us=times.get("graphed_align", float("nan")),
+                         graphed_in_place_us=times["graphed_in_place"], graphed_align_us=times["graphed_align"],
                          rel_err=err))
         print(f"layer tokens={tokens}: loop {times['torch loop']:.0f} us, fused {times['fused']:.0f} us", flush=True)
 
@@ -185,8 +187,8 @@ def main() -> None:
         if rt is not None and "offline" in args.parts:
             attempt("offline", part_offline, rt, spec, ceil.copy_bytes_per_s, args.requests, rows)
     print(report["stamp"], f"copy {report['copy_gb_per_s']:.0f} GB/s", f"build {report.get('build_s', 0):.0f} s")
-    for part, cols in (("layer", ["tokens", "loop_us", "fused_us", "speedup", "graphed_us", "graphed_align_us",
-                                  "floor_us", "x_floor", "fp8_graphed_us", "rel_err"]),
+    for part, cols in (("layer", ["tokens", "loop_us", "fused_us", "speedup", "graphed_us", "graphed_in_place_us",
+                                  "graphed_align_us", "floor_us", "x_floor", "fp8_graphed_us", "rel_err"]),
                        ("decode", ["batch", "step_ms", "active_floor_ms", "x_active_floor", "full_floor_ms",
                                    "x_full_floor"]),
                        ("offline", ["requests", "seconds", "output_tokens_per_s", "decode_floor_s", "x_floor",

@@ -2,8 +2,8 @@
 
 Two shapes of the same two GEMMs (h = silu(x W_gate^T) * (x W_up^T), then y = h W_down^T weighted by the router):
 
-- grouped (BLOCK_M >= 16): pairs sorted and padded per expert (align.py, align_triton.py; up to IN_PLACE_PAIRS
-  pairs each program works its own block out from the ids, in registers, and no align kernel runs); each program
+- grouped (BLOCK_M >= 16): pairs sorted and padded per expert (align.py, align_triton.py; up to IN_PLACE_TOKENS
+  tokens each program works its own block out from the ids, in registers, and no align kernel runs); each program
   multiplies a BLOCK_M-row block of one expert's pairs by a BLOCK_N slice of that expert's weight with tl.dot.
   The gate and up slices are read by the same program, so SiLU-and-mul happens on the accumulators and only h is
   written. The down kernel scales each row by its routing weight and writes it to its pair's row.
@@ -28,10 +28,13 @@ from kiln.models.fused_moe.align import align_by_expert, max_padded_pairs
 from kiln.models.fused_moe.align_triton import MAX_PAIRS, align_by_expert_triton
 from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
 
-# Up to this many (token, expert) pairs (8 tokens at top-8) the grouped kernels lay their blocks out themselves:
-# every program reads the step's ids and finds its block in registers, which spares the align kernel's launch
-# (4.4 us a layer at one token inside Qwen3-30B-A3B's graphed step, H200) for a few hundred instructions a program.
-IN_PLACE_PAIRS = 64
+# Steps of up to this many tokens skip the align kernel: every program of the grouped kernels reads the step's ids
+# and works its block out in registers. Measured inside CUDA graphs at Qwen3-30B-A3B's layer (one H200,
+# 2026-12-02, `bench_moe --parts layer`, one process): one token 28.4 us in place against 29.0 through align (a
+# step's align launch was 4.4 us); at eight tokens 125.2 against 123.6, the prologue's histogram and scans in
+# each of the programs costing more than the launch they spare. The general derivation is kept (tests run it at
+# many tokens against align's layout) so that a cheaper prologue can be measured against it.
+IN_PLACE_TOKENS = 1
 
 
 @triton.jit
@@ -234,7 +237,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
             y.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
         return y.view(num_tokens, top_k, hidden)
-    in_place = num_pairs <= IN_PLACE_PAIRS
+    in_place = num_tokens <= IN_PLACE_TOKENS
     if in_place:  # each program derives its block from the ids (unread below)
         sorted_pairs = block_expert = ids
         blocks = max_padded_pairs(num_pairs, num_experts, config.block_m) // config.block_m
