@@ -92,11 +92,13 @@ def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
         times["graphed"] = graphed()
         default = moe_kernels.IN_PLACE_TOKENS
         for name, bound in (("graphed_in_place", tokens), ("graphed_align", 0)):  # both layouts, this process
-            moe_kernels.IN_PLACE_TOKENS = bound
-            try:
-                times[name] = graphed() if tokens <= 8 else float("nan")
-            finally:
-                moe_kernels.IN_PLACE_TOKENS = default
+            times[name] = float("nan")
+            if tokens <= 8:
+                moe_kernels.IN_PLACE_TOKENS = bound
+                try:
+                    times[name] = graphed()
+                finally:
+                    moe_kernels.IN_PLACE_TOKENS = default
         times["fp8_graphed"] = graphed_microseconds(
             lambda i, x=x, weights=weights, ids=ids: fused_moe_triton(
                 x, fp8[i % 4][0], fp8[i % 4][2], weights, ids, fp8[i % 4][1], fp8[i % 4][3]), calls=8)

@@ -26,11 +26,8 @@ from kiln.models.fused_moe.kernels import fused_moe_triton
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 PAIR_CANDIDATES = [MoeKernelConfig(1, bn, bk, w, s) for bn, bk, w, s in
                    ((16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4))]
-# (16, 16, ...): at one token the 8 experts' gate-up in 32-wide slices is 192 programs of 256 KB on 132 SMs, so
-# half the SMs stream two and set the time; 16-wide slices give each SM about three of 128 KB
 GROUPED_CANDIDATES = [MoeKernelConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
-                      ((16, 16, 128, 4, 4), (16, 16, 256, 4, 3), (16, 16, 128, 2, 4), (16, 32, 256, 4, 3),
-                       (16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
+                      ((16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
                        (32, 64, 64, 4, 4), (32, 128, 64, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3),
                        (64, 128, 64, 4, 4), (128, 128, 64, 8, 3))]
 
