@@ -15,15 +15,18 @@ table; --json writes every number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from benchmarks.common import stamp
 from kiln import Runtime, SamplingParams
+from kiln.runtime.async_step import LaunchedStep
 from kiln.runtime.spec_decode.ngram import NgramProposer
 
 PARAGRAPH = ("Speculative decoding lets a small proposer guess several tokens ahead, and the large model checks "
@@ -61,30 +64,88 @@ def _sync(device: torch.device) -> None:
 STEP_KINDS = ("verify behind", "verify", "overlapped", "plain")
 
 
+@contextlib.contextmanager
+def host_phases(engine: Any) -> Iterator[dict[str, float]]:
+    """Times the engine's host phases (inclusive ms, summed until the dict is cleared) by wrapping its objects'
+    methods for the duration: where the host's part of a step goes. "sample_rows" (a verify's) includes its
+    read-back wait; "tokens" is a plain step's."""
+    import kiln.runtime.spec_decode.verify as verify_module
+    from kiln.compiler.cuda_graphs import TorchGraph
+
+    spent: dict[str, float] = {}
+    runner = engine.runner
+    targets = [(engine, "_complete", "complete"), (engine.scheduler, "schedule", "schedule"),
+               (engine.scheduler, "advance", "advance"), (runner, "fill_host", "fill"),
+               (runner, "to_device", "upload"), (runner, "_copy_pending_tokens", "upload"),
+               (runner, "forward_context", "metadata"), (runner, "run_model", "forward"),
+               (runner.model, "compute_logits", "logits"), (runner.sampler, "sample", "sample"),
+               (verify_module, "sample_rows", "sample_rows"), (LaunchedStep, "token_ids", "tokens"),
+               (TorchGraph, "replay", "replay")]
+    if engine.speculation is not None:
+        targets += [(engine.speculation, name, "propose") for name in ("propose", "propose_ahead", "wants_verify")]
+        targets.append((engine.speculation, "after_verify", "advance"))
+
+    def timed(fn: Any, phase: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] = spent.get(phase, 0.0) + (time.perf_counter() - start) * 1e3
+        return wrapper
+
+    saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in targets]
+    for obj, name, phase in targets:
+        setattr(obj, name, timed(getattr(obj, name), phase))
+    try:
+        yield spent
+    finally:
+        for obj, name, original in saved:
+            if original is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, original)
+
+
 def timed_steps(rt: Runtime, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     """One more generate, each engine step timed on the host and named by what it launched: a verify behind the
     step in flight, a verify with nothing in flight, a plain step launched overlapped, or one launched alone
-    (the first, or after a verify). -> per kind: count and mean ms (a step's time includes its waits)."""
+    (the first, or after a verify). -> per kind: count, mean ms (a step's time includes its waits) and the mean
+    host phases (`host_phases`)."""
     engine, spec = rt.engine, rt.engine.speculation
     times: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}
+    phases: dict[str, dict[str, float]] = {kind: {} for kind in STEP_KINDS}
     engine.add_request(prompt, params)
-    while engine.has_unfinished():
-        stats = engine.stats
-        before = (stats.steps, stats.verify_behind_steps, stats.overlapped_steps,
-                  spec.stats.num_drafts if spec is not None else 0)
-        start = time.perf_counter()
-        engine.step()
-        elapsed = (time.perf_counter() - start) * 1e3
-        if stats.steps == before[0]:
-            continue  # only finished the step in flight
-        if stats.verify_behind_steps > before[1]:
-            kind = "verify behind"
-        elif spec is not None and spec.stats.num_drafts > before[3]:
-            kind = "verify"
-        else:
-            kind = "overlapped" if stats.overlapped_steps > before[2] else "plain"
-        times[kind].append(elapsed)
-    return {kind: {"steps": len(t), "mean_ms": statistics.mean(t) if t else 0.0} for kind, t in times.items()}
+    with host_phases(engine) as spent:
+        while engine.has_unfinished():
+            spent.clear()
+            kind = _timed_step(engine, spec, times)
+            if kind is not None:
+                for phase, ms in spent.items():
+                    phases[kind][phase] = phases[kind].get(phase, 0.0) + ms
+    return {kind: {"steps": len(t), "mean_ms": statistics.mean(t) if t else 0.0,
+                   "phases_ms": {p: ms / len(t) for p, ms in sorted(phases[kind].items(), key=lambda x: -x[1])}
+                   if t else {}} for kind, t in times.items()}
+
+
+def _timed_step(engine: Any, spec: Any, times: dict[str, list[float]]) -> str | None:
+    """One engine step, its time filed under the kind of step it launched (None: it launched none)."""
+    stats = engine.stats
+    before = (stats.steps, stats.verify_behind_steps, stats.overlapped_steps,
+              spec.stats.num_drafts if spec is not None else 0)
+    start = time.perf_counter()
+    engine.step()
+    elapsed = (time.perf_counter() - start) * 1e3
+    if stats.steps == before[0]:
+        return None  # only finished the step in flight
+    if stats.verify_behind_steps > before[1]:
+        kind = "verify behind"
+    elif spec is not None and spec.stats.num_drafts > before[3]:
+        kind = "verify"
+    else:
+        kind = "overlapped" if stats.overlapped_steps > before[2] else "plain"
+    times[kind].append(elapsed)
+    return kind
 
 
 def run_task(rt: Runtime, prompt: list[int], max_tokens: int, speculate: bool, spec: Any, default_async: bool,
@@ -97,15 +158,19 @@ def run_task(rt: Runtime, prompt: list[int], max_tokens: int, speculate: bool, s
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     rt.generate([prompt], params)  # warm: every shape this task runs
     before = dict(spec.stats.as_dict()) if spec is not None else {}
-    rates, tokens = [], None
+    rates, decode_rates, tokens = [], [], None
     for _ in range(repeats):
         _sync(engine.device)
         start = time.perf_counter()
-        out = rt.generate([prompt], params)[0].outputs[0]
+        request = rt.generate([prompt], params)[0]
         _sync(engine.device)
+        out = request.outputs[0]
         rates.append(len(out.token_ids) / (time.perf_counter() - start))
+        # the tokens after the first over the time after it: the prefill, alike in both arms, left out
+        decode_rates.append((len(out.token_ids) - 1) / request.metrics.decode_time)
         tokens = out.token_ids
     result: dict[str, Any] = {"tokens_per_s": statistics.median(rates), "num_tokens": len(tokens),
+                              "decode_tokens_per_s": statistics.median(decode_rates),
                               "token_ids": tokens, "step_kinds": timed_steps(rt, prompt, params)}
     if speculate:
         after = spec.stats.as_dict()
@@ -150,6 +215,7 @@ def bench_tasks(args: argparse.Namespace) -> dict[str, Any]:
         on = run_task(rt, prompt, args.max_tokens, True, spec, default_async, args.repeats)
         off = run_task(rt, prompt, args.max_tokens, False, spec, default_async, args.repeats)
         entry = results["tasks"][task] = {"spec": on, "plain": off, "speedup": on["tokens_per_s"] / off["tokens_per_s"],
+                                          "decode_speedup": on["decode_tokens_per_s"] / off["decode_tokens_per_s"],
                                           "prompt_tokens": len(prompt)}
         if args.drain_arm and default_async:  # the A/B: every verify drains the step in flight first
             drain = entry["spec_drain"] = run_task(rt, prompt, args.max_tokens, True, spec, default_async,
@@ -292,13 +358,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(results["stamp"])
     if not args.skip_tasks:
         results.update(bench_tasks(args))
-        print(f"{'task':6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'accept':>6} "
+        print(f"{'task':6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'decode':>7} {'accept':>6} "
               f"{'tok/verify':>10} {'same':>5}  accepted per position")
         for task, r in results["tasks"].items():
             s = r["spec"]
             print(f"{task:6} {r['plain']['tokens_per_s']:11.1f} {s['tokens_per_s']:10.1f} {r['speedup']:6.2f}x "
-                  f"{s['acceptance']:6.2f} {1 + s['mean_accepted']:10.2f} {str(r['same_tokens']):>5}  "
-                  + " ".join(f"{p:.2f}" for p in s["accepted_per_pos"]))
+                  f"{r['decode_speedup']:6.2f}x {s['acceptance']:6.2f} {1 + s['mean_accepted']:10.2f} "
+                  f"{str(r['same_tokens']):>5}  " + " ".join(f"{p:.2f}" for p in s["accepted_per_pos"]))
             arms = [("spec", s), ("plain", r["plain"])] + ([("drain", r["spec_drain"])] if "spec_drain" in r else [])
             if "spec_drain" in r:
                 print(f"       drain arm: {r['spec_drain']['tokens_per_s']:.1f} tok/s = {r['speedup_drain']:.2f}x, "
@@ -306,6 +372,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name, arm in arms:
                 print(f"       {name} steps: " + ", ".join(f"{kind} {v['steps']} x {v['mean_ms']:.2f} ms"
                                                      for kind, v in arm["step_kinds"].items() if v["steps"]))
+            for kind in ("verify", "plain"):  # the host's phases of the steps that launch with nothing in flight
+                phases = s["step_kinds"][kind]["phases_ms"]
+                if phases:
+                    print(f"       spec {kind} step, host ms: "
+                          + ", ".join(f"{p} {ms:.3f}" for p, ms in phases.items()))
     if args.verify_ratio:
         ratio = bench_verify_ratio(args)
         results["verify_ratio"] = ratio

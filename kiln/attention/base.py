@@ -60,6 +60,10 @@ class AttentionBackend(ABC):
     supports_cache_only: ClassVar[bool] = False
     # reads and writes a float8_e4m3fn cache with per-layer scales (kiln/models/kv_quant.py)
     supports_fp8_kv: ClassVar[bool] = False
+    # a captured FULL graph replays only after build_metadata ran for the step (its plan writes buffers the graph
+    # reads, as FlashInfer's does); False: the graph reads nothing but the runner's input buffers, so a replay
+    # skips it (tens of microseconds of the host's time on a step's critical path)
+    replay_needs_metadata: ClassVar[bool] = True
 
     def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
         self.layout = layout

@@ -125,6 +125,9 @@ class TritonAttentionBackend(AttentionBackend):
     graph_support = GraphSupport.ALWAYS
     supported_devices = ("cuda",)
     supports_fp8_kv = True
+    # its kernels read seq_lens, block tables and slots from the runner's buffers; split counts and workspaces are
+    # fixed per captured size
+    replay_needs_metadata = False
 
     @classmethod
     def unsupported_reason(cls, layout: AttentionLayout, device: torch.device) -> str | None:

@@ -352,12 +352,31 @@ class ModelRunner:
             return hidden[: shape.num_tokens]
         return hidden[batch.logits_indices]
 
+    def _descriptor(self, batch: PreparedBatch) -> tuple[BatchDescriptor, RunMode]:
+        shape = batch.shape
+        desc = BatchDescriptor(shape.num_padded_tokens, shape.num_reqs, shape.uniform_decode, shape.verify_len)
+        return desc, self.graphs.dispatch(desc) if self.graphs is not None else RunMode.NONE
+
+    def _replays_without_metadata(self, desc: BatchDescriptor, mode: RunMode) -> bool:
+        """The step replays a FULL graph already captured, of a backend whose graphs read only the input buffers:
+        its attention metadata is never read, so it is not built."""
+        return (mode is RunMode.FULL and not self.backend.replay_needs_metadata
+                and self.full_graph is not None and desc in self.full_graph.entries)
+
+    def _build_context(self, batch: PreparedBatch) -> None:
+        """The step's forward context, unless its graph replays without one. Built before the inputs-consumed
+        event, not inside the forward: a backend may copy from the pinned host buffers while planning (flashinfer
+        copies query_start_loc_cpu non-blocking), and the next fill must wait for that too."""
+        if not self._replays_without_metadata(*self._descriptor(batch)):
+            batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
+
     def run_model(self, batch: PreparedBatch) -> torch.Tensor:
         """The forward over the padded batch, as a FULL graph, PIECEWISE graphs, or compiled/eager pieces."""
         n = batch.num_padded_tokens
-        desc = BatchDescriptor(n, batch.shape.num_reqs, batch.shape.uniform_decode, batch.shape.verify_len)
-        mode = self.graphs.dispatch(desc) if self.graphs is not None else RunMode.NONE
+        desc, mode = self._descriptor(batch)
         ids, pos = self.input_ids[:n], self.positions[:n]
+        if batch.context is None and self._replays_without_metadata(desc, mode):
+            return self.full_graph(desc, lambda: self.forward_fn(ids, pos), (ids, pos))
         context = batch.context if batch.context is not None else self.forward_context(batch.metadata, n)
         with set_forward_context(context):
             if mode is RunMode.FULL:
@@ -375,9 +394,7 @@ class ModelRunner:
         `grammar_mask` (structured outputs): called with the sampling requests once the forward is queued, so
         the host fills the mask while the device runs it; the mask applies to the logits before sampling."""
         batch = self.prepare(sched)
-        # Built before the event, not inside the forward: a backend may copy from the pinned host buffers while
-        # planning (flashinfer copies query_start_loc_cpu non-blocking), and the next fill must wait for that too.
-        batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
+        self._build_context(batch)
         self._inputs_consumed.record()
         if batch.local_greedy:
             tokens = self.forward_greedy(batch)
@@ -420,7 +437,7 @@ class ModelRunner:
         batch = self.to_device(shape, [])
         if num_pending:
             self._copy_pending_tokens(num_pending)
-        batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
+        self._build_context(batch)
         self._inputs_consumed.record()
         if local_greedy:
             return self.forward_greedy(batch)

@@ -19,7 +19,7 @@ from kiln.compiler.cuda_graphs import (
     piecewise_graphs,
 )
 from kiln.config import CUDAGraphMode, GraphSupport, default_capture_sizes
-from tests.conftest import random_prompts
+from tests.conftest import cpu_runtime, random_prompts
 
 SIZES = (1, 2, 4, 8, 16)
 FULL, PIECE, NONE = RunMode.FULL, RunMode.PIECEWISE, RunMode.NONE
@@ -147,6 +147,38 @@ def test_fake_graphs_replay_to_the_same_tokens(runtimes, monkeypatch) -> None:
     graphed.generate([random_prompts([40], 256)[0]], SamplingParams(max_tokens=1))
     assert graphed.engine.graph_replays["NONE"] > before.get("NONE", 0)
     assert graphed.compile_stats.compiles_after_warmup == 0
+
+
+class FrozenGraph(FakeGraph):
+    """Replays without running anything: its outputs stay those of the capture (nothing reads the step's context)."""
+
+    def replay(self) -> None:
+        FakeGraph.replays += 1
+
+
+def test_full_replays_skip_the_metadata_a_backend_does_not_read(tiny_checkpoint, monkeypatch) -> None:
+    """A backend whose FULL graphs read only the runner's buffers (Triton's) has no metadata built for a step that
+    replays a captured graph; a step that runs otherwise (the prefill, PIECEWISE) still builds it."""
+    graphed = cpu_runtime(tiny_checkpoint("tiny-llama"), level=1, max_num_batched_tokens=64, max_num_seqs=8)
+    worker = graphed.engine.worker
+    backend = worker.backend
+    monkeypatch.setattr(type(backend), "graph_support", GraphSupport.ALWAYS)
+    monkeypatch.setattr(type(backend), "replay_needs_metadata", False)
+    built: list[int] = []
+    build = backend.build_metadata
+    monkeypatch.setattr(backend, "build_metadata", lambda common: built.append(common.num_tokens) or build(common))
+    config = dataclasses.replace(worker.compilation, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                                 cudagraph_capture_sizes=SIZES)
+    worker.graph_pool = install_cuda_graphs(worker.runner, config, worker.compiled, progress=False,
+                                            factory=FrozenGraph)
+    built.clear()
+    before = dict(graphed.engine.graph_replays)
+    graphed.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert graphed.engine.graph_replays["FULL"] - before["FULL"] == 5  # every decode step replayed
+    assert built == [3]  # the prefill's, none for the replays
+    monkeypatch.setattr(type(backend), "replay_needs_metadata", True)
+    graphed.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert built == [3, 3] + [1] * 5
 
 
 class CountingPiece:

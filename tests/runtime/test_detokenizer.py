@@ -283,6 +283,32 @@ def test_decode_window_stays_small(byte_tok: PreTrainedTokenizerBase) -> None:
     assert det.take_delta(finished=True) == "" and det.output_text == _decode(byte_tok, out)
 
 
+def test_without_stop_strings_text_is_decoded_when_read(byte_tok: PreTrainedTokenizerBase) -> None:
+    """No stop string needs the text: tokens wait until it is read, then one window decodes them all."""
+    calls: list[int] = []
+
+    class Recording:
+        all_special_ids = byte_tok.all_special_ids
+
+        def decode(self, ids: list[int], **kwargs: bool) -> str:
+            calls.append(len(ids))
+            return byte_tok.decode(ids, **kwargs)
+
+    rng = random.Random(5)
+    out = byte_tok.encode("".join(_random_text(rng, "<|endoftext|>") for _ in range(5)))
+    det = IncrementalDetokenizer(Recording(), byte_tok.encode("a prompt"))  # type: ignore[arg-type]
+    before = len(calls)
+    half = len(out) // 2
+    for t in out[:half]:
+        assert det.update([t]) is None
+    assert len(calls) == before
+    first = det.take_delta()
+    assert len(calls) == before + 2
+    for t in out[half:]:
+        det.update([t])
+    assert first + det.take_delta(finished=True) == det.output_text == _decode(byte_tok, out)
+
+
 def test_update_after_finish_raises(byte_tok: PreTrainedTokenizerBase) -> None:
     det = IncrementalDetokenizer(byte_tok, [])
     det.update(byte_tok.encode("hi"))
