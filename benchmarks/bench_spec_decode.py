@@ -9,7 +9,8 @@ Tasks: `copy` (repeat a paragraph exactly, through the chat template), `edit` (r
 change) and `free` (an open question: proposals rarely match, so this shows what speculation costs when it does
 not help). Both arms run the same compiled runtime with the device's default scheduling (async on a GPU; with
 n-gram proposals a step is overlapped unless it verifies, docs/spec_decode.md), proposals on or off. Prints a
-table; --json writes every number.
+table (tokens/s end to end, and the speed-up of the decode rate after the first token, which leaves out the
+prefill both arms share) and each kind of step's host phases; --json writes every number.
 """
 
 from __future__ import annotations

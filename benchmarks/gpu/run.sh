@@ -117,18 +117,49 @@ set_spec_verify() {  # speculative decoding: a verify step (k = 4) against a pla
     --ratio-model smollm2-135m --capture-sizes 1 2 4 8 16 --background-timeout 40 --profile-steps 8 \
     --json "$R/spec_verify_smollm2.json"
 }
-set_spec_tasks() {  # n-gram speculation on the embedded model's copy / edit / free tasks, k = 4 to 15, and the
-  # arm whose verify steps drain the step in flight (the A/B of verifying behind it)
-  # its GGUF (~94 MiB) travels as `split -n 2` halves .carry/smollm2-{a,b}.part, one per call of a warm machine
+embedded_gguf() {  # the embedded model's GGUF (~94 MiB) travels as `split -n 2` halves .carry/smollm2-{a,b}.part, one
+  # per call of a warm machine; -> its path once both have arrived, else nothing
   local gguf=/tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [ "$(ls /tmp/parts/smollm2-*.part 2>/dev/null | wc -l)" != 2 ]; then
-    echo "spec_tasks: skipped, the embedded model's two halves have not both arrived"; return
-  fi
-  cat /tmp/parts/smollm2-a.part /tmp/parts/smollm2-b.part > $gguf
-  for k in ${SPEC_TASK_KS:-4 8 12 15}; do  # SPEC_TASK_KS="8 15": a subset
-    KILN_EMBEDDED_GGUF=$gguf step "spec_tasks_k$k" 110 python3 -m benchmarks.bench_spec_decode --device cuda \
-      --max-tokens 128 --capture-sizes 1 2 4 8 16 --background-timeout 30 --repeats 5 -k $k --drain-arm \
-      --json "$R/spec_tasks_k$k.json"
+  [ "$(ls /tmp/parts/smollm2-*.part 2>/dev/null | wc -l)" = 2 ] || return 1
+  cat /tmp/parts/smollm2-a.part /tmp/parts/smollm2-b.part > $gguf && echo $gguf
+}
+set_spec_tasks() {  # n-gram speculation on the embedded model's copy / edit / free tasks, k = 4 to 15, and the
+  # arm whose verify steps drain the step in flight (the A/B of verifying behind it; SPEC_DRAIN_ARM="" leaves it out)
+  local gguf; gguf=$(embedded_gguf) || { echo "spec_tasks: skipped, the embedded model's two halves have not both arrived"; return; }
+  local run
+  for run in $(seq "${SPEC_TASK_RUNS:-1}"); do  # SPEC_TASK_RUNS=3: three processes per k (the spread between them)
+    for k in ${SPEC_TASK_KS:-4 8 12 15}; do  # SPEC_TASK_KS="8 15": a subset
+      KILN_EMBEDDED_GGUF=$gguf step "spec_tasks_k${k}_$run" 110 python3 -m benchmarks.bench_spec_decode --device cuda \
+        --max-tokens 128 --capture-sizes 1 2 4 8 16 --background-timeout 30 --repeats 5 -k $k ${SPEC_DRAIN_ARM---drain-arm} \
+        --json "$R/spec_tasks_k${k}_$run.json"
+    done
+  done
+}
+set_spec_ab() {  # spec-tasks with the code in .ab/base (`git archive <commit> kiln benchmarks | tar -x -C .ab/base`, carried)
+  # and with the working tree, processes alternated SPEC_AB_ROUNDS times (default 2) at each k of SPEC_TASK_KS (default 12)
+  local gguf; gguf=$(embedded_gguf) || { echo "spec_ab: skipped, the embedded model's two halves have not both arrived"; return; }
+  local run k arm dir
+  for run in $(seq "${SPEC_AB_ROUNDS:-2}"); do
+    for k in ${SPEC_TASK_KS:-12}; do
+      for arm in base new; do
+        dir=$PWD; [ "$arm" = base ] && dir=$PWD/.ab/base  # its own kiln in every process
+        KILN_EMBEDDED_GGUF=$gguf PYTHONPATH=$dir:/tmp/site step "spec_${arm}_k${k}_$run" 110 bash -c "cd $dir && exec \
+          python3 -m benchmarks.bench_spec_decode --device cuda --max-tokens 128 --capture-sizes 1 2 4 8 16 \
+          --background-timeout 30 --repeats 5 -k $k --json $R/spec_${arm}_k${k}_$run.json"
+      done
+    done
+  done
+}
+set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolLM2-135M) with .ab/base and the working
+  # tree, processes alternated twice
+  local run arm dir
+  for run in 1 2; do
+    for arm in base new; do
+      dir=$PWD; [ "$arm" = base ] && dir=$PWD/.ab/base
+      PYTHONPATH=$dir:/tmp/site step "decode_${arm}_$run" 120 bash -c "cd $dir && exec python3 -m benchmarks.bench_gpu \
+        decode --defaults --backend triton --models ${DECODE_AB_MODELS:-smollm2-135m} --async-scheduling on \
+        --json $R/decode_${arm}_$run.json"
+    done
   done
 }
 set_spec_tests() {  # the speculative-decoding GPU tests (greedy equality with graphs, bf16 bit-for-bit at batch 1)
