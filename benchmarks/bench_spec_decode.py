@@ -62,7 +62,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-STEP_KINDS = ("verify behind", "verify", "overlapped", "plain")
+STEP_KINDS = ("verify behind", "verify on guess", "verify", "overlapped", "plain")
 
 
 @contextlib.contextmanager
@@ -110,7 +110,8 @@ def host_phases(engine: Any) -> Iterator[dict[str, float]]:
 
 def timed_steps(rt: Runtime, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     """One more generate, each engine step timed on the host and named by what it launched: a verify behind the
-    step in flight, a verify with nothing in flight, a plain step launched overlapped, or one launched alone
+    step in flight, one prepared behind it on the lookup's guess and launched once the guess matched, a verify
+    with nothing in flight, a plain step launched overlapped, or one launched alone
     (the first, or after a verify). -> per kind: count, mean ms (a step's time includes its waits) and the mean
     host phases (`host_phases`)."""
     engine, spec = rt.engine, rt.engine.speculation
@@ -133,7 +134,7 @@ def _timed_step(engine: Any, spec: Any, times: dict[str, list[float]]) -> str | 
     """One engine step, its time filed under the kind of step it launched (None: it launched none)."""
     stats = engine.stats
     before = (stats.steps, stats.verify_behind_steps, stats.overlapped_steps,
-              spec.stats.num_drafts if spec is not None else 0)
+              spec.stats.num_drafts if spec is not None else 0, stats.verify_on_guess_steps)
     start = time.perf_counter()
     engine.step()
     elapsed = (time.perf_counter() - start) * 1e3
@@ -141,6 +142,8 @@ def _timed_step(engine: Any, spec: Any, times: dict[str, list[float]]) -> str | 
         return None  # only finished the step in flight
     if stats.verify_behind_steps > before[1]:
         kind = "verify behind"
+    elif stats.verify_on_guess_steps > before[4]:
+        kind = "verify on guess"
     elif spec is not None and spec.stats.num_drafts > before[3]:
         kind = "verify"
     else:
@@ -373,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name, arm in arms:
                 print(f"       {name} steps: " + ", ".join(f"{kind} {v['steps']} x {v['mean_ms']:.2f} ms"
                                                      for kind, v in arm["step_kinds"].items() if v["steps"]))
-            for kind in ("verify", "plain"):  # the host's phases of the steps that launch with nothing in flight
+            for kind in ("verify on guess", "verify", "plain"):  # the host's phases of the steps launched alone
                 phases = s["step_kinds"][kind]["phases_ms"]
                 if phases:
                     print(f"       spec {kind} step, host ms: "

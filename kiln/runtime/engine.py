@@ -30,6 +30,7 @@ from kiln.runtime.kv.block_pool import BlockPool
 from kiln.runtime.kv.hashing import block_hash_fn
 from kiln.runtime.kv.manager import KVCacheManager
 from kiln.runtime.limits import check_request_fits
+from kiln.runtime.model_runner import PreparedBatch
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.parent import ParentRequest
 from kiln.runtime.request import Request, RequestStatus
@@ -50,6 +51,10 @@ class EngineStats:
     steps: int = 0  # launched
     overlapped_steps: int = 0  # launched while the previous step was still in flight (async scheduling)
     verify_behind_steps: int = 0  # of those, speculative verify steps (n-gram, docs/spec_decode.md)
+    # n-gram verify steps prepared while the step in flight ran, on the lookup's guesses for its tokens, and
+    # launched once those were seen to match (`Engine._verify_on_guess`); and those dropped for a wrong guess
+    verify_on_guess_steps: int = 0
+    guesses_missed: int = 0
     scheduled_tokens: int = 0  # tokens actually run through the model (prefix hits excluded)
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -393,6 +398,10 @@ class Engine:
                         and self.speculation.propose_ahead(self.scheduler.running):
                     return failed + self._launch_verify_behind()
                 if not paused and self.speculation.wants_verify(self.scheduler.running):
+                    if inflight is not None and not inflight.needs_drain and self.verify_behind_inflight:
+                        guesses = self.speculation.propose_on_guess(self.scheduler.running)
+                        if guesses:
+                            return failed + self._verify_on_guess(guesses)
                     # a verify step's outcome sets the next step's inputs: it runs with nothing in flight
                     drained = self._complete(self._take_inflight()) if self._inflight is not None else []
                     return failed + drained + self._sync_step(paused)
@@ -453,6 +462,32 @@ class Engine:
         self.stats.verify_behind_steps += 1
         return self._complete(previous) + self._complete(step)
 
+    def _verify_on_guess(self, guesses: dict[str, int]) -> list[RequestOutput]:
+        """Prepare a verify step behind the plain step in flight on the lookup's guesses for its tokens (uploads
+        queued behind it, `SpecDecoder.propose_on_guess`), then wait for those tokens: launch it if every guess
+        was right, else drop it and propose from the complete context, as a drain would. The host prepares while
+        the device still runs the step in flight, where a drain prepares with the device idle."""
+        previous = self._take_inflight()
+        running = len(self.scheduler.running)
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return self._complete(previous) + self._sync_step(False)
+        # a batch that admitted or preempted a request is launched whatever the guesses (the target's tokens decide,
+        # as behind a step in flight); one of the running requests alone can be dropped without a trace
+        droppable = not sched.preempted and len(self.scheduler.running) == running
+        prepared = self.runner.prepare_step(sched)
+        if droppable:
+            landed = {previous.sched.requests[row].request_id: token
+                      for row, token in zip(previous.rows, previous.token_ids())}
+            if any(landed.get(request_id) != guess for request_id, guess in guesses.items()):
+                for req in sched.requests:
+                    req.spec_token_ids = []
+                self.stats.guesses_missed += 1
+                return self._complete(previous) + self._sync_step(False)
+        step = self._launch(sched, prepared=prepared)
+        self.stats.verify_on_guess_steps += 1
+        return self._complete(previous) + self._complete(step)
+
     def _take_inflight(self) -> LaunchedStep:
         step, self._inflight = self._inflight, None
         assert step is not None
@@ -478,8 +513,10 @@ class Engine:
                 outputs.append(parent.make_output())
         return outputs
 
-    def _launch(self, sched: SchedulerOutput, before_mask: Callable[[], None] | None = None) -> LaunchedStep:
-        """`before_mask`: run once the forward is queued and before a constrained row's mask is filled."""
+    def _launch(self, sched: SchedulerOutput, before_mask: Callable[[], None] | None = None,
+                prepared: PreparedBatch | None = None) -> LaunchedStep:
+        """`before_mask`: run once the forward is queued and before a constrained row's mask is filled; `prepared`:
+        the step's inputs, already queued (`ModelRunner.prepare_step`)."""
         background = getattr(self.worker.compiled, "background", None)
         if background is not None:  # a step boundary: finished background compiles are swapped in here
             background.swap_if_done()
@@ -491,7 +528,7 @@ class Engine:
                 if before_mask is not None:
                     before_mask()
                 return structured.mask(requests)
-        step = self.runner.execute(sched, mask_fn)
+        step = self.runner.execute(sched, mask_fn) if prepared is None else self.runner.launch(prepared, sched, mask_fn)
         self.scheduler.advance(sched)
         if step.verified:
             self.speculation.after_verify(sched, step)

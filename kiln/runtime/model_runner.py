@@ -393,9 +393,22 @@ class ModelRunner:
 
         `grammar_mask` (structured outputs): called with the sampling requests once the forward is queued, so
         the host fills the mask while the device runs it; the mask applies to the logits before sampling."""
+        return self.launch(self.prepare_step(sched), sched, grammar_mask)
+
+    @torch.inference_mode()
+    def prepare_step(self, sched: SchedulerOutput) -> PreparedBatch:
+        """A step's inputs queued for the device and its context built, the forward not yet: `launch` runs it.
+        A prepared batch that is never launched leaves nothing behind (the next step's inputs overwrite its own),
+        except under tensor parallelism, where the workers run each batch they are sent."""
         batch = self.prepare(sched)
         self._build_context(batch)
         self._inputs_consumed.record()
+        return batch
+
+    @torch.inference_mode()
+    def launch(self, batch: PreparedBatch, sched: SchedulerOutput,
+               grammar_mask: Callable[[list[Request]], torch.Tensor | None] | None = None) -> LaunchedStep:
+        """The forward, sampling and read-back of a step `prepare_step` prepared (see `execute`)."""
         if batch.local_greedy:
             tokens = self.forward_greedy(batch)
         else:

@@ -108,6 +108,28 @@ class SpecDecoder:
             proposed = proposed or bool(proposal)
         return proposed
 
+    def propose_on_guess(self, running: list[Request]) -> dict[str, int]:
+        """Async scheduling, a plain step in flight, after `wants_verify` (n-gram only): for each request it expected
+        proposals for whose pending token is its next input, the lookup's guess for that token and the proposals
+        that follow the guess (`spec_token_ids`, cleared for every other request). The engine prepares that verify
+        while the step in flight runs and launches it once the pending tokens are seen to match the guesses;
+        otherwise it drops it and drains as before, so a wrong guess costs no verify (unlike `propose_ahead`'s,
+        launched at once). -> request id -> guess, for the requests with proposals."""
+        guesses: dict[str, int] = {}
+        if not isinstance(self.proposer, NgramProposer):
+            return guesses
+        for req in running:
+            req.spec_token_ids = []
+            room = req.max_total_tokens - req.num_tokens_with_pending - 1
+            if (req.request_id in self.expected and req.num_pending_tokens == 1
+                    and req.num_computed_tokens == req.num_tokens and room > 0):
+                guess = self.proposer.propose([req], [1])[0]
+                proposal = self.proposer.propose([req], [room], skip=1)[0]
+                if guess and proposal:
+                    guesses[req.request_id] = guess[0]
+                    req.spec_token_ids = self._padded(proposal, room)
+        return guesses
+
     def _padded(self, proposal: list[int], limit: int) -> list[int]:
         """A short proposal repeats its last token up to min(k, limit) when `pad_proposals`: the fillers are
         proposals like any other (accepted only where the target's own token equals them), so outputs are

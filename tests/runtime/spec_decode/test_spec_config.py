@@ -116,6 +116,24 @@ def test_verify_behind_the_step_in_flight_only_while_copying() -> None:
     assert not spec.propose_ahead([req])
 
 
+def test_proposals_on_the_guess_for_the_token_in_flight() -> None:
+    """A request the host's lookup expects proposals for (copying or not) gets the lookup's guess for its token in
+    flight and the proposals after that guess; one the lookup did not expect gets none."""
+    kv = KVCacheManager(BlockPool(16, enable_caching=False), 4, block_hash_fn("fast", 0))
+    spec = SpecDecoder(NgramProposer(3, 1, 4), 3, kv)
+    copying = Request("a", [5, 6, 7, 8, 9, 1, 6, 7, 8], SamplingParams(max_tokens=30), frozenset(), 64)
+    other = Request("b", [1, 2, 3, 4], SamplingParams(max_tokens=30), frozenset(), 64)
+    for req in (copying, other):
+        req.num_computed_tokens, req.num_pending_tokens = req.num_tokens, 1  # a plain step in flight
+        req.spec_token_ids = [1]
+    assert spec.wants_verify([copying, other]) and spec.expected == {"a"}
+    assert spec.propose_on_guess([copying, other]) == {"a": 9}
+    assert copying.spec_token_ids == [1, 6, 7] and other.spec_token_ids == []
+    last = Request("c", copying.prompt_token_ids, SamplingParams(max_tokens=1), frozenset(), 64)
+    last.num_computed_tokens, last.num_pending_tokens = last.num_tokens, 1  # its token in flight is its last
+    assert spec.wants_verify([last]) is False and spec.propose_on_guess([last]) == {}
+
+
 def test_a_drain_whose_complete_lookup_finds_nothing_backs_off() -> None:
     """With a step in flight, the lookup on the host's tokens (the one in flight aside) decides whether to drain
     for a verify; when the lookup on the complete context then proposes nothing, that counts as a miss, so

@@ -102,8 +102,8 @@ def test_greedy_tokens_unchanged(runtime, plain, method) -> None:
 def test_ngram_with_async_scheduling_overlaps_plain_and_verify_steps(runtime, plain) -> None:
     """n-gram under async scheduling: a step whose requests have no proposals launches overlapped, and a verify
     step launches behind the step in flight (its first input that step's token, the proposals looked up without
-    it) or, where only the complete context proposes, after draining it; the greedy tokens stay the plain ones,
-    stops and limits inside an accepted run included."""
+    it: at once while the request copies, else once that token matched the lookup's guess) or after draining it;
+    the greedy tokens stay the plain ones, stops and limits inside an accepted run included."""
     engine = runtime.engine
     free = runtime.apply_chat_template([{"role": "user", "content": "Write a poem about the sea."}])
     free_params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -119,16 +119,22 @@ def test_ngram_with_async_scheduling_overlaps_plain_and_verify_steps(runtime, pl
     try:
         outs, counts = generate(runtime, "ngram")  # copy prompts: proposals nearly every step
         overlapped, behind = engine.stats.overlapped_steps, engine.stats.verify_behind_steps
-        with speculating(runtime, "ngram"):
+        with speculating(runtime, "ngram") as spec:
             got_copy = runtime.generate([copy], copy_params)[0].outputs[0].token_ids
             behind = engine.stats.verify_behind_steps - behind
             got_free = runtime.generate([free], free_params)[0].outputs[0].token_ids
+            guessed = engine.stats.verify_on_guess_steps
+            spec.proposer = NgramProposer(K, 2, 4)  # two-token matches: the lookup's guesses hit while it copies
+            got_copy_guessed = runtime.generate([copy], copy_params)[0].outputs[0].token_ids
+            guessed = engine.stats.verify_on_guess_steps - guessed
     finally:
         engine.async_scheduling = False
     for got, want in zip(outs, plain):
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     assert counts["spec_decode_num_accepted_tokens"] > 0
     assert got_copy == want_copy and behind > 0
+    # a verify of a request not copying at the moment, prepared on the lookup's guess while its plain step ran
+    assert got_copy_guessed == want_copy and guessed > 0
     assert got_free == want_free
     assert engine.stats.overlapped_steps > overlapped
 
