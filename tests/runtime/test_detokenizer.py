@@ -260,21 +260,25 @@ def test_random_stops_never_leak(byte_tok: PreTrainedTokenizerBase, include: boo
     assert fired > 100
 
 
+class RecordingTokenizer:
+    """Decodes with `tok`, recording the length of every id list it is asked to decode."""
+
+    def __init__(self, tok: PreTrainedTokenizerBase) -> None:
+        self.tok, self.all_special_ids, self.lengths = tok, tok.all_special_ids, []
+
+    def decode(self, ids: list[int], **kwargs: bool) -> str:
+        self.lengths.append(len(ids))
+        return self.tok.decode(ids, **kwargs)
+
+
 def test_decode_window_stays_small(byte_tok: PreTrainedTokenizerBase) -> None:
     """Per-token cost must not grow with the output: every decode call sees only a few tokens."""
-    lengths: list[int] = []
-
-    class Recording:
-        all_special_ids = byte_tok.all_special_ids
-
-        def decode(self, ids: list[int], **kwargs: bool) -> str:
-            lengths.append(len(ids))
-            return byte_tok.decode(ids, **kwargs)
-
+    recording = RecordingTokenizer(byte_tok)
+    lengths = recording.lengths
     rng = random.Random(3)
     out = byte_tok.encode("".join(_random_text(rng, "<|endoftext|>") for _ in range(60)))
     assert len(out) > 1000
-    det = IncrementalDetokenizer(Recording(), byte_tok.encode("a prompt of some length " * 20))  # type: ignore[arg-type]
+    det = IncrementalDetokenizer(recording, byte_tok.encode("a prompt of some length " * 20))  # type: ignore[arg-type]
     for t in out:
         det.update([t])
         det.take_delta()
@@ -285,18 +289,11 @@ def test_decode_window_stays_small(byte_tok: PreTrainedTokenizerBase) -> None:
 
 def test_without_stop_strings_text_is_decoded_when_read(byte_tok: PreTrainedTokenizerBase) -> None:
     """No stop string needs the text: tokens wait until it is read, then one window decodes them all."""
-    calls: list[int] = []
-
-    class Recording:
-        all_special_ids = byte_tok.all_special_ids
-
-        def decode(self, ids: list[int], **kwargs: bool) -> str:
-            calls.append(len(ids))
-            return byte_tok.decode(ids, **kwargs)
-
+    recording = RecordingTokenizer(byte_tok)
+    calls = recording.lengths
     rng = random.Random(5)
     out = byte_tok.encode("".join(_random_text(rng, "<|endoftext|>") for _ in range(5)))
-    det = IncrementalDetokenizer(Recording(), byte_tok.encode("a prompt"))  # type: ignore[arg-type]
+    det = IncrementalDetokenizer(recording, byte_tok.encode("a prompt"))  # type: ignore[arg-type]
     before = len(calls)
     half = len(out) // 2
     for t in out[:half]:
