@@ -470,23 +470,21 @@ class Engine:
         previous = self._take_inflight()
         running = len(self.scheduler.running)
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return self._complete(previous) + self._sync_step(False)
-        # a batch that admitted or preempted a request is launched whatever the guesses (the target's tokens decide,
-        # as behind a step in flight); one of the running requests alone can be dropped without a trace
-        droppable = not sched.preempted and len(self.scheduler.running) == running
-        prepared = self.runner.prepare_step(sched)
-        if droppable:
+        if not sched.is_empty:
+            # a batch that admitted or preempted a request is launched whatever the guesses (the target's tokens
+            # decide, as behind a step in flight); one of the running requests alone can be dropped without a trace
+            droppable = not sched.preempted and len(self.scheduler.running) == running
+            prepared = self.runner.prepare_step(sched)
             landed = {previous.sched.requests[row].request_id: token
-                      for row, token in zip(previous.rows, previous.token_ids())}
-            if any(landed.get(request_id) != guess for request_id, guess in guesses.items()):
-                for req in sched.requests:
-                    req.spec_token_ids = []
-                self.stats.guesses_missed += 1
-                return self._complete(previous) + self._sync_step(False)
-        step = self._launch(sched, prepared=prepared)
-        self.stats.verify_on_guess_steps += 1
-        return self._complete(previous) + self._complete(step)
+                      for row, token in zip(previous.rows, previous.token_ids())} if droppable else {}
+            if not droppable or all(landed.get(request_id) == guess for request_id, guess in guesses.items()):
+                step = self._launch(sched, prepared=prepared)
+                self.stats.verify_on_guess_steps += 1
+                return self._complete(previous) + self._complete(step)
+            for req in sched.requests:
+                req.spec_token_ids = []
+            self.stats.guesses_missed += 1
+        return self._complete(previous) + self._sync_step(False)
 
     def _take_inflight(self) -> LaunchedStep:
         step, self._inflight = self._inflight, None

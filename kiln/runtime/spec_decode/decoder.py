@@ -10,6 +10,7 @@ of known tokens, so it holds accepted tokens only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,21 +93,8 @@ class SpecDecoder:
         verify yet, or its last one rejected) is proposed for from its complete context instead, after a drain:
         on free text the guesses fail, and each failed verify behind costs about a plain step. Sets
         `spec_token_ids` (cleared elsewhere); -> whether any request got proposals."""
-        if not isinstance(self.proposer, NgramProposer):
-            return False
-        reqs, limits = [], []
-        for req in running:
-            req.spec_token_ids = []
-            room = req.max_total_tokens - req.num_tokens_with_pending - 1
-            if (req.num_pending_tokens == 1 and req.num_computed_tokens == req.num_tokens
-                    and self.backoff.get(req.request_id, (1, 0))[0] == 0 and self._eligible(req, room)):
-                reqs.append(req)
-                limits.append(room)
-        proposed = False
-        for req, limit, proposal in zip(reqs, limits, self.proposer.propose(reqs, limits, skip=1) if reqs else []):
-            req.spec_token_ids = self._padded(proposal, limit)
-            proposed = proposed or bool(proposal)
-        return proposed
+        return bool(self._propose_past_pending(running, lambda req, room: (
+            self.backoff.get(req.request_id, (1, 0))[0] == 0 and self._eligible(req, room))))
 
     def propose_on_guess(self, running: list[Request]) -> dict[str, int]:
         """Async scheduling, a plain step in flight, after `wants_verify` (n-gram only): for each request it expected
@@ -115,20 +103,30 @@ class SpecDecoder:
         while the step in flight runs and launches it once the pending tokens are seen to match the guesses;
         otherwise it drops it and drains as before, so a wrong guess costs no verify (unlike `propose_ahead`'s,
         launched at once). -> request id -> guess, for the requests with proposals."""
-        guesses: dict[str, int] = {}
+        proposed = self._propose_past_pending(running, lambda req, room: req.request_id in self.expected and room > 0)
+        # proposals past the guess mean the lookup's continuation holds the guess itself
+        guesses = self.proposer.propose(proposed, [1] * len(proposed)) if proposed else []
+        return {req.request_id: guess[0] for req, guess in zip(proposed, guesses)}
+
+    def _propose_past_pending(self, running: list[Request], wanted: Callable[[Request, int], bool]) -> list[Request]:
+        """n-gram proposals past the lookup's guess for the pending token, for each request whose pending token is
+        its next input and that is `wanted` (given its room for tokens); sets `spec_token_ids` (cleared for the
+        rest) -> the requests that got proposals."""
         if not isinstance(self.proposer, NgramProposer):
-            return guesses
+            return []
+        reqs, limits = [], []
         for req in running:
             req.spec_token_ids = []
             room = req.max_total_tokens - req.num_tokens_with_pending - 1
-            if (req.request_id in self.expected and req.num_pending_tokens == 1
-                    and req.num_computed_tokens == req.num_tokens and room > 0):
-                guess = self.proposer.propose([req], [1])[0]
-                proposal = self.proposer.propose([req], [room], skip=1)[0]
-                if guess and proposal:
-                    guesses[req.request_id] = guess[0]
-                    req.spec_token_ids = self._padded(proposal, room)
-        return guesses
+            if req.num_pending_tokens == 1 and req.num_computed_tokens == req.num_tokens and wanted(req, room):
+                reqs.append(req)
+                limits.append(room)
+        proposed = []
+        for req, limit, proposal in zip(reqs, limits, self.proposer.propose(reqs, limits, skip=1) if reqs else []):
+            if proposal:
+                req.spec_token_ids = self._padded(proposal, limit)
+                proposed.append(req)
+        return proposed
 
     def _padded(self, proposal: list[int], limit: int) -> list[int]:
         """A short proposal repeats its last token up to min(k, limit) when `pad_proposals`: the fillers are
