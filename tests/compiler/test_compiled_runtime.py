@@ -60,14 +60,22 @@ def test_logits_close_to_eager(runtimes: dict[int, Runtime], level: int, num_tok
 
 def test_split_structure_and_distinct_pieces(runtimes: dict[int, Runtime]) -> None:
     layers = runtimes[0].engine.loaded.spec.num_layers
+    # -O3's sizes 2 and 4 compile in worker processes after start-up and join the dispatcher's keys when a step
+    # swaps them in, which an earlier test's steps may or may not have done by now: swap them in here
+    background = runtimes[3].engine.worker.compiled.background
+    assert background is not None and background.wait(timeout=1800)
+    background.swap_if_done()
     for level in (1, 2, 3):
         stats = runtimes[level].compile_stats
-        keys = runtimes[level].engine.worker.compiled.backend.dispatcher.keys
+        compiled = runtimes[level].engine.worker.compiled
+        later = set(compiled.background.sizes) if compiled.background is not None else set()
+        at_start = [k for k in compiled.backend.dispatcher.keys if not (k.exact and k.lo in later)]
         assert stats.num_pieces == 2 * layers + 1 and stats.num_attention_pieces == layers
         assert stats.num_distinct_pieces <= 3
-        assert stats.inductor_compiles == stats.num_distinct_pieces * len(keys)
+        assert stats.inductor_compiles == stats.num_distinct_pieces * len(at_start)
+        assert stats.background_swapped == stats.num_distinct_pieces * len(later)
         for piece in stats.pieces.values():  # each distinct piece compiled exactly once per range/size
-            assert sorted(piece.compile_seconds) == sorted(str(k) for k in keys)
+            assert sorted(piece.compile_seconds) == sorted(str(k) for k in at_start)
 
 
 def test_dispatch_picks_exact_size_then_range(runtimes: dict[int, Runtime]) -> None:
