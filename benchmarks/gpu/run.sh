@@ -62,6 +62,13 @@ set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS an
 set_gemm_host() {  # the host's time per projection GEMM call, eager and under capture, new and seen shapes
   step gemm_host 120 python3 -m benchmarks.bench_gemm --part host --json "$R/gemm_host.json"
 }
+set_smollm2_kernels() {  # SmolLM2-135M's decode kernels at batch 1 / 8: its four projections' GEMM tiles (kiln's rule
+  # against every swept tile) and the Triton decode attention's launch configurations at its 9 / 3 heads of 64
+  step smollm2_gemm 200 python3 -m benchmarks.bench_gemm --part small-m --preset smollm2-135m --m 1 8 \
+    --json "$R/smollm2_gemm.json"
+  step smollm2_attention 200 python3 -m benchmarks.bench_attention --backends triton --sweep --heads 9 3 \
+    --head-dim 64 --batches 1 8 --contexts 128 1024 --json "$R/smollm2_attention.json"
+}
 set_tp() {  # two GPUs: all-reduce kernels, then 8B TP=1/TP=2 and 70B TP=2 decode, sync and async
   step tp 570 python3 -m benchmarks.bench_tp --json "$R/tp.json"
 }
