@@ -111,7 +111,7 @@ def decode_child(args: argparse.Namespace) -> dict[str, Any]:
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        procs = list(engine._tp_procs)
+        procs = list(engine.tp.procs)
         start = time.perf_counter()
         engine.shutdown()
         out["shutdown_s"] = time.perf_counter() - start

@@ -22,7 +22,6 @@ import torch
 
 from kiln.config import RuntimeConfig, resolve_device
 from kiln.models.loader.load import LoadedModel, model_directory
-from kiln.runtime import tp_processes
 from kiln.runtime.async_step import LaunchedStep
 from kiln.runtime.compiler_imports import start_compiler_imports
 from kiln.runtime.detokenizer import IncrementalDetokenizer
@@ -41,6 +40,7 @@ from kiln.runtime.spec_decode.decoder import SpecDecoder, SpecDecodeStats, build
 from kiln.runtime.startup import StartupClock, StartupTimes
 from kiln.runtime.structured.manager import StructuredOutputs
 from kiln.runtime.tokenizer_load import BackgroundTokenizer, load_tokenizer
+from kiln.runtime.tp_leader import TensorParallelLeader
 from kiln.runtime.worker import Worker
 
 logger = logging.getLogger("kiln")
@@ -84,23 +84,18 @@ class Engine:
         # and the compiler's imports run on another beside the load
         tokenizer_job = self._start_tokenizer(config, loaded, clock)
         compiler_imports = start_compiler_imports(config.compilation.level, self.device)
-        self._tp_procs: list = []
         self._ready = threading.Event()  # set once built: ends the tensor-parallel start-up watch
-        self._channel = None
-        self._tp_group = None  # the CPU process group under tensor parallelism
-        agree = None
+        self.tp: TensorParallelLeader | None = None  # rank 0's side of the group under tensor parallelism
         if config.tensor_parallel_size > 1:
-            agree = self._start_tensor_parallel(config)
-        self.worker = Worker(config, self.device, loaded, agree_num_blocks=agree, clock=clock)
+            self.tp = TensorParallelLeader(config, self.device, self._ready)
+            self.device = self.tp.device
+        self.worker = Worker(config, self.device, loaded, clock=clock,
+                             agree_num_blocks=self.tp.agree_num_blocks() if self.tp is not None else None)
         if compiler_imports is not None:  # the compile phase imports the same modules: never both at once
             compiler_imports.join()
         self.worker.warm_up()
-        if self._tp_group is not None:  # the workers open theirs after their warm-up too
-            from kiln.runtime import distributed as tp
-
-            self._channel = tp.open_step_channel(0, self._tp_group, self.worker.runner, self.device,
-                                                 local_workers=bool(self._tp_procs),
-                                                 check_workers=lambda: tp_processes.check_workers(self._tp_procs))
+        if self.tp is not None:  # the workers open theirs after their warm-up too
+            self.tp.open_channel(self.worker.runner)
         self.loaded, self.model = self.worker.loaded, self.worker.model
         self.backend, self.kv_cache, self.runner = self.worker.backend, self.worker.kv_cache, self.worker.runner
         self.max_model_len = self.worker.max_model_len
@@ -116,8 +111,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner.block_ids_of = self.kv.block_ids_of
         self.runner.eos_token_ids = self.eos_token_ids
-        if self._channel is not None:
-            self.runner.on_batch = self._broadcast
+        if self.tp is not None:
+            self.runner.on_batch = self._send_step
             self.runner.on_sampled = self._share_samples
         # speculative decoding (None: off); may be switched between steps while nothing is in flight
         self.speculation: SpecDecoder | None = None
@@ -148,44 +143,12 @@ class Engine:
         self._ready.set()
 
     # -- set-up helpers --------------------------------------------------------------------------------
-    def _start_tensor_parallel(self, config: RuntimeConfig):
-        """Become rank 0 of a TP group (spawning local workers unless torchrun started every rank)."""
-        from kiln.runtime import distributed as tp
-
-        world = config.tensor_parallel_size
-        if tp.launched_by_torchrun():
-            rank = int(os.environ["RANK"])
-            if int(os.environ["WORLD_SIZE"]) != world:
-                raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
-            if rank != 0:  # the same entry point on every rank: the others serve rank 0 and then exit
-                if not tp.worker_main(config, rank, world):
-                    os._exit(tp_processes.UNCLEAN_EXIT)  # its groups hang in their tear-down: exit hooks would too
-                raise SystemExit(0)
-        else:
-            workers = tp_processes.spawn_workers(config, world)
-            self._tp_procs = workers.procs
-            try:  # before the rendezvous, which would wait for a dead worker until the group's timeout
-                tp_processes.wait_until_started(workers, timeout=float(os.environ.get("KILN_TP_TIMEOUT", "300")))
-            except tp_processes.WorkerStartError:
-                tp_processes.stop_workers(self._tp_procs, timeout=1.0)
-                raise
-            tp_processes.watch_start_up(self._tp_procs, self._ready)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        group = self._tp_group = tp.init_tensor_parallel(0, world, self.device)
-        return lambda n: tp.agree_min(n, group)
-
-    def _broadcast(self, shape, num_pending: int, local_greedy: bool) -> None:
-        from kiln.runtime.step_channel import StepHeader
-
-        tp_processes.check_workers(self._tp_procs)
-        # greedy ids computed on every rank need no broadcast; otherwise async workers need rank 0's
-        share = self.async_scheduling and not local_greedy
-        self._channel.send(self.runner, StepHeader(shape, num_pending, share, local_greedy))
+    def _send_step(self, shape, num_pending: int, local_greedy: bool) -> None:
+        self.tp.send_step(self.runner, shape, num_pending, local_greedy, self.async_scheduling)
 
     def _share_samples(self, tokens: torch.Tensor) -> None:
         if self.async_scheduling:  # the workers expect them exactly when the step's header said so
-            self._channel.share_samples(tokens)
+            self.tp.share_samples(tokens)
 
     def shutdown(self) -> None:
         """Cancel the background compiles and stop tensor-parallel workers; the engine is unusable afterwards.
@@ -202,25 +165,11 @@ class Engine:
             background.cancel()
         if self.structured is not None:
             self.structured.shutdown()
-        if self._channel is None:
+        if self.tp is None or self.tp.channel is None:
             return
-        from kiln.runtime import distributed as tp
-
-        try:
-            self._channel.send_stop()
-        except Exception as exc:  # a dead worker must not make shutdown fail
-            logger.warning("could not stop tensor-parallel workers cleanly: %s", exc)
-        self._channel.close()
-        self._channel = None
         self._inflight = None
         self.runner.on_batch = self.runner.on_sampled = None
-        timeout, start = tp.shutdown_timeout(), time.perf_counter()
-        clean = tp.close_tensor_parallel(self.worker, timeout)
-        closed = time.perf_counter()
-        forced = tp_processes.stop_workers(self._tp_procs, timeout)
-        logger.info("tensor-parallel shutdown: rank 0's groups %s in %.1f s, workers joined in %.1f s%s",
-                    "destroyed" if clean else "NOT destroyed", closed - start, time.perf_counter() - closed,
-                    f" (ranks {forced} had to be terminated)" if forced else "")
+        self.tp.shutdown(self.worker)
 
     @staticmethod
     def _start_tokenizer(config: RuntimeConfig, loaded: LoadedModel | None,
@@ -229,7 +178,7 @@ class Engine:
 
         The model directory is resolved here cheaply (no config read). Where that fails the load raises the
         same error later, as it always did, and the tokenizer is then loaded in line. Ranks other than 0 of
-        a torchrun group leave in `_start_tensor_parallel` and need none."""
+        a torchrun group leave in `TensorParallelLeader` and need none."""
         if config.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
             return None
         if loaded is not None:

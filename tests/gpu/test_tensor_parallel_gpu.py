@@ -34,7 +34,7 @@ def reference() -> list[list[int]]:
 
 
 def shut_down(runtime: Runtime) -> None:
-    procs = list(runtime.engine._tp_procs)
+    procs = list(runtime.engine.tp.procs)
     stopper = threading.Thread(target=runtime.engine.shutdown, daemon=True)
     stopper.start()
     stopper.join(timeout=120)

@@ -39,7 +39,7 @@ def test_tp2_gloo_step_channel_matches_tp1(reference, monkeypatch: pytest.Monkey
     runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32,
                       async_scheduling=True)
     try:
-        assert runtime.engine._channel.kind == "gloo"
+        assert runtime.engine.tp.channel.kind == "gloo"
         assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
     finally:
         runtime.engine.shutdown()
@@ -56,7 +56,7 @@ def test_tp2_falls_back_to_gloo_without_room_in_dev_shm(reference, monkeypatch: 
     monkeypatch.setattr(tp, "_check_shm_space", no_room)
     runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32)
     try:
-        assert runtime.engine._channel.kind == "gloo"
+        assert runtime.engine.tp.channel.kind == "gloo"
         assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
     finally:
         runtime.engine.shutdown()
@@ -72,14 +72,14 @@ def test_shm_step_channel_leaves_no_segment_behind() -> None:
     assert own_shm_segments() == []
     runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
     try:
-        channel = runtime.engine._channel
+        channel = runtime.engine.tp.channel
         assert channel.kind == "shm" and channel.name.lstrip("/").startswith(f"kiln-tp-{os.getpid()}-")
         assert own_shm_segments() == []
         assert len(runtime.generate(PROMPTS[:2], PARAMS)[1].outputs[0].token_ids) == PARAMS.max_tokens
     finally:
         runtime.engine.shutdown()
     assert own_shm_segments() == []
-    assert runtime.engine._tp_procs[0].exitcode == 0
+    assert runtime.engine.tp.procs[0].exitcode == 0
 
 
 def test_worker_exits_when_rank0_is_killed(tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_worker_exits_when_rank0_is_killed(tmp_path: Path) -> None:
         if __name__ == "__main__":
             runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
             runtime.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-            print("worker", runtime.engine._tp_procs[0].pid, flush=True)
+            print("worker", runtime.engine.tp.procs[0].pid, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     """))
     root = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def test_tp2_greedy_ids_per_rank_and_gathered_logits_agree(reference, async_sche
     greedy_tokens = model.greedy_tokens
     model.greedy_tokens = lambda hidden: calls.append(hidden.shape[0]) or greedy_tokens(hidden)
     try:
-        assert runtime.engine._channel.kind == "shm"  # kiln spawned the worker on this host
+        assert runtime.engine.tp.channel.kind == "shm"  # kiln spawned the worker on this host
         assert runtime.engine.kv_cache.shape[-2] == 1  # tiny-qwen3's 2 KV heads: one per rank
         assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == reference
         assert calls  # the per-rank argmax served those steps
@@ -161,7 +161,7 @@ def test_tp2_shutdown_returns_and_every_rank_exits() -> None:
 
     runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
     runtime.generate(PROMPTS[:2], PARAMS)
-    procs = list(runtime.engine._tp_procs)
+    procs = list(runtime.engine.tp.procs)
     stopper = threading.Thread(target=runtime.engine.shutdown, daemon=True)
     stopper.start()
     stopper.join(timeout=120)
@@ -184,7 +184,7 @@ def test_unguarded_script_builds_and_exits(reference, tmp_path: Path) -> None:
         runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
         outs = runtime.generate({PROMPTS[:2]!r}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
-        print("worker", runtime.engine._tp_procs[0].pid, flush=True)
+        print("worker", runtime.engine.tp.procs[0].pid, flush=True)
     """))
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "KILN_TP_TIMEOUT")}
@@ -232,8 +232,8 @@ def test_torchrun_style_launch_uses_the_same_entry_point(reference) -> None:
 def test_dead_worker_stops_the_engine_with_a_clear_error() -> None:
     runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2)
     try:
-        runtime.engine._tp_procs[0].kill()
-        runtime.engine._tp_procs[0].join(timeout=30)
+        runtime.engine.tp.procs[0].kill()
+        runtime.engine.tp.procs[0].join(timeout=30)
         with pytest.raises(EngineDeadError, match="rank 1"):
             runtime.generate(PROMPTS[:1], PARAMS)
     finally:

@@ -22,7 +22,7 @@ def test_dead_worker_turns_requests_into_503() -> None:
     served = start_server(Path("tiny-qwen3"), tensor_parallel_size=2)
     try:
         assert complete(served.url).status_code == 200
-        worker = served.engine._tp_procs[0]
+        worker = served.engine.tp.procs[0]
         worker.kill()
         worker.join(timeout=30)
         first = complete(served.url)  # the step that finds the worker dead fails this request, saying why
