@@ -430,9 +430,7 @@ class Engine:
                 step = self._launch(sched, prepared=prepared)
                 self.stats.verify_on_guess_steps += 1
                 return self._complete(previous) + self._complete(step)
-            for req in sched.requests:
-                req.spec_token_ids = []
-            self.stats.guesses_missed += 1
+            self.stats.guesses_missed += 1  # the sync step's `propose` sets every request's proposals afresh
         return self._complete(previous) + self._sync_step(False)
 
     def _take_inflight(self) -> LaunchedStep:
