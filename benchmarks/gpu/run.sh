@@ -66,7 +66,7 @@ set_smollm2_kernels() {  # SmolLM2-135M's decode kernels at batch 1 / 8: its fou
   # against every swept tile) and the Triton decode attention's launch configurations at its 9 / 3 heads of 64
   step smollm2_gemm 200 python3 -m benchmarks.bench_gemm --part small-m --preset smollm2-135m --m 1 8 \
     --json "$R/smollm2_gemm.json"
-  step smollm2_attention 200 python3 -m benchmarks.bench_attention --backends triton --sweep --heads 9 3 \
+  step smollm2_attention 300 python3 -m benchmarks.bench_attention --backends triton --sweep --heads 9 3 \
     --head-dim 64 --batches 1 8 --contexts 128 1024 --json "$R/smollm2_attention.json"
 }
 set_tp() {  # two GPUs: all-reduce kernels, then 8B TP=1/TP=2 and 70B TP=2 decode, sync and async

@@ -81,10 +81,16 @@ TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {  # H200, 2026-11-30 (docs/B
 # (decode) and M <= 16 (a speculative verify) must sum in the same order for greedy tokens to stay the same.
 # Qwen3-30B-A3B's attention projections, where the rule's split (qkv 2, o 8) took 9.07 / 8.94 us at M = 1 against
 # 8.28 / 7.93 (H200, 2026-12-02, `bench_gemm --preset qwen3-30b-a3b --projections qkv o --m 1 8`, the same
-# winners at M = 8; benchmarks/results/2026-12-02-h200-34c24bb).
+# winners at M = 8; benchmarks/results/2026-12-02-h200-34c24bb). SmolLM2-135M's four projections, the same winners
+# at M = 1 and 8 (H200, 2026-12-03, `bench_gemm --preset smollm2-135m --m 1 8`; rule -> best at M = 1: qkv 3.40 ->
+# 3.32 us, o 3.37 -> 3.30, gate_up 3.72 -> 3.62, down 5.04 -> 4.58; benchmarks/results/2026-12-03-h200-7b26b05).
 TUNED_16BIT: dict[tuple[int, int, int], Fp8GemmConfig] = {
     (5120, 2048, 16): Fp8GemmConfig(64, 128, 1, 4, 4),
     (2048, 4096, 16): Fp8GemmConfig(64, 128, 4, 4, 4),
+    (960, 576, 16): Fp8GemmConfig(64, 64, 1, 4, 6),
+    (576, 576, 16): Fp8GemmConfig(64, 64, 1, 4, 6),
+    (3072, 576, 16): Fp8GemmConfig(64, 64, 1, 4, 6),
+    (576, 1536, 16): Fp8GemmConfig(64, 128, 4, 4, 4),
 }
 
 # Split-K's reduction folded into the GEMM kernel (the last split of each output tile to finish sums the
