@@ -69,6 +69,15 @@ set_smollm2_kernels() {  # SmolLM2-135M's decode kernels at batch 1 / 8: its fou
   step smollm2_attention 300 python3 -m benchmarks.bench_attention --backends triton --sweep --heads 9 3 \
     --head-dim 64 --batches 1 8 --contexts 128 1024 --json "$R/smollm2_attention.json"
 }
+set_gemm_silu_mul() {  # the gemm_silu_mul pass (SiLU-mul in the down GEMM's loads) on vs off: its GPU tests, then
+  # SmolLM2-135M and Llama-3-8B decode at batch 1/8/64 and a 1024-token prefill, each arm compiled in one process
+  step gemm_silu_mul_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE -k "silu_mul" \
+    tests/models/test_fp8_kernel.py tests/passes/test_gpu_passes.py::test_gemm_silu_mul_on_a_16_bit_model
+  for preset in smollm2-135m llama3-8b; do
+    step "gemm_silu_mul_$preset" 240 python3 -m benchmarks.bench_passes --preset "$preset" --configs off gemm_silu_mul \
+      --batches 1 8 64 --prefill 1024 --json "$R/gemm_silu_mul_$preset.json"
+  done
+}
 set_tp() {  # two GPUs: all-reduce kernels, then 8B TP=1/TP=2 and 70B TP=2 decode, sync and async
   step tp 570 python3 -m benchmarks.bench_tp --json "$R/tp.json"
 }

@@ -182,23 +182,34 @@ def test_op_on_cpu_is_scaled_mm() -> None:
                           test_utils=("test_faketensor",))
 
 
-@pytest.mark.parametrize("block_m,split,fold", [(16, False, False), (64, True, False), (16, True, True)])
-def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool, fold: bool) -> None:
-    """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
-    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that);
-    the folded split-K reduction adds its arrival atomic and keeps the rest."""
+def sm90_ptx(*args: int) -> dict:
+    """What the PTX of an ahead-of-time sm90 compile holds (tests/models/fp8_kernel_sm90.py, its own process)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", str(block_m), str(int(split)),
-                           str(int(fold))],
+    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=300, check=False,
                           cwd=Path(__file__).resolve().parents[2])
     if proc.returncode != 0 and "ptxas" in proc.stderr:
         pytest.skip("no ptxas in this Triton install")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("block_m,split,fold", [(16, False, False), (64, True, False), (16, True, True)])
+def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool, fold: bool) -> None:
+    """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
+    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that);
+    the folded split-K reduction adds its arrival atomic and keeps the rest."""
+    ptx = sm90_ptx(block_m, int(split), int(fold))
     assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"] and ptx["atomic"] == fold, ptx
     stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
     assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer
+
+
+def test_silu_mul_loads_keep_the_bf16_kernel_on_pipelined_wgmma() -> None:
+    """The SILU_MUL operand (gate and up loaded, SiLU-mul in registers) compiled ahead of time for sm90: still
+    wgmma fed by multi-stage async copies."""
+    ptx = sm90_ptx(16, 1, 0, 1)
+    assert ptx["wgmma"] and ptx["cp_async"] and not ptx["e4m3"], ptx
 
 
 @pytest.mark.parametrize("m,n,k,config", [
@@ -258,3 +269,48 @@ def test_dense_gemm_op_dispatches_on_m_and_matches_mm(m: int, monkeypatch: pytes
     assert dense_gemm.TRITON_MAX_M == 16  # the measured threshold the docstring states
     assert calls == ([m] if m <= 16 else [])
     torch.library.opcheck(torch.ops.kiln.dense_gemm.default, (x, w), test_utils=("test_faketensor",))
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 72, 96, Fp8GemmConfig(32, 32, 1, 4, 2)),
+    (5, 70, 200, Fp8GemmConfig(64, 64, 2, 4, 2)),
+    (16, 64, 130, Fp8GemmConfig(64, 32, 3, 4, 2)),
+])
+def test_silu_mul_operand_matches_the_unfused_product(m: int, n: int, k: int, config: Fp8GemmConfig) -> None:
+    """SILU_MUL: the kernel reads gate_up [M, 2K] and multiplies silu(gate) * up, rounded to the 16-bit dtype as
+    the unfused graph stores it, by the weight: with and without split-K, K off the tile (fp16 off the GPU, as
+    above)."""
+    from kiln.models.quant.fp8_kernel import bf16_gemm_silu_mul_triton
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    g = torch.Generator().manual_seed(m * 100 + k)
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEVICE)
+    gate, up = gate_up.float().chunk(2, -1)
+    h = (torch.nn.functional.silu(gate) * up).to(dtype)
+    out = bf16_gemm_silu_mul_triton(gate_up, w, config)
+    assert out.dtype == dtype and out.shape == (m, n)
+    # h may differ from the kernel's by an ulp (exp's rounding), then one 16-bit rounding of an fp32 sum
+    torch.testing.assert_close(out.double(), h.double() @ w.double().t(), rtol=2 ** -6, atol=2e-3)
+
+
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_dense_gemm_silu_mul_op_dispatches_like_dense_gemm(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kiln::dense_gemm_silu_mul (what the gemm_silu_mul pass rewrites to): the fused small-M kernel up to
+    TRITON_MAX_M tokens, kiln::silu_and_mul and torch.mm above; the same product either way."""
+    import kiln.passes.ops  # noqa: F401 - registers the op
+    from kiln.models.quant import fp8_kernel
+
+    calls: list[int] = []
+    original = fp8_kernel.bf16_gemm_silu_mul_triton
+    monkeypatch.setattr(fp8_kernel, "bf16_gemm_silu_mul_triton",
+                        lambda x, w, *a: calls.append(x.shape[0]) or original(x, w, *a))
+    g = torch.Generator().manual_seed(m)
+    gate_up = torch.randn(m, 2 * 96, generator=g).to(torch.float16).to(DEVICE)
+    w = (torch.randn(72, 96, generator=g) * 0.05).to(torch.float16).to(DEVICE)
+    gate, up = gate_up.float().chunk(2, -1)
+    want = (torch.nn.functional.silu(gate) * up).to(torch.float16).double() @ w.double().t()
+    got = torch.ops.kiln.dense_gemm_silu_mul(gate_up, w)
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -6, atol=2e-3)
+    assert calls == ([m] if m <= 16 else [])
+    torch.library.opcheck(torch.ops.kiln.dense_gemm_silu_mul.default, (gate_up, w), test_utils=("test_faketensor",))

@@ -160,10 +160,11 @@ def num_sms(device: torch.device) -> int:
 def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, fin_ptr, count_ptr, M, N, K, k_steps, s_xm, s_wn,
                      s_om, s_op, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr,
-                     FOLD: tl.constexpr):
+                     FOLD: tl.constexpr, SILU_MUL: tl.constexpr):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
     are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N], and
-    with FOLD the last split of a tile to finish sums them into fin [M, N] (no second kernel)."""
+    with FOLD the last split of a tile to finish sums them into fin [M, N] (no second kernel). SILU_MUL: x is
+    [M, 2K], gate then up, and the operand is silu(gate) * up, rounded to x's dtype as a stored one would be."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -179,15 +180,19 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, fin_ptr, count_ptr, 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(0, k_steps):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            x_mask = m_mask[:, None]
             if EVEN_N:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             k_mask = (k_lo + step * BLOCK_K + offs_k) < K
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x_mask = m_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SILU_MUL:
+            gate = x.to(tl.float32)
+            x = (gate * tl.sigmoid(gate) * tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)).to(x.dtype)
         if SCALED:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; promote to fp32 every 32 products
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=32)
         else:
@@ -261,10 +266,18 @@ def bf16_gemm_triton(x: torch.Tensor, weight: torch.Tensor, config: Fp8GemmConfi
     return _small_m_gemm(x, weight, None, None, x.dtype, config)
 
 
+def bf16_gemm_silu_mul_triton(gate_up: torch.Tensor, weight: torch.Tensor,
+                              config: Fp8GemmConfig | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight^T from gate_up [M, 2K] = [gate | up] and weight [N, K]: the MLP's activation
+    computed as the down projection loads its operand, so no kernel writes and re-reads it."""
+    return _small_m_gemm(gate_up, weight, None, None, gate_up.dtype, config, silu_mul=True)
+
+
 def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
                   weight_scale: torch.Tensor | None, out_dtype: torch.dtype,
-                  config: Fp8GemmConfig | None) -> torch.Tensor:
+                  config: Fp8GemmConfig | None, silu_mul: bool = False) -> torch.Tensor:
     m, k = q.shape
+    k //= 2 if silu_mul else 1
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={k} of the activation")
@@ -291,7 +304,7 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
                            q.stride(0), weight.stride(0), n, m * n,
                            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split > 1,
                            EVEN_K=even_k, EVEN_N=n % config.block_n == 0, SCALED=scaled, FOLD=fold,
-                           num_warps=config.num_warps, num_stages=config.num_stages)
+                           SILU_MUL=silu_mul, num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1 and not fold:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
