@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value, single_user
-from kiln.passes.silu_mul import _halves, _silu_of
+from kiln.passes.silu_mul import silu_mul_operand
 
 aten = torch.ops.aten
 
@@ -45,16 +45,14 @@ class GemmSiluMulPass(KilnPass):
             mul, views = _through_same_shape_view(gemm.args[0])
             if not is_call(mul, aten.mul.Tensor) or not single_user(mul):
                 continue
-            for act, up in (mul.args[:2], mul.args[1::-1]):
-                silu = _silu_of(act)
-                x = _halves(silu[0], up) if silu is not None else None
-                if x is None or mul.meta["val"].dtype != x.meta["val"].dtype:
-                    continue
-                with graph.inserting_before(gemm):
-                    fused = graph.call_function(op, (x, gemm.args[1]))
-                set_fake_value(fused, op, x, gemm.args[1])
-                gemm.replace_all_uses_with(fused)
-                erase_if_dead(graph, [gemm, *views, mul, *silu[1], up, silu[0].args[0]])
-                count += 1
-                break
+            operand = silu_mul_operand(mul)
+            if operand is None or mul.meta["val"].dtype != operand[0].meta["val"].dtype:
+                continue
+            x, chain = operand
+            with graph.inserting_before(gemm):
+                fused = graph.call_function(op, (x, gemm.args[1]))
+            set_fake_value(fused, op, x, gemm.args[1])
+            gemm.replace_all_uses_with(fused)
+            erase_if_dead(graph, [gemm, *views, *chain])
+            count += 1
         return count

@@ -63,6 +63,18 @@ def _halves(gate: object, up: object) -> fx.Node | None:
     return None
 
 
+def silu_mul_operand(mul: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """If `mul` computes silu(gate) * up (either operand order) over the halves of one [T, 2N] tensor ->
+    (that tensor, the chain's nodes from mul back to the split, for erase_if_dead)."""
+    for act, up in (mul.args[:2], mul.args[1::-1]):
+        silu = _silu_of(act)
+        x = _halves(silu[0], up) if silu is not None else None
+        if x is not None:
+            gate, used = silu
+            return x, [mul, *used, up, gate.args[0]]
+    return None
+
+
 class SiluMulPass(KilnPass):
     name = "silu_mul"
 
@@ -71,24 +83,17 @@ class SiluMulPass(KilnPass):
 
         count = 0
         for mul in live_nodes(graph):
-            if not is_call(mul, aten.mul.Tensor):
+            operand = silu_mul_operand(mul) if is_call(mul, aten.mul.Tensor) else None
+            if operand is None:  # (intermediates with other users just stay alive: still correct)
                 continue
-            for act, up in (mul.args[:2], mul.args[1::-1]):
-                silu = _silu_of(act)
-                if silu is None:
-                    continue
-                gate, used = silu
-                x = _halves(gate, up)
-                if x is None:  # (intermediates with other users just stay alive: still correct)
-                    continue
-                mv = mul.meta.get("val")
-                if not isinstance(mv, torch.Tensor) or mv.dtype != x.meta["val"].dtype:
-                    continue
-                with graph.inserting_before(mul):
-                    fused = graph.call_function(torch.ops.kiln.silu_and_mul.default, (x,))
-                set_fake_value(fused, torch.ops.kiln.silu_and_mul.default, x)
-                mul.replace_all_uses_with(fused)
-                erase_if_dead(graph, [mul, *used, up, gate.args[0]])
-                count += 1
-                break
+            x, chain = operand
+            mv = mul.meta.get("val")
+            if not isinstance(mv, torch.Tensor) or mv.dtype != x.meta["val"].dtype:
+                continue
+            with graph.inserting_before(mul):
+                fused = graph.call_function(torch.ops.kiln.silu_and_mul.default, (x,))
+            set_fake_value(fused, torch.ops.kiln.silu_and_mul.default, x)
+            mul.replace_all_uses_with(fused)
+            erase_if_dead(graph, chain)
+            count += 1
         return count

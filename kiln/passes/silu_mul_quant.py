@@ -17,7 +17,7 @@ from torch import fx
 
 from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from kiln.passes.base import KilnPass, call_two_outputs, erase_if_dead, is_call, live_nodes, single_user, strip_cast
-from kiln.passes.silu_mul import _halves, _silu_of
+from kiln.passes.silu_mul import silu_mul_operand
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -62,17 +62,15 @@ class SiluMulQuantPass(KilnPass):
             if quant is None or not is_call(quant[0], aten.mul.Tensor):
                 continue
             mul, scale, q, chain = quant
-            for act, up in (mul.args[:2], mul.args[1::-1]):
-                silu = _silu_of(act)
-                x = _halves(silu[0], up) if silu is not None else None
-                if x is None:
-                    continue
-                with graph.inserting_before(q):
-                    new_q, new_scale = call_two_outputs(graph, op, (x,))
-                q.replace_all_uses_with(new_q)
-                # the scale's users come after it, and so after the op: the GEMM reads it too
-                scale.replace_all_uses_with(new_scale)
-                erase_if_dead(graph, [*chain, scale, mul, *silu[1], up, silu[0].args[0]])
-                count += 1
-                break
+            operand = silu_mul_operand(mul)
+            if operand is None:
+                continue
+            x, silu_chain = operand
+            with graph.inserting_before(q):
+                new_q, new_scale = call_two_outputs(graph, op, (x,))
+            q.replace_all_uses_with(new_q)
+            # the scale's users come after it, and so after the op: the GEMM reads it too
+            scale.replace_all_uses_with(new_scale)
+            erase_if_dead(graph, [*chain, scale, *silu_chain])
+            count += 1
         return count
