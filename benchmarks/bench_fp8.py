@@ -22,10 +22,9 @@ quantization set); otherwise -O2 with graphs at the decode batches and async sch
         --parts decode throughput kv --kv-configs 2x64 --json /tmp/fp8.json                # CPU dry run
 
 The decode and throughput parts run bf16, then FP8 once per --fp8-paths entry: "triton" is the default
-dispatch (kiln::fp8_gemm's Triton kernel up to TRITON_MAX_M tokens), "cublas" forces _scaled_mm everywhere,
-"fold" is "triton" with split-K's reduction folded into the GEMM kernel (fp8_kernel.FOLD_SPLIT_K). On a GPU each
-decode row has its floor (benchmarks/common.py: weights and KV once at the copy bandwidth, or the FLOPs at the
-matmul rate, both measured in the same run, whichever is longer).
+dispatch (kiln::fp8_gemm's Triton kernel up to TRITON_MAX_M tokens), "cublas" forces _scaled_mm everywhere.
+On a GPU each decode row has its floor (benchmarks/common.py: weights and KV once at the copy bandwidth, or the
+FLOPs at the matmul rate, both measured in the same run, whichever is longer).
 The projection GEMMs alone, FP8 and bf16: bench_gemm.py.
 """
 
@@ -60,7 +59,7 @@ from benchmarks.fp8_accuracy import GRANULARITIES
 from benchmarks.fp8_accuracy import measure as measure_accuracy
 from kiln import Runtime, SamplingParams
 from kiln.models import dense_gemm
-from kiln.models.quant import fp8_gemm, fp8_kernel
+from kiln.models.quant import fp8_gemm
 
 dense_gemm_max_m = dense_gemm.TRITON_MAX_M  # the default, restored after a cublas run
 
@@ -112,8 +111,6 @@ def runtime_rows(args: argparse.Namespace, quantization: str | None, errors: dic
                  fp8_path: str = "triton", ceil: Ceilings | None = None) -> tuple[list, list]:
     label = f"{quantization or 'bf16'}-{fp8_path}"
     ceil = ceil or no_ceilings()
-    # read per call by the kernels; set before the build so its CUDA graphs capture this path
-    fp8_kernel.FOLD_SPLIT_K = quantization is not None and fp8_path == "fold"
     if quantization:
         fp8_gemm.TRITON_MAX_M = 0 if fp8_path == "cublas" else args.triton_max_m
     else:  # bf16: "cublas" keeps F.linear (no kiln::dense_gemm in the trace; the env var is in the cache key)
@@ -275,7 +272,7 @@ def main() -> None:
     parser.add_argument("--defaults", action="store_true",
                         help="decode/throughput runtimes at default settings (ignores the sizing flags)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--fp8-paths", nargs="+", default=["triton"], choices=["triton", "cublas", "fold"])
+    parser.add_argument("--fp8-paths", nargs="+", default=["triton"], choices=["triton", "cublas"])
     parser.add_argument("--bf16-paths", nargs="+", default=["triton"], choices=["triton", "cublas"],
                         help="bf16 projections: kiln::dense_gemm's Triton kernel at small M, or cuBLAS only")
     parser.add_argument("--no-bf16", action="store_true", help="decode/throughput: FP8 runs only (no bf16 build)")

@@ -31,9 +31,11 @@ set_startup_sampled() {  # a cold and a warm start, then one more warm start wit
   step startup_sampled 300 python3 -m benchmarks.bench_startup --variants default --sample-warm --decode-batches 1 \
     --budget-s 290 --json "$R/startup_sampled.json"
 }
-set_startup_ab() {  # the start-up arms left open (docs/startup.md): pre-import off / default / weights in line
-  step startup_ab 570 python3 -m benchmarks.bench_startup --variants KILN_COMPILER_PREIMPORT=0 default \
-    KILN_WEIGHT_STREAM=0 --warm-repeats 5 --decode-batches 1 --budget-s 560 --json "$R/startup_ab.json"
+set_startup_ab() {  # start-up arms (STARTUP_AB_VARIANTS, default the ones docs/startup.md left open: pre-import off /
+  # default / weights in line), STARTUP_AB_WARM_REPEATS warm starts each (default 5)
+  step startup_ab 570 python3 -m benchmarks.bench_startup \
+    --variants ${STARTUP_AB_VARIANTS:-KILN_COMPILER_PREIMPORT=0 default KILN_WEIGHT_STREAM=0} \
+    --warm-repeats "${STARTUP_AB_WARM_REPEATS:-5}" --decode-batches 1 --budget-s 560 --json "$R/startup_ab.json"
 }
 set_fp8() {  # FP8 weights against bf16 at default settings: decode and offline
   step fp8 420 python3 -m benchmarks.bench_fp8 --defaults --parts decode throughput --json "$R/fp8.json"
@@ -69,21 +71,8 @@ set_smollm2_kernels() {  # SmolLM2-135M's decode kernels at batch 1 / 8: its fou
   step smollm2_attention 300 python3 -m benchmarks.bench_attention --backends triton --sweep --heads 9 3 \
     --head-dim 64 --batches 1 8 --contexts 128 1024 --json "$R/smollm2_attention.json"
 }
-set_gemm_silu_mul() {  # the gemm_silu_mul pass (SiLU-mul in the down GEMM's loads) on vs off: its GPU tests, then
-  # SmolLM2-135M and Llama-3-8B decode at batch 1/8/64 and a 1024-token prefill, each arm compiled in one process
-  step gemm_silu_mul_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE -k "silu_mul" \
-    tests/models/test_fp8_kernel.py tests/passes/test_gpu_passes.py::test_gemm_silu_mul_on_a_16_bit_model
-  for preset in smollm2-135m llama3-8b; do
-    step "gemm_silu_mul_$preset" 240 python3 -m benchmarks.bench_passes --preset "$preset" --configs off gemm_silu_mul \
-      --batches 1 8 64 --prefill 1024 --json "$R/gemm_silu_mul_$preset.json"
-  done
-}
 set_tp() {  # two GPUs: all-reduce kernels, then 8B TP=1/TP=2 and 70B TP=2 decode, sync and async
   step tp 570 python3 -m benchmarks.bench_tp --json "$R/tp.json"
-}
-set_fp8_fold() {  # FP8 decode at batch 1 / 64, the split-K reduce kernel against the reduction folded into the GEMM
-  step fp8_fold 200 python3 -m benchmarks.bench_fp8 --parts decode --batches 1 64 --max-num-seqs 64 --steps 48 \
-    --fp8-paths triton fold --json "$R/fp8_fold.json"
 }
 set_exact_sizes() {  # -O2's exact-size artifacts against the range artifact, one process, arms alternated
   step exact_sizes 300 python3 -m benchmarks.bench_exact_sizes --rounds 2 --budget-s 270 --json "$R/exact_sizes.json"

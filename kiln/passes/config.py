@@ -14,9 +14,9 @@ from typing import Any
 # In the order the manager runs them: graph-level passes first (they change what is split out), then the
 # post-grad ones; `noop` runs last in post-grad so it also tidies what the fusions leave behind.
 # allreduce_rmsnorm precedes add_rmsnorm, which would otherwise take its norms alone.
-# silu_mul_quant and gemm_silu_mul precede silu_mul for the same reason.
+# silu_mul_quant precedes silu_mul for the same reason.
 ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "allreduce_rmsnorm", "add_rmsnorm", "silu_mul_quant",
-                               "gemm_silu_mul", "silu_mul")
+                               "silu_mul")
 
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
@@ -43,7 +43,6 @@ class PassConfig:
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
     add_rmsnorm: bool = False
     silu_mul_quant: bool = False  # FP8 models only: matches nothing without the activation quantization
-    gemm_silu_mul: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
     silu_mul: bool = False
     # pass name -> largest token count it is compiled for; a compile range is covered only when its upper
     # end is within the bound (post-grad passes only: graph-level passes see one graph for every count)

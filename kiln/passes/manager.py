@@ -29,7 +29,6 @@ GRAPH_SCOPE = "graph"  # stats/dump name for the pre-split graph
 def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.add_rmsnorm import AddRMSNormPass
     from kiln.passes.allreduce_rmsnorm import AllReduceRMSNormPass
-    from kiln.passes.gemm_silu_mul import GemmSiluMulPass
     from kiln.passes.noop import NoOpEliminationPass
     from kiln.passes.qk_norm_rope import QKNormRopePass
     from kiln.passes.rope_kv import RopeKVCachePass
@@ -37,7 +36,7 @@ def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.silu_mul_quant import SiluMulQuantPass
 
     classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, AllReduceRMSNormPass, AddRMSNormPass,
-               SiluMulQuantPass, GemmSiluMulPass, SiluMulPass]
+               SiluMulQuantPass, SiluMulPass]
     return {cls.name: cls for cls in classes}
 
 

@@ -169,25 +169,6 @@ def _silu_and_mul_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-# -- SiLU-and-mul inside the down projection's GEMM (16-bit weights) ------------------------------------------
-@torch.library.custom_op("kiln::dense_gemm_silu_mul", mutates_args=())
-def dense_gemm_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, 2K] = [gate | up], weight [N, K] -> (silu(gate) * up) @ weight^T, [M, N]: dispatched on M as
-    kiln::dense_gemm is (kiln/models/dense_gemm.py), the activation computed in the small-M kernel's loads."""
-    from kiln.models import dense_gemm
-
-    if x.shape[0] <= dense_gemm.TRITON_MAX_M:
-        from kiln.models.quant.fp8_kernel import bf16_gemm_silu_mul_triton
-
-        return bf16_gemm_silu_mul_triton(x, weight)
-    return torch.mm(silu_and_mul(x), weight.t())
-
-
-@dense_gemm_silu_mul.register_fake
-def _dense_gemm_silu_mul_fake(x, weight):
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
 # -- SiLU-and-mul + FP8 per-token quantization ---------------------------------------------------------------
 def silu_mul_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused graph's arithmetic: SiLU in fp32 rounded to x's dtype, times up (rounded), then

@@ -3,8 +3,7 @@
 Run as its own process by tests/models/test_fp8_kernel.py: Triton must be imported with TRITON_INTERPRET
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
-    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) [FOLD(0|1) [SILU_MUL(0|1)]]
-SILU_MUL: the bf16 path with the MLP's activation computed in the operand loads (16-bit operands, no scales).
+    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1)
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import json
 import sys
 
 
-def compile_sm90(block_m: int, split: bool, fold: bool = False, silu_mul: bool = False) -> dict:
+def compile_sm90(block_m: int, split: bool) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -21,11 +20,10 @@ def compile_sm90(block_m: int, split: bool, fold: bool = False, silu_mul: bool =
     from kiln.models.quant.fp8_kernel import _fp8_gemm_kernel as kernel
 
     signature = {name: "i32" for name in ("M", "N", "K", "k_steps", "s_xm", "s_wn", "s_om", "s_op")}
-    operand = "*bf16" if silu_mul else "*fp8e4nv"
-    signature |= {"x_ptr": operand, "w_ptr": operand, "xs_ptr": "*fp32", "ws_ptr": "*fp32",
-                  "out_ptr": "*fp32" if split else "*bf16", "fin_ptr": "*bf16", "count_ptr": "*i32"}
-    constexprs = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128 if silu_mul else 256, "SPLIT": split,
-                  "EVEN_K": True, "EVEN_N": True, "SCALED": not silu_mul, "FOLD": fold, "SILU_MUL": silu_mul}
+    signature |= {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+                  "out_ptr": "*fp32" if split else "*bf16"}
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT": split, "EVEN_K": True, "EVEN_N": True,
+                  "SCALED": True}
     signature |= dict.fromkeys(constexprs, "constexpr")
     signature = {name: signature[name] for name in kernel.arg_names}
     # what Triton assumes at a launch on real shapes: 16-byte aligned pointers, sizes and strides divisible by 16
@@ -36,9 +34,8 @@ def compile_sm90(block_m: int, split: bool, fold: bool = False, silu_mul: bool =
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
     ptx = compiled.asm["ptx"]
     return {"wgmma": "wgmma" in ptx, "e4m3": "e4m3" in ptx, "cp_async": "cp.async" in ptx,
-            "shared": compiled.metadata.shared, "atomic": "atom." in ptx}
+            "shared": compiled.metadata.shared}
 
 
 if __name__ == "__main__":
-    flags = [len(sys.argv) > i and sys.argv[i] == "1" for i in (3, 4)]
-    print(json.dumps(compile_sm90(int(sys.argv[1]), bool(int(sys.argv[2])), *flags)))
+    print(json.dumps(compile_sm90(int(sys.argv[1]), bool(int(sys.argv[2])))))

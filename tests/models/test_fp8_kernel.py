@@ -104,34 +104,6 @@ def test_split_k_reduction_is_deterministic() -> None:
     assert all(torch.equal(first, fp8_gemm_triton(xq, wq, xs, ws, torch.float32, config)) for _ in range(2))
 
 
-FOLDED = [(70, 48, 200, Fp8GemmConfig(block_n=32, block_k=64, split_k=3)),   # several M tiles, uneven splits
-          (9, 72, 384, Fp8GemmConfig(block_n=32, block_k=64, split_k=2))]    # bf16 output
-
-
-@pytest.mark.parametrize("m,n,k,config", FOLDED, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}" for c in FOLDED])
-def test_folded_split_k_equals_the_reduce_kernel(m: int, n: int, k: int, config: Fp8GemmConfig,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """FOLD_SPLIT_K: the last split of each tile to arrive sums the partials in the reduce kernel's order, so
-    the output is that kernel's bit for bit, with the reduce kernel never launched, and every tile counter is
-    zero again afterwards (the next GEMM, or a CUDA graph replay, starts clean)."""
-    from kiln.models.quant import fp8_kernel
-
-    out_dtype = torch.bfloat16 if m == 9 else torch.float32
-    xq, wq, xs, ws = operands(m, n, k, seed=m + k)
-    monkeypatch.setattr(fp8_kernel, "FOLD_SPLIT_K", False)
-    expected = fp8_gemm_triton(xq, wq, xs, ws, out_dtype, config)
-
-    class NotLaunched:
-        def __getitem__(self, grid):
-            raise AssertionError("the split-K reduce kernel ran although the reduction is folded")
-
-    monkeypatch.setattr(fp8_kernel, "FOLD_SPLIT_K", True)
-    monkeypatch.setattr(fp8_kernel, "_split_k_reduce_kernel", NotLaunched())
-    for _ in range(2):  # the second call finds the counters the first left
-        assert torch.equal(fp8_gemm_triton(xq, wq, xs, ws, out_dtype, config), expected)
-    assert not fp8_kernel.tile_counters(xq.device).any()
-
-
 def test_mismatched_k_is_named() -> None:
     xq, wq, xs, ws = operands(2, 32, 128, seed=0)
     with pytest.raises(ValueError, match="weight"):
@@ -194,22 +166,14 @@ def sm90_ptx(*args: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("block_m,split,fold", [(16, False, False), (64, True, False), (16, True, True)])
-def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool, fold: bool) -> None:
+@pytest.mark.parametrize("block_m,split", [(16, False), (64, True)])
+def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool) -> None:
     """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
-    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that);
-    the folded split-K reduction adds its arrival atomic and keeps the rest."""
-    ptx = sm90_ptx(block_m, int(split), int(fold))
-    assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"] and ptx["atomic"] == fold, ptx
+    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that)."""
+    ptx = sm90_ptx(block_m, int(split))
+    assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"], ptx
     stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
     assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer
-
-
-def test_silu_mul_loads_keep_the_bf16_kernel_on_pipelined_wgmma() -> None:
-    """The SILU_MUL operand (gate and up loaded, SiLU-mul in registers) compiled ahead of time for sm90: still
-    wgmma fed by multi-stage async copies."""
-    ptx = sm90_ptx(16, 1, 0, 1)
-    assert ptx["wgmma"] and ptx["cp_async"] and not ptx["e4m3"], ptx
 
 
 @pytest.mark.parametrize("m,n,k,config", [
@@ -271,46 +235,3 @@ def test_dense_gemm_op_dispatches_on_m_and_matches_mm(m: int, monkeypatch: pytes
     torch.library.opcheck(torch.ops.kiln.dense_gemm.default, (x, w), test_utils=("test_faketensor",))
 
 
-@pytest.mark.parametrize("m,n,k,config", [
-    (1, 72, 96, Fp8GemmConfig(32, 32, 1, 4, 2)),
-    (5, 70, 200, Fp8GemmConfig(64, 64, 2, 4, 2)),
-    (16, 64, 130, Fp8GemmConfig(64, 32, 3, 4, 2)),
-])
-def test_silu_mul_operand_matches_the_unfused_product(m: int, n: int, k: int, config: Fp8GemmConfig) -> None:
-    """SILU_MUL: the kernel reads gate_up [M, 2K] and multiplies silu(gate) * up, rounded to the 16-bit dtype as
-    the unfused graph stores it, by the weight: with and without split-K, K off the tile (fp16 off the GPU, as
-    above)."""
-    from kiln.models.quant.fp8_kernel import bf16_gemm_silu_mul_triton
-
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    g = torch.Generator().manual_seed(m * 100 + k)
-    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(dtype).to(DEVICE)
-    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEVICE)
-    gate, up = gate_up.float().chunk(2, -1)
-    h = (torch.nn.functional.silu(gate) * up).to(dtype)
-    out = bf16_gemm_silu_mul_triton(gate_up, w, config)
-    assert out.dtype == dtype and out.shape == (m, n)
-    # h may differ from the kernel's by an ulp (exp's rounding), then one 16-bit rounding of an fp32 sum
-    torch.testing.assert_close(out.double(), h.double() @ w.double().t(), rtol=2 ** -6, atol=2e-3)
-
-
-@pytest.mark.parametrize("m", [1, 16, 17])
-def test_dense_gemm_silu_mul_op_dispatches_like_dense_gemm(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """kiln::dense_gemm_silu_mul (what the gemm_silu_mul pass rewrites to): the fused small-M kernel up to
-    TRITON_MAX_M tokens, kiln::silu_and_mul and torch.mm above; the same product either way."""
-    import kiln.passes.ops  # noqa: F401 - registers the op
-    from kiln.models.quant import fp8_kernel
-
-    calls: list[int] = []
-    original = fp8_kernel.bf16_gemm_silu_mul_triton
-    monkeypatch.setattr(fp8_kernel, "bf16_gemm_silu_mul_triton",
-                        lambda x, w, *a: calls.append(x.shape[0]) or original(x, w, *a))
-    g = torch.Generator().manual_seed(m)
-    gate_up = torch.randn(m, 2 * 96, generator=g).to(torch.float16).to(DEVICE)
-    w = (torch.randn(72, 96, generator=g) * 0.05).to(torch.float16).to(DEVICE)
-    gate, up = gate_up.float().chunk(2, -1)
-    want = (torch.nn.functional.silu(gate) * up).to(torch.float16).double() @ w.double().t()
-    got = torch.ops.kiln.dense_gemm_silu_mul(gate_up, w)
-    torch.testing.assert_close(got.double(), want, rtol=2 ** -6, atol=2e-3)
-    assert calls == ([m] if m <= 16 else [])
-    torch.library.opcheck(torch.ops.kiln.dense_gemm_silu_mul.default, (gate_up, w), test_utils=("test_faketensor",))

@@ -13,8 +13,8 @@ small N side (padded to 16 with masks). Both operands are K-contiguous, the layo
 Split-K writes fp32 partials [SPLIT_K, M, N] and a second tiny kernel sums them in a fixed order, applies
 the scales and casts: deterministic, unlike atomics, at the cost of SPLIT_K * M * N * 8 bytes of traffic
 (small next to the weight at decode M, and mostly L2-resident; the sweep shows where split-K pays).
-FOLD_SPLIT_K moves that sum into the GEMM kernel itself (the last split per tile does it, in the same order),
-saving the second launch.
+Folding that sum into the GEMM kernel (the last split of a tile to finish sums the partials, counted by an
+atomic) was measured and removed: no faster at decode on the H200 (FP8 8B, bf16 SmolLM2-135M; docs/models.md).
 
 Tile configs are chosen per shape by `pick_config` (a rule plus the `TUNED` table filled from an H200 sweep,
 benchmarks/bench_gemm.py --part small-m), never autotuned at run time: the op runs inside CUDA graphs and
@@ -23,7 +23,6 @@ compiled pieces, where a first-call benchmark would be captured or would cost st
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -93,14 +92,6 @@ TUNED_16BIT: dict[tuple[int, int, int], Fp8GemmConfig] = {
     (576, 1536, 16): Fp8GemmConfig(64, 128, 4, 4, 4),
 }
 
-# Split-K's reduction folded into the GEMM kernel (the last split of each output tile to finish sums the
-# partials, counted by an atomic per tile) instead of a second kernel: one launch fewer per split GEMM at the
-# same partial-sum traffic and bit-identical results. KILN_FP8_FOLD_SPLIT_K=1 turns it on; off until the H200
-# A/B (`benchmarks/gpu/run.sh fp8-fold`) shows the gain. Read per call, so set it before CUDA graphs are captured.
-FOLD_SPLIT_K = os.environ.get("KILN_FP8_FOLD_SPLIT_K", "0") == "1"
-# tile counters kept per device (int32, zero between calls); a GEMM with more output tiles reduces the old way
-MAX_FOLDED_TILES = 1 << 16
-
 # Programs per SM the rule aims for: two resident programs each keep several weight tiles in flight.
 _PROGRAMS_PER_SM = 2
 # Split-K is not taken below this many BLOCK_K steps per split: the pipeline needs a few to fill.
@@ -127,21 +118,6 @@ def pick_config(m: int, n: int, k: int, num_sms: int, element_bytes: int = 1) ->
     return Fp8GemmConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
-_TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device) -> torch.Tensor | None:
-    """The arrival counters of folded split-K tiles on `device`, allocated on first use (zeros; every folded
-    GEMM leaves them zero again). None during a CUDA graph capture that would allocate them (a capture's
-    memory belongs to its graph): that GEMM then takes the reduce kernel."""
-    counters = _TILE_COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _TILE_COUNTERS[device] = torch.zeros(MAX_FOLDED_TILES, dtype=torch.int32, device=device)
-    return counters
-
-
 @lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -157,14 +133,11 @@ def num_sms(device: torch.device) -> int:
 # M is not specialized (Triton would compile M == 1 and M % 16 == 0 apart): fewer compiles at start-up,
 # where every CUDA-graph size runs once, for no loss (M only masks the few activation rows)
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, fin_ptr, count_ptr, M, N, K, k_steps, s_xm, s_wn,
-                     s_om, s_op, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr,
-                     FOLD: tl.constexpr, SILU_MUL: tl.constexpr):
+def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
-    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N], and
-    with FOLD the last split of a tile to finish sums them into fin [M, N] (no second kernel). SILU_MUL: x is
-    [M, 2K], gate then up, and the operand is silu(gate) * up, rounded to x's dtype as a stored one would be."""
+    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -190,9 +163,6 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, fin_ptr, count_ptr, 
             x_mask = m_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if SILU_MUL:
-            gate = x.to(tl.float32)
-            x = (gate * tl.sigmoid(gate) * tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)).to(x.dtype)
         if SCALED:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; promote to fp32 every 32 products
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=32)
         else:
@@ -203,9 +173,6 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, fin_ptr, count_ptr, 
     out_offs = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     if SPLIT:
         tl.store(out_ptr + pid_k.to(tl.int64) * s_op + out_offs, acc, mask=out_mask)
-        if FOLD:
-            _fold_split_k(out_ptr, fin_ptr, xs_ptr, ws_ptr, count_ptr + pid_m * tl.num_programs(0) + pid_n,
-                          out_offs, offs_m, offs_n, m_mask, n_mask, out_mask, s_op, tl.num_programs(1), SCALED)
     elif SCALED:
         xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
         ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
@@ -213,27 +180,6 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, fin_ptr, count_ptr, 
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # bf16 operands: no scales
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _fold_split_k(p_ptr, fin_ptr, xs_ptr, ws_ptr, tile_count_ptr, out_offs, offs_m, offs_n, m_mask, n_mask,
-                  out_mask, s_op, splits, SCALED: tl.constexpr):
-    """Count this split's arrival at its tile; the last to arrive sums the partials of splits 0, 1, ... in
-    order (so the result is the reduce kernel's, bit for bit, whichever split came last), applies the scales,
-    writes fin and rearms the counter for the next call (CUDA graph replays included)."""
-    tl.debug_barrier()  # every warp of this program has stored its partial before the arrival is counted
-    arrived = tl.atomic_add(tile_count_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == splits - 1:
-        # .cg: read the other SMs' partials from L2, never from a stale L1 line
-        acc = tl.load(p_ptr + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-        for s in range(1, splits):
-            acc += tl.load(p_ptr + s * s_op + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-        if SCALED:
-            xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-            ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
-            acc = acc * xs[None, :] * ws[:, None]
-        tl.store(fin_ptr + out_offs, acc.to(fin_ptr.dtype.element_ty), mask=out_mask)
-        tl.atomic_xchg(tile_count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -266,18 +212,10 @@ def bf16_gemm_triton(x: torch.Tensor, weight: torch.Tensor, config: Fp8GemmConfi
     return _small_m_gemm(x, weight, None, None, x.dtype, config)
 
 
-def bf16_gemm_silu_mul_triton(gate_up: torch.Tensor, weight: torch.Tensor,
-                              config: Fp8GemmConfig | None = None) -> torch.Tensor:
-    """(silu(gate) * up) @ weight^T from gate_up [M, 2K] = [gate | up] and weight [N, K]: the MLP's activation
-    computed as the down projection loads its operand, so no kernel writes and re-reads it."""
-    return _small_m_gemm(gate_up, weight, None, None, gate_up.dtype, config, silu_mul=True)
-
-
 def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
                   weight_scale: torch.Tensor | None, out_dtype: torch.dtype,
-                  config: Fp8GemmConfig | None, silu_mul: bool = False) -> torch.Tensor:
+                  config: Fp8GemmConfig | None) -> torch.Tensor:
     m, k = q.shape
-    k //= 2 if silu_mul else 1
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={k} of the activation")
@@ -297,15 +235,11 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
     xs, ws = (x_scale, weight_scale) if scaled else (out, out)  # unread without scales
-    counters = tile_counters(q.device) if split > 1 and FOLD_SPLIT_K and grid[0] * grid[2] <= MAX_FOLDED_TILES else None
-    fold = counters is not None
-    counters = out if counters is None else counters  # unread unless folded
-    _fp8_gemm_kernel[grid](q, weight, xs, ws, target, out, counters, m, n, k, k_steps,
-                           q.stride(0), weight.stride(0), n, m * n,
+    _fp8_gemm_kernel[grid](q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n,
                            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split > 1,
-                           EVEN_K=even_k, EVEN_N=n % config.block_n == 0, SCALED=scaled, FOLD=fold,
-                           SILU_MUL=silu_mul, num_warps=config.num_warps, num_stages=config.num_stages)
-    if split > 1 and not fold:
+                           EVEN_K=even_k, EVEN_N=n % config.block_n == 0, SCALED=scaled,
+                           num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
                                                              SPLIT_K=split, BLOCK=block, SCALED=scaled, num_warps=4)
