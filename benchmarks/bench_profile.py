@@ -2,9 +2,9 @@
 
 For each configuration (model, TP size, quantization, batch) it reports, per step: the wall time of the step
 (timed without the profiler), the time the GPU of rank 0 was busy (union of its kernel intervals), the
-idle remainder, and the kernel time by kind (GEMM, attention, all-reduce, Inductor/Triton element-wise,
-copies, other) with the top kernels. Idle time is host or peer waiting; an all-reduce kernel that runs long
-is waiting for the peer rank. Only rank 0 is profiled.
+idle remainder and the gaps that make it up (by the kernel that ends each), and the kernel time by kind (GEMM,
+attention, all-reduce, Inductor/Triton element-wise, copies, other) with the top kernels. Idle time is host or
+peer waiting; an all-reduce kernel that runs long is waiting for the peer rank. Only rank 0 is profiled.
 
     python -m benchmarks.bench_profile --configs llama3-8b:1:bf16 llama3-8b:2:bf16 llama3-8b:1:fp8 \
         --batches 1 64 --json prof.json [--trace-dir DIR]
@@ -53,6 +53,27 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
         total += stop - max(start, end)
         end = stop
     return total
+
+
+def gaps(kernels: list[tuple[float, float, str]], steps: int, min_us: float = 2.0) -> dict[str, Any]:
+    """Where the GPU waits: the idle stretches between kernels (union of intervals) longer than `min_us`, summed
+    per step by the kernel that ends each one (the work that came late) and by the one before it."""
+    after: dict[str, float] = {}
+    before: dict[str, float] = {}
+    count, end, last = 0, None, ""
+    for start, stop, name in sorted(kernels):
+        if end is not None and start - end > min_us:
+            count += 1
+            after[name[:70]] = after.get(name[:70], 0.0) + (start - end)
+            before[last[:70]] = before.get(last[:70], 0.0) + (start - end)
+        if end is None or stop > end:
+            end, last = stop, name
+
+    def top(d: dict[str, float]) -> list[dict[str, Any]]:
+        return [{"kernel": k, "us_per_step": v / steps} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:8]]
+
+    return {"per_step": count / steps, "us_per_step": sum(after.values()) / steps,
+            "by_next_kernel": top(after), "by_previous_kernel": top(before)}
 
 
 def host_profile(engine: Any, steps: int, sync: Any) -> dict[str, list[dict[str, Any]]]:
@@ -109,13 +130,14 @@ def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None, ho
         entry[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
     busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps / 1e3
+    idle = gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels], steps)
     if trace_path:
         prof.export_chrome_trace(trace_path)
         with open(trace_path, "rb") as src, gzip.open(trace_path + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         os.remove(trace_path)
     return {"step_ms": step_ms, "gpu_busy_ms": busy, "idle_ms": step_ms - busy, "host": host_rows,
-            "kernels_per_step": len(kernels) / steps,
+            "kernels_per_step": len(kernels) / steps, "gaps": idle,
             "by_kind_ms": {k: v / steps / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top": [{"name": n[:90], "ms_per_step": t / steps / 1e3, "per_step": c / steps} for n, (t, c) in top]}
 
