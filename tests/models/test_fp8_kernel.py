@@ -154,23 +154,18 @@ def test_op_on_cpu_is_scaled_mm() -> None:
                           test_utils=("test_faketensor",))
 
 
-def sm90_ptx(*args: int) -> dict:
-    """What the PTX of an ahead-of-time sm90 compile holds (tests/models/fp8_kernel_sm90.py, its own process)."""
+@pytest.mark.parametrize("block_m,split", [(16, False), (64, True)])
+def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool) -> None:
+    """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
+    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", *map(str, args)],
+    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", str(block_m), str(int(split))],
                           capture_output=True, text=True, env=env, timeout=300, check=False,
                           cwd=Path(__file__).resolve().parents[2])
     if proc.returncode != 0 and "ptxas" in proc.stderr:
         pytest.skip("no ptxas in this Triton install")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("block_m,split", [(16, False), (64, True)])
-def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool) -> None:
-    """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
-    copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that)."""
-    ptx = sm90_ptx(block_m, int(split))
+    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
     assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"], ptx
     stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
     assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer
@@ -233,5 +228,3 @@ def test_dense_gemm_op_dispatches_on_m_and_matches_mm(m: int, monkeypatch: pytes
     assert dense_gemm.TRITON_MAX_M == 16  # the measured threshold the docstring states
     assert calls == ([m] if m <= 16 else [])
     torch.library.opcheck(torch.ops.kiln.dense_gemm.default, (x, w), test_utils=("test_faketensor",))
-
-

@@ -4,6 +4,7 @@ torch's inspect-based get_source did, without the module walk."""
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 
@@ -45,5 +46,5 @@ def test_switch_keeps_torchs() -> None:
     code = ("import kiln.models, torch._library.utils as u, kiln.models.op_source as s; "
             "print(u.get_source is s.frame_source)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "KILN_FAST_OP_SOURCE": "0"}).stdout.strip()
+                         env={**os.environ, "KILN_FAST_OP_SOURCE": "0"}).stdout.strip()
     assert out == "False"

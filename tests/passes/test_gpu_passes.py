@@ -35,4 +35,3 @@ def test_passes_on_vs_off_on_gpu(tiny_checkpoint, preset: str, backend: str) -> 
             assert names == set(ALL_PASSES)
         del rt
     assert outs["on"] == outs["off"]
-
