@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +55,25 @@ def resolve_dtype(dtype: str | torch.dtype, model_dtype: torch.dtype | None, dev
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(sorted(DTYPES))}; got {dtype!r}")
     return DTYPES[dtype]
+
+
+# Programmatic dependent launch (Hopper and later; docs/cuda_graphs.md): every Triton kernel of a step, kiln's and
+# Inductor's, may be scheduled while the kernel before it drains and waits on the device for its results.
+# KILN_PDL=1 turns it on (off by default until measured).
+PDL = os.environ.get("KILN_PDL", "0") == "1"
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch: a CUDA GPU of compute capability 9
+    or more, PDL not switched off, and compiled kernels (Triton's CPU interpreter has no launches to overlap)."""
+    if not PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=8)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 # Per-device defaults, chosen by measurement (docs/BENCHMARKS.md, "Defaults"). A GPU step costs about the
@@ -255,7 +276,9 @@ class CompilationConfig:
         ranges = tuple(sorted({int(p) for p in self.compile_ranges if int(p) < max_num_batched_tokens}))
         options = dict(self.inductor_options)
         if on_gpu and level >= 2:
-            options = {**dict(GPU_INDUCTOR_OPTIONS), **options}
+            # Inductor's kernels take part in programmatic dependent launch as kiln's do (kiln/models/pdl.py)
+            pdl = {"triton.enable_pdl": True} if pdl_enabled(device) else {}
+            options = {**dict(GPU_INDUCTOR_OPTIONS), **pdl, **options}
         return dataclasses.replace(
             self,
             inductor_options=tuple(sorted(options.items())),

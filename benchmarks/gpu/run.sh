@@ -155,23 +155,32 @@ set_spec_ab() {  # spec-tasks with the code in .ab/base (`git archive <commit> k
     done
   done
 }
-set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolLM2-135M) with .ab/base and the working
-  # tree, processes alternated twice
-  local run arm dir
-  for run in 1 2; do
-    for arm in base new; do
+set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolLM2-135M; DECODE_AB_ARGS: more bench_gpu
+  # arguments, e.g. --quantization fp8) in each arm of DECODE_AB_ARMS, processes alternated DECODE_AB_ROUNDS times (2).
+  # Arms: "base" (.ab/base's code), "new" (the working tree; the default arms), NAME=VALUE[,NAME=VALUE] (the working
+  # tree with those environment variables). DECODE_AB_MOE=1: Qwen3-30B-A3B's decode (bench_moe --parts decode) too
+  local run arm dir tag vars
+  for run in $(seq "${DECODE_AB_ROUNDS:-2}"); do
+    for arm in ${DECODE_AB_ARMS:-base new}; do
       dir=$PWD; [ "$arm" = base ] && dir=$PWD/.ab/base
-      PYTHONPATH=$dir:/tmp/site step "decode_${arm}_$run" 120 bash -c "cd $dir && exec python3 -m benchmarks.bench_gpu \
-        decode --defaults --backend triton --models ${DECODE_AB_MODELS:-smollm2-135m} --async-scheduling on \
-        --json $R/decode_${arm}_$run.json"
+      tag=${arm//[=,]/_}
+      (
+        case $arm in *=*) IFS=, read -ra vars <<< "$arm"; export "${vars[@]}";; esac
+        export PYTHONPATH=$dir:/tmp/site
+        step "decode_${tag}_$run" 200 bash -c "cd $dir && exec python3 -m benchmarks.bench_gpu decode --defaults \
+          --backend triton --models ${DECODE_AB_MODELS:-smollm2-135m} --async-scheduling on ${DECODE_AB_ARGS:-} \
+          --json $R/decode_${tag}_$run.json"
+        [ -z "${DECODE_AB_MOE:-}" ] || step "moe_decode_${tag}_$run" 240 bash -c "cd $dir && exec python3 -m \
+          benchmarks.bench_moe --parts decode --json $R/moe_decode_${tag}_$run.json"
+      )
     done
   done
 }
 set_spec_tests() {  # the speculative-decoding GPU tests (greedy equality with graphs, bf16 bit-for-bit at batch 1)
   step spec_tests 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_spec_decode_gpu.py
 }
-set_tests() {  # the GPU tests
-  step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+set_tests() {  # the GPU tests (GPU_TESTS: a subset, pytest's arguments)
+  step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfE ${GPU_TESTS:-tests/gpu}
 }
 
 BUDGET=570

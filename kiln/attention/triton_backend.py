@@ -30,6 +30,7 @@ from kiln.attention.base import (
     GraphSupport,
 )
 from kiln.models.dense_gemm import TRITON_MAX_M
+from kiln.models.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
@@ -64,7 +65,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads,
         float(k_scale), float(v_scale), HEAD_DIM=head_dim, PAGE=kv_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        KV_FP8=_is_fp8(kv_cache), num_warps=4)
+        KV_FP8=_is_fp8(kv_cache), num_warps=4, **pdl_launch(k.device))
 
 
 def _capturing(device: torch.device) -> bool:
@@ -78,7 +79,8 @@ def build_page_indices(block_tables: torch.Tensor, seq_lens: torch.Tensor, out: 
     if num_reqs == 0:
         return
     K.page_indices_kernel[(num_reqs,)](block_tables, seq_lens, out, block_tables.stride(0), PAGE=block_size,
-                                       BLOCK_R=triton.next_power_of_2(num_reqs), BLOCK=256, num_warps=4)
+                                       BLOCK_R=triton.next_power_of_2(num_reqs), BLOCK=256, num_warps=4,
+                                       **pdl_launch(out.device))
 
 
 @dataclass
@@ -262,7 +264,8 @@ class TritonAttentionBackend(AttentionBackend):
             common.num_reqs - r, qb0, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), out.stride(0),
             out.stride(1),
             *self._common_args(kv_cache, common), v_scale, GROUP=self.group, HEAD_DIM=layout.head_dim,
-            BLOCK_D=self.block_d, PAGE=layout.block_size, IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache), **cfg)
+            BLOCK_D=self.block_d, PAGE=layout.block_size, IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache), **cfg,
+            **pdl_launch(q.device))
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonMetadata, k_scale: float, v_scale: float) -> None:
@@ -279,8 +282,9 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
             MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
             KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            num_stages=cfg["num_stages"], **pdl_launch(q.device))
         if splits > 1:
             K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads)](
                 part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=layout.head_dim, BLOCK_D=self.block_d,
-                NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=cfg["num_warps"])
+                NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=cfg["num_warps"],
+                **pdl_launch(q.device))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kiln.models.pdl import pdl_start
+
 
 @triton.jit
 def _fp8_units(x, scale):
@@ -28,7 +30,8 @@ def _fp8_units(x, scale):
 def reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_cb, stride_ckv, stride_cs, stride_ch, num_kv_heads, k_scale, v_scale,
                              HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
+                             BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # explicit "no write" marker; the runner normally sends padding to the null block
@@ -99,7 +102,7 @@ def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch,
                             stride_bt, v_scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            PAGE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
+                            PAGE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr = False):
     """Causal attention for any mix of requests; program (q_block, kv_head).
 
     Request i owns q-blocks [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): an upper bound on its
@@ -108,6 +111,7 @@ def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl
     start after a batch's leading decodes (qsl_ptr past them, qsl still absolute): qb0 = qsl[0] // BLOCK_Q
     is then the first block, and the grid that much smaller.
     """
+    pdl_start(PDL)
     qb = tl.program_id(0) + qb0
     kv_head = tl.program_id(1)
     lo = 0
@@ -167,7 +171,8 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             k_scale, v_scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
-                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1):
+                            IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1,
+                            PDL: tl.constexpr = False):
     """QLEN new tokens per request (1: decode; more: a speculative verify); program (request, kv_head x QLEN
     + token, split).
 
@@ -189,6 +194,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     per split (every NUM_SPLITS x BLOCK_N keys). Packing several tokens into a program's rows read the context
     fewer times but changed a row's rounding with its place in the tile.
     """
+    pdl_start(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // QLEN
     t = tl.program_id(1) % QLEN  # this program's token of the request
@@ -260,11 +266,13 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
 
 @triton.jit
 def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """The decode's split merge, program (token, head): its NUM_SPLITS partials weighed by their log-sum-exps.
     It reads all NUM_SPLITS rows: masking it to the splits holding keys measured 8-12% slower at batch 1 on the
     H200 and no faster at batch 8-64 (an in-process A/B of the merge then fused into the decode kernel,
     bench_attention --vary merge_active at commit 2531019, 2026-11-30)."""
+    pdl_start(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -285,11 +293,12 @@ def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
 
 @triton.jit
 def page_indices_kernel(bt_ptr, seq_lens_ptr, out_ptr, stride_bt, PAGE: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Flatten each request's used block-table prefix into one index array (FlashInfer's kv_indices).
 
     The offset of request i is a prefix sum of page counts computed in-kernel, so no host sync is needed.
     """
+    pdl_start(PDL)
     req = tl.program_id(0)
     r = tl.arange(0, BLOCK_R)
     lens = tl.load(seq_lens_ptr + r, mask=r < req, other=0)

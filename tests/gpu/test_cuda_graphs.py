@@ -76,3 +76,24 @@ def test_background_swap_recaptures_graphs_on_gpu(tiny_checkpoint) -> None:
     assert (stats.background_pending, stats.background_swapped, stats.background_failed) == (0, 12, 0)
     assert sum(pool.stats.captures.values()) > before and pool.stats.after_warmup_captures == 0
     print(f"swap {stats.background_swap_seconds:.2f}s, captures {pool.stats.captures}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9")
+def test_pdl_matches_plain_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Triton kernel of a step, kiln's and Inductor's (-O2), launched with programmatic dependent launch
+    against all launched plainly (KILN_PDL=0): the same greedy tokens, FULL and PIECEWISE graphs on."""
+    import kiln.config as config
+
+    common = dict(device="cuda", dtype="bf16", level=2, max_num_batched_tokens=256, max_num_seqs=32,
+                  kv_cache_bytes=256 << 20, cudagraph_capture_sizes=SIZES)
+    monkeypatch.setattr(config, "PDL", False)
+    plain = Runtime("smollm2-135m", **common)
+    assert "triton.enable_pdl" not in dict(plain.engine.worker.compilation.inductor_options)
+    prompts = random_prompts([5, 17, 1, 40, 9, 3, 60, 2], plain.engine.loaded.spec.vocab_size, seed=7)
+    expected = generate_staggered(plain, prompts)  # all of it before the switch: eager kernels read it per launch
+    monkeypatch.setattr(config, "PDL", True)
+    pdl = Runtime("smollm2-135m", **common)
+    assert dict(pdl.engine.worker.compilation.inductor_options)["triton.enable_pdl"] is True
+    assert generate_staggered(pdl, prompts) == expected
+    assert pdl.engine.graph_replays["FULL"] > 0

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kiln.models.fused_moe.align import max_padded_pairs
+from kiln.models.pdl import pdl_launch, pdl_start
 
 # one program's sort; larger steps (long prefills) take the torch version. 4096 covers every CUDA-graph size of
 # the default capture list (up to 512 tokens) at top-8, so graphs hold only this kernel
@@ -24,7 +25,8 @@ _CHUNK = 128  # blocks (and sentinel rows) handled per loop step, bounding the r
 @triton.jit(do_not_specialize=["num_pairs", "size", "num_blocks"])
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, offset_ptr, num_pairs, size, num_blocks,
                   NUM_E: tl.constexpr, E_POW2: tl.constexpr, NMAX: tl.constexpr, BLOCK_M: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     offs = tl.arange(0, NMAX)
     ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_E).to(tl.int32)
     ids = tl.minimum(ids, NUM_E)  # NUM_E: another rank's expert, or past the pairs
@@ -62,5 +64,5 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     offsets = torch.empty(e_pow2, dtype=torch.int32, device=device)
     _align_kernel[(1,)](topk_ids.reshape(-1), sorted_pairs, block_expert, offsets, n, size, num_blocks,
                         NUM_E=num_experts, E_POW2=e_pow2, NMAX=max(16, triton.next_power_of_2(n)),
-                        BLOCK_M=block_m, CHUNK=_CHUNK, num_warps=8 if n > 512 else 4)
+                        BLOCK_M=block_m, CHUNK=_CHUNK, num_warps=8 if n > 512 else 4, **pdl_launch(device))
     return sorted_pairs, block_expert

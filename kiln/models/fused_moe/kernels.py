@@ -20,6 +20,8 @@ dtype before the product and the scale applied to the accumulator (exact: the sc
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +29,7 @@ import triton.language as tl
 from kiln.models.fused_moe.align import align_by_expert, max_padded_pairs
 from kiln.models.fused_moe.align_triton import MAX_PAIRS, align_by_expert_triton
 from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
+from kiln.models.pdl import pdl_launch, pdl_start
 
 # Steps of up to this many tokens skip the align kernel: every program of the grouped kernels reads the step's ids
 # and works its block out in registers. Measured inside CUDA graphs at Qwen3-30B-A3B's layer (one H200,
@@ -35,6 +38,13 @@ from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
 # each of the programs costing more than the launch they spare. The general derivation is kept (tests run it at
 # many tokens against align's layout) so that a cheaper prologue can be measured against it.
 IN_PLACE_TOKENS = 1
+# Steps of up to this many tokens (0: none) lay one pair a block instead: block j holds pair j in its first row,
+# its expert read from the ids directly, with no derivation at all; an expert chosen by several of the step's
+# tokens is read once per pair. Measured against the in-place layout by `bench_moe --parts layer`.
+PAIR_BLOCK_TOKENS = int(os.environ.get("KILN_MOE_PAIR_BLOCK_TOKENS", "0"))
+
+# the layouts `_block` knows
+ALIGNED, IN_PLACE, PAIR_BLOCKS = 0, 1, 2
 
 
 @triton.jit
@@ -44,11 +54,16 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M: tl.constexpr,
-           IN_PLACE: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr):
-    """(expert, pairs [BLOCK_M]) of layout block pid_m: read from align's output, or (IN_PLACE) derived from the
-    step's few expert ids in registers, the same layout: experts in order, each expert's pairs in pair order,
-    padded to whole blocks, padding rows holding num_pairs. An expert >= NUM_E: the block holds no pairs."""
-    if IN_PLACE:
+           LAYOUT: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr):
+    """(expert, pairs [BLOCK_M]) of layout block pid_m: read from align's output (ALIGNED), or (IN_PLACE) derived
+    from the step's few expert ids in registers, the same layout: experts in order, each expert's pairs in pair
+    order, padded to whole blocks, padding rows holding num_pairs; or (PAIR_BLOCKS) pair pid_m alone in row 0.
+    An expert >= NUM_E: the block holds no pairs."""
+    if LAYOUT == 2:  # PAIR_BLOCKS
+        rows = tl.arange(0, BLOCK_M)
+        pairs = tl.where(rows == 0, pid_m, num_pairs)
+        expert = tl.minimum(tl.load(ids_ptr + pid_m), NUM_E)
+    elif LAYOUT == 1:  # IN_PLACE
         offs = tl.arange(0, P_POW2)
         ids = tl.minimum(tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_E), NUM_E)
         bins = tl.arange(0, E_POW2)
@@ -71,11 +86,12 @@ def _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK
 def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, h_ptr, num_pairs, H,
                             INTER, NUM_E, s_xt, s_we, s_wn, s_ht, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
-                            IEEE: tl.constexpr, IN_PLACE: tl.constexpr, P_POW2: tl.constexpr,
-                            E_POW2: tl.constexpr):
+                            IEEE: tl.constexpr, LAYOUT: tl.constexpr, P_POW2: tl.constexpr,
+                            E_POW2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, pairs = _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M, IN_PLACE,
+    expert, pairs = _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M, LAYOUT,
                            P_POW2, E_POW2)
     if expert >= NUM_E:
         return
@@ -115,10 +131,11 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, 
 def _grouped_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, sorted_ptr, block_expert_ptr, ids_ptr, y_ptr, num_pairs, H,
                          INTER, NUM_E, s_ht, s_we, s_wn, s_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr,
-                         IN_PLACE: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr):
+                         LAYOUT: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, pairs = _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M, IN_PLACE,
+    expert, pairs = _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M, LAYOUT,
                            P_POW2, E_POW2)
     if expert >= NUM_E:
         return
@@ -148,7 +165,9 @@ def _grouped_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, sorted_ptr, block_expert_
 
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, s_xt, s_we, s_wn, s_ht,
-                         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+                         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_start(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -180,7 +199,8 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, 
 
 @triton.jit
 def _pair_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, NUM_E, s_ht, s_we, s_wn, s_yt,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -227,7 +247,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if num_tokens == 0:
         return x.new_empty((0, top_k, hidden))
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
     if config.block_m == 1:
         y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # every row written, zeros included
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, config.block_n))](
@@ -237,15 +257,17 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
             y.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
         return y.view(num_tokens, top_k, hidden)
-    in_place = num_tokens <= IN_PLACE_TOKENS
-    if in_place:  # each program derives its block from the ids (unread below)
-        sorted_pairs = block_expert = ids
-        blocks = max_padded_pairs(num_pairs, num_experts, config.block_m) // config.block_m
+    sorted_pairs = block_expert = ids  # unread but by the ALIGNED layout
+    if num_tokens <= PAIR_BLOCK_TOKENS:
+        mode, blocks = PAIR_BLOCKS, num_pairs
+    elif num_tokens <= IN_PLACE_TOKENS:  # each program derives its block from the ids
+        mode, blocks = IN_PLACE, max_padded_pairs(num_pairs, num_experts, config.block_m) // config.block_m
     else:
+        mode = ALIGNED
         align = align_by_expert_triton if num_pairs <= MAX_PAIRS else align_by_expert
         sorted_pairs, block_expert = align(ids, num_experts, config.block_m)
         blocks = block_expert.numel()
-    layout = dict(IEEE=x.dtype == torch.float32, IN_PLACE=in_place, P_POW2=max(16, triton.next_power_of_2(num_pairs)),
+    layout = dict(IEEE=x.dtype == torch.float32, LAYOUT=mode, P_POW2=max(16, triton.next_power_of_2(num_pairs)),
                   E_POW2=triton.next_power_of_2(num_experts + 1))
     _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
         x, w13, ws13, sorted_pairs, block_expert, ids, h, num_pairs, hidden, inter, num_experts, x.stride(0),

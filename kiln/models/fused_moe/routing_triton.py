@@ -12,10 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.models.pdl import pdl_launch, pdl_start
+
 
 @triton.jit
 def _moe_topk_kernel(logits_ptr, weights_ptr, ids_ptr, NUM_E, s_lt, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-                     E_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
+                     E_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_POW2)
     logits = tl.load(logits_ptr + token * s_lt + offs, mask=offs < NUM_E, other=float("-inf")).to(tl.float32)
@@ -54,5 +57,6 @@ def moe_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     e_pow2 = triton.next_power_of_2(num_experts)
     _moe_topk_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOPK=top_k,
                                     K_POW2=triton.next_power_of_2(top_k), E_POW2=e_pow2,
-                                    RENORMALIZE=renormalize, num_warps=4 if e_pow2 >= 256 else 1)
+                                    RENORMALIZE=renormalize, num_warps=4 if e_pow2 >= 256 else 1,
+                                    **pdl_launch(logits.device))
     return weights, ids

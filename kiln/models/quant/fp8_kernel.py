@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.models.pdl import PREFETCH_WEIGHTS, pdl_launch, pdl_start, prefetch_rows_l2
+
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
@@ -135,12 +137,20 @@ def num_sms(device: torch.device) -> int:
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr):
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
-    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
+    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N].
+    PREFETCH: this program's weight slice is asked of L2 before the PDL wait (weights are never written)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if PREFETCH:
+        k_first = pid_k * k_steps * BLOCK_K
+        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        nbytes = tl.minimum(k_steps * BLOCK_K, K - k_first) * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_rows_l2(w_ptr + rows * s_wn + k_first, nbytes)
+    pdl_start(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -184,8 +194,9 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
 
 @triton.jit(do_not_specialize=["M"])
 def _split_k_reduce_kernel(p_ptr, xs_ptr, ws_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                           SCALED: tl.constexpr):
+                           SCALED: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = (sum over splits, in order, of partial[s, m, n]) * x_scale[m] * w_scale[n]."""
+    pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -235,12 +246,17 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
     xs, ws = (x_scale, weight_scale) if scaled else (out, out)  # unread without scales
+    pdl = pdl_launch(q.device)
+    # the bulk prefetch wants 16-byte rows and addresses
+    aligned = (weight.data_ptr() | weight.stride(0) * weight.element_size() | k * weight.element_size()) % 16 == 0
     _fp8_gemm_kernel[grid](q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n,
                            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split > 1,
                            EVEN_K=even_k, EVEN_N=n % config.block_n == 0, SCALED=scaled,
-                           num_warps=config.num_warps, num_stages=config.num_stages)
+                           num_warps=config.num_warps, num_stages=config.num_stages,
+                           PREFETCH=pdl["PDL"] and PREFETCH_WEIGHTS and aligned, **pdl)
     if split > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
-                                                             SPLIT_K=split, BLOCK=block, SCALED=scaled, num_warps=4)
+                                                             SPLIT_K=split, BLOCK=block, SCALED=scaled, num_warps=4,
+                                                             **pdl)
     return out
