@@ -9,8 +9,8 @@ run (this GPU's copy bandwidth):
   time its decode steps would take at the floors;
 - one MoE layer: a plain torch loop over experts (kiln's reference path) vs the fused op, per token count; the
   fused op inside a CUDA graph beside the bytes of the experts it must read, in bf16 and with FP8 experts (and, up
-  to 8 tokens, with the grouped kernels' blocks laid out in place, through the align kernel and one pair a block,
-  one process).
+  to 8 tokens, with the grouped kernels' blocks laid out through the align kernel and one pair a block, one
+  process).
 
     python -m benchmarks.bench_moe --json moe.json [--model qwen3-30b-a3b] [--parts layer decode offline]
 
@@ -91,16 +91,15 @@ def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
                 lambda i: fused_moe_triton(x, *copies[i % len(copies)], weights, ids), calls=8)
 
         times["graphed"] = graphed()
-        default = moe_kernels.IN_PLACE_TOKENS, moe_kernels.PAIR_BLOCK_TOKENS
-        for name, bounds in (("graphed_in_place", (tokens, 0)), ("graphed_align", (0, 0)),
-                             ("graphed_pair_blocks", (0, tokens))):  # each layout, this process
+        default = moe_kernels.PAIR_BLOCK_TOKENS
+        for name, bound in (("graphed_align", 0), ("graphed_pair_blocks", tokens)):  # both layouts, this process
             times[name] = float("nan")
             if tokens <= 8:
-                moe_kernels.IN_PLACE_TOKENS, moe_kernels.PAIR_BLOCK_TOKENS = bounds
+                moe_kernels.PAIR_BLOCK_TOKENS = bound
                 try:
                     times[name] = graphed()
                 finally:
-                    moe_kernels.IN_PLACE_TOKENS, moe_kernels.PAIR_BLOCK_TOKENS = default
+                    moe_kernels.PAIR_BLOCK_TOKENS = default
         times["fp8_graphed"] = graphed_microseconds(
             lambda i, x=x, weights=weights, ids=ids: fused_moe_triton(
                 x, fp8[i % 4][0], fp8[i % 4][2], weights, ids, fp8[i % 4][1], fp8[i % 4][3]), calls=8)
@@ -111,8 +110,7 @@ def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
         rows.append(dict(part="layer", tokens=tokens, loop_us=times["torch loop"], fused_us=times["fused"],
                          speedup=times["torch loop"] / times["fused"], graphed_us=times["graphed"],
                          floor_us=floor_us, x_floor=times["graphed"] / floor_us, fp8_graphed_us=times["fp8_graphed"],
-                         graphed_in_place_us=times["graphed_in_place"], graphed_align_us=times["graphed_align"],
-                         graphed_pair_blocks_us=times["graphed_pair_blocks"],
+                         graphed_align_us=times["graphed_align"], graphed_pair_blocks_us=times["graphed_pair_blocks"],
                          rel_err=err))
         print(f"layer tokens={tokens}: loop {times['torch loop']:.0f} us, fused {times['fused']:.0f} us", flush=True)
 
@@ -192,9 +190,8 @@ def main() -> None:
         if rt is not None and "offline" in args.parts:
             attempt("offline", part_offline, rt, spec, ceil.copy_bytes_per_s, args.requests, rows)
     print(report["stamp"], f"copy {report['copy_gb_per_s']:.0f} GB/s", f"build {report.get('build_s', 0):.0f} s")
-    for part, cols in (("layer", ["tokens", "loop_us", "fused_us", "speedup", "graphed_us", "graphed_in_place_us",
-                                  "graphed_align_us", "graphed_pair_blocks_us", "floor_us", "x_floor", "fp8_graphed_us",
-                                  "rel_err"]),
+    for part, cols in (("layer", ["tokens", "loop_us", "fused_us", "speedup", "graphed_us", "graphed_align_us",
+                                  "graphed_pair_blocks_us", "floor_us", "x_floor", "fp8_graphed_us", "rel_err"]),
                        ("decode", ["batch", "step_ms", "active_floor_ms", "x_active_floor", "full_floor_ms",
                                    "x_full_floor"]),
                        ("offline", ["requests", "seconds", "output_tokens_per_s", "decode_floor_s", "x_floor",

@@ -58,9 +58,10 @@ def resolve_dtype(dtype: str | torch.dtype, model_dtype: torch.dtype | None, dev
 
 
 # Programmatic dependent launch (Hopper and later; docs/cuda_graphs.md): every Triton kernel of a step, kiln's and
-# Inductor's, may be scheduled while the kernel before it drains and waits on the device for its results.
-# KILN_PDL=1 turns it on (off by default until measured).
-PDL = os.environ.get("KILN_PDL", "0") == "1"
+# Inductor's, may be scheduled while the kernel before it drains and waits on the device for its results. Decode at
+# batch 1, one H200: SmolLM2-135M 0.90-0.93 -> 0.70 ms, Llama-3-8B 4.45-4.47 -> 4.32 ms (docs/BENCHMARKS.md).
+# KILN_PDL=0 launches every kernel plainly.
+PDL = os.environ.get("KILN_PDL", "1") != "0"
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -23,7 +23,7 @@ def compile_sm90(block_m: int, split: bool, pdl: bool) -> dict:
     signature |= {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
                   "out_ptr": "*fp32" if split else "*bf16"}
     constexprs = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT": split, "EVEN_K": True, "EVEN_N": True,
-                  "SCALED": True, "PDL": pdl, "PREFETCH": pdl}
+                  "SCALED": True, "PDL": pdl}
     signature |= dict.fromkeys(constexprs, "constexpr")
     signature = {name: signature[name] for name in kernel.arg_names}
     # what Triton assumes at a launch on real shapes: 16-byte aligned pointers, sizes and strides divisible by 16
@@ -36,8 +36,7 @@ def compile_sm90(block_m: int, split: bool, pdl: bool) -> dict:
     ptx = compiled.asm["ptx"]
     return {"wgmma": "wgmma" in ptx, "e4m3": "e4m3" in ptx, "cp_async": "cp.async" in ptx,
             "shared": compiled.metadata.shared, "gdc_wait": "griddepcontrol.wait" in ptx,
-            "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl),
-            "prefetch": "cp.async.bulk.prefetch.L2" in ptx}
+            "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl)}
 
 
 if __name__ == "__main__":

@@ -158,8 +158,7 @@ def test_op_on_cpu_is_scaled_mm() -> None:
 def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool, pdl: bool) -> None:
     """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
     copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that); with
-    PDL (kiln/models/pdl.py) its launch is marked so and it waits for, then releases, its neighbours, its weight slice
-    asked of L2 first where KILN_PDL_PREFETCH says so."""
+    PDL (kiln/models/pdl.py) its launch is marked so and it waits for, then releases, its neighbours."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", str(block_m), str(int(split)),
                            str(int(pdl))],
@@ -172,7 +171,7 @@ def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: 
     assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"], ptx
     stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
     assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer
-    assert ptx["gdc_wait"] == ptx["gdc_launch"] == ptx["launch_pdl"] == ptx["prefetch"] == pdl, ptx
+    assert ptx["gdc_wait"] == ptx["gdc_launch"] == ptx["launch_pdl"] == pdl, ptx
 
 
 @pytest.mark.parametrize("m,n,k,config", [

@@ -81,15 +81,13 @@ def test_kernels_match_reference(tokens: int, experts: int, top_k: int, config: 
         assert torch.equal(got[::3, 0], torch.zeros_like(got[::3, 0]))
 
 
-@pytest.mark.parametrize("bound", ["IN_PLACE_TOKENS", "PAIR_BLOCK_TOKENS"])
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 128, 8, 16), (8, 8, 4, 16), (16, 8, 4, 16),
                                                              (3, 6, 2, 32)])
-def test_blocks_laid_out_in_place_equal_the_align_layout(tokens: int, experts: int, top_k: int, block_m: int,
-                                                         bound: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to IN_PLACE_TOKENS tokens the grouped kernels find their blocks from the ids in registers, up to
-    PAIR_BLOCK_TOKENS each pair has a block of its own: the same rows, bit for bit, as through align's layout, with
-    pairs on another rank's experts and (16 tokens) an expert holding more pairs than a block (ids repeated within
-    a token). The bound is raised here to reach many tokens."""
+def test_pair_blocks_equal_the_align_layout(tokens: int, experts: int, top_k: int, block_m: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to PAIR_BLOCK_TOKENS tokens each pair has a block of the grouped kernels to itself: the same rows, bit
+    for bit, as through align's layout, with pairs on another rank's experts and (16 tokens) an expert holding more
+    pairs than a block (ids repeated within a token). The bound is raised here to reach many tokens."""
     from kiln.models.fused_moe import kernels
 
     x, w13, w2, weights, ids = problem(tokens, experts, top_k, 40, 24, seed=tokens + experts)
@@ -98,14 +96,12 @@ def test_blocks_laid_out_in_place_equal_the_align_layout(tokens: int, experts: i
         ids[:, 1:3] = 1
     x, w13, w2, weights, ids = (t.to(DEVICE) for t in (x, w13, w2, weights, ids))
     config = MoeKernelConfig(block_m, 16, 16)
+    monkeypatch.setattr(kernels, "PAIR_BLOCK_TOKENS", tokens)
+    pair_blocks = fused_moe_triton(x, w13, w2, weights, ids, remote_experts=True, config=config)
     monkeypatch.setattr(kernels, "PAIR_BLOCK_TOKENS", 0)
-    monkeypatch.setattr(kernels, bound, tokens)
-    in_place = fused_moe_triton(x, w13, w2, weights, ids, remote_experts=True, config=config)
-    monkeypatch.setattr(kernels, bound, 0)
-    monkeypatch.setattr(kernels, "IN_PLACE_TOKENS", 0)
     aligned = fused_moe_triton(x, w13, w2, weights, ids, remote_experts=True, config=config)
-    assert torch.equal(in_place, aligned)
-    torch.testing.assert_close(in_place, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
+    assert torch.equal(pair_blocks, aligned)
+    torch.testing.assert_close(pair_blocks, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("block_m", [1, 16])

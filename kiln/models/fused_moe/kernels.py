@@ -2,9 +2,9 @@
 
 Two shapes of the same two GEMMs (h = silu(x W_gate^T) * (x W_up^T), then y = h W_down^T weighted by the router):
 
-- grouped (BLOCK_M >= 16): pairs sorted and padded per expert (align.py, align_triton.py; up to IN_PLACE_TOKENS
-  tokens each program works its own block out from the ids, in registers, and no align kernel runs); each program
-  multiplies a BLOCK_M-row block of one expert's pairs by a BLOCK_N slice of that expert's weight with tl.dot.
+- grouped (BLOCK_M >= 16): pairs sorted and padded per expert (align.py, align_triton.py; up to PAIR_BLOCK_TOKENS
+  tokens one pair a block instead, and no align kernel runs); each program multiplies a BLOCK_M-row block of one
+  expert's pairs by a BLOCK_N slice of that expert's weight with tl.dot.
   The gate and up slices are read by the same program, so SiLU-and-mul happens on the accumulators and only h is
   written. The down kernel scales each row by its routing weight and writes it to its pair's row.
 - pairs (BLOCK_M == 1, decode): no sorting at all. One program per (pair, N slice) streams its expert's weight
@@ -20,31 +20,22 @@ dtype before the product and the scale applied to the accumulator (exact: the sc
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kiln.models.fused_moe.align import align_by_expert, max_padded_pairs
+from kiln.models.fused_moe.align import align_by_expert
 from kiln.models.fused_moe.align_triton import MAX_PAIRS, align_by_expert_triton
 from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
 from kiln.models.pdl import pdl_launch, pdl_start
 
-# Steps of up to this many tokens skip the align kernel: every program of the grouped kernels reads the step's ids
-# and works its block out in registers. Measured inside CUDA graphs at Qwen3-30B-A3B's layer (one H200,
-# 2026-12-02, `bench_moe --parts layer`, one process): one token 28.4 us in place against 29.0 through align (a
-# step's align launch was 4.4 us); at eight tokens 125.2 against 123.6, the prologue's histogram and scans in
-# each of the programs costing more than the launch they spare. The general derivation is kept (tests run it at
-# many tokens against align's layout) so that a cheaper prologue can be measured against it.
-IN_PLACE_TOKENS = 1
-# Steps of up to this many tokens (0: none) lay one pair a block instead: block j holds pair j in its first row,
-# its expert read from the ids directly, with no derivation at all; an expert chosen by several of the step's
-# tokens is read once per pair. Measured against the in-place layout by `bench_moe --parts layer`.
-PAIR_BLOCK_TOKENS = int(os.environ.get("KILN_MOE_PAIR_BLOCK_TOKENS", "0"))
-
-# the layouts `_block` knows
-ALIGNED, IN_PLACE, PAIR_BLOCKS = 0, 1, 2
+# Steps of up to this many tokens run the grouped kernels on one pair a block: block j holds pair j in its first row,
+# its expert read from the ids, so no align kernel runs and no program derives a layout (a repeated expert would be
+# read once per pair, but a token's k experts are distinct). Inside CUDA graphs at Qwen3-30B-A3B's layer (one H200,
+# 2026-12-03, `32c8378`, `bench_moe --parts layer`, one process), one token: 24.1 us against 28.4 with every
+# program deriving the sorted layout from the ids in registers (the layout this replaced, `9541c57`) and 28.5
+# through align; eight tokens: 116.6 against 116.0 and 114.7, so from two tokens on align's layout serves.
+PAIR_BLOCK_TOKENS = 1
 
 
 @triton.jit
@@ -54,28 +45,13 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M: tl.constexpr,
-           LAYOUT: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr):
-    """(expert, pairs [BLOCK_M]) of layout block pid_m: read from align's output (ALIGNED), or (IN_PLACE) derived
-    from the step's few expert ids in registers, the same layout: experts in order, each expert's pairs in pair
-    order, padded to whole blocks, padding rows holding num_pairs; or (PAIR_BLOCKS) pair pid_m alone in row 0.
-    An expert >= NUM_E: the block holds no pairs."""
-    if LAYOUT == 2:  # PAIR_BLOCKS
-        rows = tl.arange(0, BLOCK_M)
-        pairs = tl.where(rows == 0, pid_m, num_pairs)
+           PAIR_BLOCKS: tl.constexpr):
+    """(expert, pairs [BLOCK_M]) of layout block pid_m: read from align's output (experts in order, each expert's
+    pairs in pair order, padded to whole blocks, padding rows holding num_pairs), or (PAIR_BLOCKS) pair pid_m alone
+    in row 0. An expert >= NUM_E: the block holds no pairs."""
+    if PAIR_BLOCKS:
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
         expert = tl.minimum(tl.load(ids_ptr + pid_m), NUM_E)
-    elif LAYOUT == 1:  # IN_PLACE
-        offs = tl.arange(0, P_POW2)
-        ids = tl.minimum(tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_E), NUM_E)
-        bins = tl.arange(0, E_POW2)
-        blocks = tl.where(bins < NUM_E, (tl.histogram(ids, E_POW2) + BLOCK_M - 1) // BLOCK_M, 0)
-        ends = tl.cumsum(blocks, 0)  # an expert's blocks end where the next one's begin
-        expert = tl.sum((ends <= pid_m).to(tl.int32), 0)  # NUM_E or more past the used blocks
-        first_block = tl.sum(tl.where(bins == expert, ends - blocks, 0), 0)
-        mine = ids == expert
-        row_of = tl.cumsum(mine.to(tl.int32), 0) - 1 - (pid_m - first_block) * BLOCK_M
-        rows = tl.arange(0, BLOCK_M)
-        here = mine[None, :] & (row_of[None, :] == rows[:, None])  # [BLOCK_M, P_POW2]: a pair per row at most
-        pairs = tl.sum(tl.where(here, offs[None, :], 0), 1) + tl.where(tl.sum(here.to(tl.int32), 1) == 0, num_pairs, 0)
     else:
         expert = tl.load(block_expert_ptr + pid_m)
         pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -86,13 +62,11 @@ def _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK
 def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, h_ptr, num_pairs, H,
                             INTER, NUM_E, s_xt, s_we, s_wn, s_ht, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
-                            IEEE: tl.constexpr, LAYOUT: tl.constexpr, P_POW2: tl.constexpr,
-                            E_POW2: tl.constexpr, PDL: tl.constexpr = False):
+                            IEEE: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, pairs = _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M, LAYOUT,
-                           P_POW2, E_POW2)
+    expert, pairs = _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M, PAIR_BLOCKS)
     if expert >= NUM_E:
         return
     m_mask = pairs < num_pairs
@@ -131,12 +105,11 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, 
 def _grouped_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, sorted_ptr, block_expert_ptr, ids_ptr, y_ptr, num_pairs, H,
                          INTER, NUM_E, s_ht, s_we, s_wn, s_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr,
-                         LAYOUT: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr = False):
+                         PAIR_BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, pairs = _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M, LAYOUT,
-                           P_POW2, E_POW2)
+    expert, pairs = _block(pid_m, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, NUM_E, BLOCK_M, PAIR_BLOCKS)
     if expert >= NUM_E:
         return
     m_mask = pairs < num_pairs
@@ -257,23 +230,20 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
             y.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
         return y.view(num_tokens, top_k, hidden)
-    sorted_pairs = block_expert = ids  # unread but by the ALIGNED layout
-    if num_tokens <= PAIR_BLOCK_TOKENS:
-        mode, blocks = PAIR_BLOCKS, num_pairs
-    elif num_tokens <= IN_PLACE_TOKENS:  # each program derives its block from the ids
-        mode, blocks = IN_PLACE, max_padded_pairs(num_pairs, num_experts, config.block_m) // config.block_m
+    pair_blocks = num_tokens <= PAIR_BLOCK_TOKENS
+    if pair_blocks:  # block j = pair j, its expert from the ids
+        sorted_pairs = block_expert = ids  # unread
+        blocks = num_pairs
     else:
-        mode = ALIGNED
         align = align_by_expert_triton if num_pairs <= MAX_PAIRS else align_by_expert
         sorted_pairs, block_expert = align(ids, num_experts, config.block_m)
         blocks = block_expert.numel()
-    layout = dict(IEEE=x.dtype == torch.float32, LAYOUT=mode, P_POW2=max(16, triton.next_power_of_2(num_pairs)),
-                  E_POW2=triton.next_power_of_2(num_experts + 1))
+    layout = dict(IEEE=x.dtype == torch.float32, PAIR_BLOCKS=pair_blocks)
     _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
         x, w13, ws13, sorted_pairs, block_expert, ids, h, num_pairs, hidden, inter, num_experts, x.stride(0),
         w13.stride(0), w13.stride(1), h.stride(0), TOPK=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALED=scaled, **layout, **launch)
-    # the sorted layout leaves out pairs routed to another rank's experts: only then must their rows be zeroed
+    # both layouts leave out pairs routed to another rank's experts: only then must their rows be zeroed
     y = (torch.zeros if remote_experts else torch.empty)((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _grouped_down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
         h, w2, ws2, tw, sorted_pairs, block_expert, ids, y, num_pairs, hidden, inter, num_experts, h.stride(0),

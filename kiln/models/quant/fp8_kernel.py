@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.models.pdl import PREFETCH_WEIGHTS, pdl_launch, pdl_start, prefetch_rows_l2
+from kiln.models.pdl import pdl_launch, pdl_start
 
 
 @dataclass(frozen=True)
@@ -137,20 +137,13 @@ def num_sms(device: torch.device) -> int:
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False):
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
-    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N].
-    PREFETCH: this program's weight slice is asked of L2 before the PDL wait (weights are never written)."""
+    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    if PREFETCH:
-        k_first = pid_k * k_steps * BLOCK_K
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        nbytes = tl.minimum(k_steps * BLOCK_K, K - k_first) * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_rows_l2(w_ptr + rows * s_wn + k_first, nbytes)
-    pdl_start(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -247,13 +240,10 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
     xs, ws = (x_scale, weight_scale) if scaled else (out, out)  # unread without scales
     pdl = pdl_launch(q.device)
-    # the bulk prefetch wants 16-byte rows and addresses
-    aligned = (weight.data_ptr() | weight.stride(0) * weight.element_size() | k * weight.element_size()) % 16 == 0
     _fp8_gemm_kernel[grid](q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n,
                            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split > 1,
                            EVEN_K=even_k, EVEN_N=n % config.block_n == 0, SCALED=scaled,
-                           num_warps=config.num_warps, num_stages=config.num_stages,
-                           PREFETCH=pdl["PDL"] and PREFETCH_WEIGHTS and aligned, **pdl)
+                           num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
     if split > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
