@@ -155,10 +155,11 @@ set_spec_ab() {  # spec-tasks with the code in .ab/base (`git archive <commit> k
     done
   done
 }
-set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolLM2-135M; DECODE_AB_ARGS: more bench_gpu
-  # arguments, e.g. --quantization fp8) in each arm of DECODE_AB_ARMS, processes alternated DECODE_AB_ROUNDS times (2).
-  # Arms: "base" (.ab/base's code), "new" (the working tree; the default arms), NAME=VALUE[,NAME=VALUE] (the working
-  # tree with those environment variables). DECODE_AB_MOE=1: Qwen3-30B-A3B's decode (bench_moe --parts decode) too
+set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolLM2-135M, "none" for no dense model;
+  # DECODE_AB_ARGS: more bench_gpu arguments, e.g. --quantization fp8) in each arm of DECODE_AB_ARMS, processes
+  # alternated DECODE_AB_ROUNDS times (2). Arms: "base" (.ab/base's code), "new" (the working tree; the default
+  # arms), NAME=VALUE[,NAME=VALUE] (the working tree with those environment variables). DECODE_AB_MOE=1:
+  # Qwen3-30B-A3B's decode (bench_moe --parts decode) in each arm too
   local run arm dir tag vars
   for run in $(seq "${DECODE_AB_ROUNDS:-2}"); do
     for arm in ${DECODE_AB_ARMS:-base new}; do
@@ -167,9 +168,9 @@ set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolL
       (
         case $arm in *=*) IFS=, read -ra vars <<< "$arm"; export "${vars[@]}";; esac
         export PYTHONPATH=$dir:/tmp/site
-        step "decode_${tag}_$run" 200 bash -c "cd $dir && exec python3 -m benchmarks.bench_gpu decode --defaults \
-          --backend triton --models ${DECODE_AB_MODELS:-smollm2-135m} --async-scheduling on ${DECODE_AB_ARGS:-} \
-          --json $R/decode_${tag}_$run.json"
+        [ "${DECODE_AB_MODELS:-}" = none ] || step "decode_${tag}_$run" 200 bash -c "cd $dir && exec python3 -m \
+          benchmarks.bench_gpu decode --defaults --backend triton --models ${DECODE_AB_MODELS:-smollm2-135m} \
+          --async-scheduling on ${DECODE_AB_ARGS:-} --json $R/decode_${tag}_$run.json"
         [ -z "${DECODE_AB_MOE:-}" ] || step "moe_decode_${tag}_$run" 240 bash -c "cd $dir && exec python3 -m \
           benchmarks.bench_moe --parts decode --json $R/moe_decode_${tag}_$run.json"
       )

@@ -13,8 +13,26 @@ winners. The winners come in no particular order (the weighted sum does not depe
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from kiln.models.dense_gemm import TRITON_MAX_M
+
+# KILN_MOE_ROUTER_TRITON=1: the router's GEMM on kiln's small-M Triton kernel up to TRITON_MAX_M tokens, which takes
+# part in programmatic dependent launch where cuBLAS's GEMM does not (docs/cuda_graphs.md). Off until measured
+# against cuBLAS on the GPU (docs/moe.md, "Where batch 1 stands").
+ROUTER_TRITON = os.environ.get("KILN_MOE_ROUTER_TRITON", "0") == "1"
+
+
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] @ the router's weight [E, H]^T -> [T, E] in x's dtype."""
+    if ROUTER_TRITON and x.is_cuda and x.shape[0] <= TRITON_MAX_M and x.dtype in (torch.bfloat16, torch.float16):
+        from kiln.models.quant.fp8_kernel import bf16_gemm_triton
+
+        return bf16_gemm_triton(x, gate_weight)
+    return F.linear(x, gate_weight)
 
 
 def moe_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +48,7 @@ def moe_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> t
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], the router's weight [E, H] -> (weights fp32 [T, K], expert ids int32 [T, K])."""
-    logits = F.linear(x, gate_weight)
+    logits = router_logits(x, gate_weight)
     if x.is_cuda:
         from kiln.models.fused_moe.routing_triton import moe_topk_triton
 
