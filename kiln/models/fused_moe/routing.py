@@ -18,20 +18,18 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kiln.models.dense_gemm import TRITON_MAX_M
+from kiln.models import dense_gemm
 
-# KILN_MOE_ROUTER_TRITON=1: the router's GEMM on kiln's small-M Triton kernel up to TRITON_MAX_M tokens, which takes
-# part in programmatic dependent launch where cuBLAS's GEMM does not (docs/cuda_graphs.md). Off until measured
-# against cuBLAS on the GPU (docs/moe.md, "Where batch 1 stands").
+# KILN_MOE_ROUTER_TRITON=1: the router's GEMM through kiln::dense_gemm (kiln's small-M Triton kernel up to
+# TRITON_MAX_M tokens, cuBLAS above), which takes part in programmatic dependent launch where cuBLAS's GEMM does
+# not (docs/cuda_graphs.md). Off until measured against cuBLAS on the GPU (docs/moe.md, "Where batch 1 stands").
 ROUTER_TRITON = os.environ.get("KILN_MOE_ROUTER_TRITON", "0") == "1"
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """x [T, H] @ the router's weight [E, H]^T -> [T, E] in x's dtype."""
-    if ROUTER_TRITON and x.is_cuda and x.shape[0] <= TRITON_MAX_M and x.dtype in (torch.bfloat16, torch.float16):
-        from kiln.models.quant.fp8_kernel import bf16_gemm_triton
-
-        return bf16_gemm_triton(x, gate_weight)
+    if ROUTER_TRITON and dense_gemm.applies(x, None):
+        return dense_gemm.dense_gemm(x, gate_weight)
     return F.linear(x, gate_weight)
 
 
