@@ -131,7 +131,7 @@ def test_a_script_without_the_main_guard_compiles_in_its_workers(tmp_path) -> No
         "max_num_batched_tokens=32, max_num_seqs=4)\n"
         "s = rt.compile_stats\n"
         "print('compiles', s.inductor_compiles, 'in workers', s.worker_compiles, flush=True)\n"
-        "print(len(rt.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids))\n")
+        "print(len(rt.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids))\n")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
            "KILN_CACHE_DIR": str(tmp_path / "cache")}
