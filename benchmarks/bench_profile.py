@@ -128,7 +128,7 @@ def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None, ho
         entry = by_name.setdefault(e.name, [0.0, 0])
         entry[0] += us
         entry[1] += 1
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]  # a layer's kernels, all of them at decode
     busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps / 1e3
     idle = gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels], steps)
     if trace_path:

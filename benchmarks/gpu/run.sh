@@ -37,12 +37,12 @@ set_startup_ab() {  # start-up arms (STARTUP_AB_VARIANTS, default the ones docs/
     --variants ${STARTUP_AB_VARIANTS:-KILN_COMPILER_PREIMPORT=0 default KILN_WEIGHT_STREAM=0} \
     --warm-repeats "${STARTUP_AB_WARM_REPEATS:-5}" --decode-batches 1 --budget-s 560 --json "$R/startup_ab.json"
 }
-set_fp8() {  # FP8 weights against bf16 at default settings: decode and offline
-  step fp8 420 python3 -m benchmarks.bench_fp8 --defaults --parts decode throughput --json "$R/fp8.json"
+set_fp8() {  # FP8 weights against bf16 at default settings: decode and offline (FP8_PARTS: one of them)
+  step fp8 420 python3 -m benchmarks.bench_fp8 --defaults --parts ${FP8_PARTS:-decode throughput} --json "$R/fp8.json"
 }
-set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64
-  step profile 300 python3 -m benchmarks.bench_profile --configs llama3-8b:1:bf16 llama3-8b:1:fp8 --batches 1 64 \
-    --json "$R/profile.json"
+set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64 (PROFILE_CONFIGS, PROFILE_BATCHES)
+  step profile 300 python3 -m benchmarks.bench_profile --configs ${PROFILE_CONFIGS:-llama3-8b:1:bf16 llama3-8b:1:fp8} \
+    --batches ${PROFILE_BATCHES:-1 64} --json "$R/profile.json"
 }
 set_attention() {  # attention kernels per backend (FlashInfer when installed): decode, prefill, mixed steps
   step attention 300 python3 -m benchmarks.bench_attention --backends triton flashinfer --batches 1 8 64 256 \
@@ -164,7 +164,7 @@ set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolL
   for run in $(seq "${DECODE_AB_ROUNDS:-2}"); do
     for arm in ${DECODE_AB_ARMS:-base new}; do
       dir=$PWD; [ "$arm" = base ] && dir=$PWD/.ab/base
-      tag=${arm//[=,]/_}
+      tag=${arm//[^A-Za-z0-9_]/_}
       (
         case $arm in *=*) IFS=, read -ra vars <<< "$arm"; export "${vars[@]}";; esac
         export PYTHONPATH=$dir:/tmp/site

@@ -8,15 +8,18 @@ still selectable by name with `passes=(...)`.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 # In the order the manager runs them: graph-level passes first (they change what is split out), then the
 # post-grad ones; `noop` runs last in post-grad so it also tidies what the fusions leave behind.
 # allreduce_rmsnorm precedes add_rmsnorm, which would otherwise take its norms alone.
-# silu_mul_quant precedes silu_mul for the same reason.
-ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "allreduce_rmsnorm", "add_rmsnorm", "silu_mul_quant",
-                               "silu_mul")
+# silu_mul_quant and gate_up_silu_mul precede silu_mul for the same reason.
+# qkv_rope follows rope_kv and qk_norm_rope, which take the rotations they match first.
+ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "add_rmsnorm",
+                               "silu_mul_quant", "gate_up_silu_mul", "silu_mul")
 
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
@@ -35,14 +38,25 @@ LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
 }
 
 
+def level_defaults(level: int) -> tuple[str, ...]:
+    """The level's default passes, or those KILN_PASSES names (separated by "," or "+"; empty: none): an A/B of a
+    pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key."""
+    names = os.environ.get("KILN_PASSES")
+    if names is None:
+        return LEVEL_DEFAULTS.get(level, ())
+    return tuple(n.strip() for n in re.split(r"[,+]", names) if n.strip())
+
+
 @dataclass(frozen=True)
 class PassConfig:
     noop: bool = False
     rope_kv: bool = False
     qk_norm_rope: bool = False
+    qkv_rope: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
     add_rmsnorm: bool = False
     silu_mul_quant: bool = False  # FP8 models only: matches nothing without the activation quantization
+    gate_up_silu_mul: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
     silu_mul: bool = False
     # pass name -> largest token count it is compiled for; a compile range is covered only when its upper
     # end is within the bound (post-grad passes only: graph-level passes see one graph for every count)
@@ -77,7 +91,7 @@ class PassConfig:
         the level's defaults."""
         if not getattr(config, "enable_passes", False):
             return cls()
-        names = config.passes if config.passes is not None else LEVEL_DEFAULTS.get(config.level, ())
+        names = config.passes if config.passes is not None else level_defaults(config.level)
         return cls.from_names(tuple(names))
 
     @property

@@ -29,14 +29,16 @@ GRAPH_SCOPE = "graph"  # stats/dump name for the pre-split graph
 def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.add_rmsnorm import AddRMSNormPass
     from kiln.passes.allreduce_rmsnorm import AllReduceRMSNormPass
+    from kiln.passes.gate_up_silu_mul import GateUpSiluMulPass
     from kiln.passes.noop import NoOpEliminationPass
     from kiln.passes.qk_norm_rope import QKNormRopePass
+    from kiln.passes.qkv_rope import QKVRopePass
     from kiln.passes.rope_kv import RopeKVCachePass
     from kiln.passes.silu_mul import SiluMulPass
     from kiln.passes.silu_mul_quant import SiluMulQuantPass
 
-    classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, AllReduceRMSNormPass, AddRMSNormPass,
-               SiluMulQuantPass, SiluMulPass]
+    classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, QKVRopePass, AllReduceRMSNormPass, AddRMSNormPass,
+               SiluMulQuantPass, GateUpSiluMulPass, SiluMulPass]
     return {cls.name: cls for cls in classes}
 
 

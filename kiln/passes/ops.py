@@ -169,6 +169,61 @@ def _silu_and_mul_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
+# -- the gate_up GEMM with SiLU-and-mul in its epilogue (16-bit weights) -----------------------------------------
+@torch.library.custom_op("kiln::gate_up_silu_mul", mutates_args=())
+def gate_up_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K], weight [2N, K] = [gate; up] -> silu(x gate^T) * (x up^T), [M, N]. Dispatched on M as
+    kiln::dense_gemm is (kiln/models/dense_gemm.py): its small-M kernel computes the activation in the epilogue;
+    larger M (and the CPU) run the unfused graph's GEMM, then silu_and_mul."""
+    from kiln.models import dense_gemm
+
+    if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M:
+        from kiln.models.gemm_epilogues import gate_up_silu_mul_triton
+
+        return gate_up_silu_mul_triton(x, weight)
+    return silu_and_mul(torch.mm(x, weight.t()))
+
+
+@gate_up_silu_mul.register_fake
+def _gate_up_silu_mul_fake(x, weight):
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+# -- the qkv GEMM with RoPE in its epilogue (16-bit weights, no q/k norm) --------------------------------------
+@torch.library.custom_op("kiln::qkv_rope", mutates_args=())
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+             num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K], weight [(H + 2 Hkv) D, K] -> (q [T, H, D], k [T, Hkv, D] rotated by RoPE, v [T, Hkv, D]), each
+    contiguous. Dispatched on T as kiln::dense_gemm is: its small-M kernel rotates in the epilogue; larger T (and
+    the CPU) run the GEMM, then the unfused graph's rotation (kiln's RoPE kernel on CUDA)."""
+    from kiln.models import dense_gemm
+
+    if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M:
+        from kiln.models.gemm_epilogues import qkv_rope_triton
+
+        return qkv_rope_triton(x, weight, positions, cos_sin_cache, num_heads, num_kv_heads)
+    head_dim = cos_sin_cache.shape[-1]
+    q, k, v = torch.mm(x, weight.t()).split([num_heads * head_dim, num_kv_heads * head_dim,
+                                             num_kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(x.shape[0], -1, head_dim) for t in (q, k, v))
+    positions = positions[: x.shape[0]]
+    if _use_triton(x):
+        from kiln.passes.kernels import norm_rope_triton
+
+        q, k = norm_rope_triton(q, k, positions, cos_sin_cache, None, None, 0.0)
+    else:
+        q, k = norm_rope_ref(q, k, positions, cos_sin_cache, None, None, 0.0)
+    # fresh tensors, as the fake says (a contiguous view of the GEMM's output would keep its storage offset)
+    return q.contiguous(), k.contiguous(), v.clone(memory_format=torch.contiguous_format)
+
+
+@qkv_rope.register_fake
+def _qkv_rope_fake(x, weight, positions, cos_sin_cache, num_heads, num_kv_heads):
+    head_dim = cos_sin_cache.shape[-1]
+    return (x.new_empty((x.shape[0], num_heads, head_dim)), x.new_empty((x.shape[0], num_kv_heads, head_dim)),
+            x.new_empty((x.shape[0], num_kv_heads, head_dim)))
+
+
 # -- SiLU-and-mul + FP8 per-token quantization ---------------------------------------------------------------
 def silu_mul_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused graph's arithmetic: SiLU in fp32 rounded to x's dtype, times up (rounded), then

@@ -71,7 +71,7 @@ def silu_mul_operand(mul: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
         x = _halves(silu[0], up) if silu is not None else None
         if x is not None:
             gate, used = silu
-            return x, [mul, *used, up, gate.args[0]]
+            return x, [mul, *used, gate, up, gate.args[0]]
     return None
 
 

@@ -154,20 +154,23 @@ def test_op_on_cpu_is_scaled_mm() -> None:
                           test_utils=("test_faketensor",))
 
 
+def sm90_ptx(*args: str) -> dict:
+    """What tests/models/fp8_kernel_sm90.py reports for a kernel compiled for sm90 (skips without ptxas)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", *args], capture_output=True,
+                          text=True, env=env, timeout=300, check=False, cwd=Path(__file__).resolve().parents[2])
+    if proc.returncode != 0 and "ptxas" in proc.stderr:
+        pytest.skip("no ptxas in this Triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("block_m,split,pdl", [(16, False, True), (64, True, False)])
 def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool, pdl: bool) -> None:
     """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
     copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that); with
     PDL (kiln/models/pdl.py) its launch is marked so and it waits for, then releases, its neighbours."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.models.fp8_kernel_sm90", str(block_m), str(int(split)),
-                           str(int(pdl))],
-                          capture_output=True, text=True, env=env, timeout=300, check=False,
-                          cwd=Path(__file__).resolve().parents[2])
-    if proc.returncode != 0 and "ptxas" in proc.stderr:
-        pytest.skip("no ptxas in this Triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    ptx = sm90_ptx(str(block_m), str(int(split)), str(int(pdl)))
     assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"], ptx
     stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
     assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer

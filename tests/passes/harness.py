@@ -11,6 +11,7 @@ precede tests/attention's conftest, which must decorate its Triton kernels first
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ from kiln import Runtime, SamplingParams
 from kiln.compiler.ranges import CompileKey
 from kiln.compiler.split import SplitGraph, split_at_attention
 from kiln.models.forward_context import ForwardContext, set_forward_context
+from kiln.passes import PassConfig
+from kiln.passes.base import PassEnv
 from kiln.passes.context import compiling
 from kiln.passes.manager import PassManager
 from kiln.runtime.request import Request
@@ -39,8 +42,10 @@ class Capture:
         """-> (hidden states, the KV cache it wrote), from a zeroed cache."""
         cache = self.runtime.engine.worker.kv_cache
         cache.zero_()
+        # a symbolic size among the inputs (the token count, where the graph reshapes by it) runs as its value
+        inputs = [i.node.hint if isinstance(i, torch.SymInt) else i for i in self.inputs]
         with torch.inference_mode(), set_forward_context(self.context):
-            out = gm(*self.inputs)
+            out = gm(*inputs)
         return out[0].clone(), cache.clone()
 
 
@@ -140,3 +145,14 @@ def post_grad(piece: fx.GraphModule, key: CompileKey, manager: PassManager | Non
 
 def split(gm: fx.GraphModule) -> SplitGraph:
     return split_at_attention(copy_graph_module(gm))
+
+
+def each_piece_with(gm: fx.GraphModule, key: CompileKey, name: str) -> Iterator[tuple[fx.GraphModule, fx.GraphModule,
+                                                                                     int, int]]:
+    """For each distinct piece of the captured graph, with only pass `name` on: (post-grad graph before, after,
+    the pass's rewrites there, how many pieces share it)."""
+    manager = PassManager(PassConfig.from_names([name]), PassEnv())
+    for piece_hash, group in split(gm).distinct().items():
+        scope = f"{piece_hash[:12]}_{key}"
+        before, after = post_grad(group[0].module, key, manager, scope)
+        yield before, after, manager.matches[scope].get(name, 0), len(group)

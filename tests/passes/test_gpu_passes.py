@@ -35,3 +35,24 @@ def test_passes_on_vs_off_on_gpu(tiny_checkpoint, preset: str, backend: str) -> 
             assert names == set(ALL_PASSES)
         del rt
     assert outs["on"] == outs["off"]
+
+
+@pytest.mark.parametrize("passes", [("gate_up_silu_mul",), ("qkv_rope",), ("qkv_rope", "gate_up_silu_mul")])
+def test_gemm_epilogue_passes_on_a_16_bit_model(tiny_checkpoint, passes: tuple[str, ...]) -> None:
+    """bf16 projections run kiln::dense_gemm, so gate_up_silu_mul and qkv_rope hand each layer's SiLU-mul and RoPE
+    to the GEMM before it (decode in the small-M kernels' epilogues, prefill through torch.mm and the unfused
+    step's kernel): greedy tokens as without, and every pass matched."""
+    prompts = random_prompts([1, 7, 30, 3], 256, seed=2)
+    options = dict(level=2, device="cuda", dtype="bf16", max_num_batched_tokens=32, max_num_seqs=4,
+                   compile_sizes=(1, 4), cudagraph_capture_sizes=(1, 4), num_blocks=64)
+    path = str(tiny_checkpoint("tiny-llama")[0])
+    outs = {}
+    for label, extra in (("off", {"enable_passes": False}), ("on", {"passes": passes})):
+        rt = Runtime(path, **options, **extra)
+        outs[label] = [o.outputs[0].token_ids for o in rt.generate(prompts, GREEDY)]
+        if label == "on":
+            manager = pass_manager_of(rt.engine.worker.compiled)
+            for name in passes:
+                assert manager.total(name) > 0, (name, dict(manager.matches))
+        del rt
+    assert outs["on"] == outs["off"]

@@ -11,12 +11,9 @@ import torch
 from kiln import Runtime, SamplingParams
 from kiln.compiler.ranges import CompileKey
 from kiln.models.quant.fp8 import quantize_per_token
-from kiln.passes import PassConfig
-from kiln.passes.base import PassEnv
-from kiln.passes.manager import PassManager
 from tests.conftest import prompt_logits
 from tests.passes.conftest import NUM_LAYERS, PROMPT
-from tests.passes.harness import capture, post_grad, split
+from tests.passes.harness import capture, each_piece_with
 
 FP8 = dict(device="cpu", dtype="bf16", quantization="fp8", max_num_batched_tokens=32, max_num_seqs=4, num_blocks=16)
 
@@ -24,13 +21,9 @@ FP8 = dict(device="cpu", dtype="bf16", quantization="fp8", max_num_batched_token
 @pytest.mark.parametrize("key", [CompileKey.size(len(PROMPT)), CompileKey.range(1, 32)], ids=["size", "range"])
 def test_matches_once_per_layer(tiny_checkpoint, key: CompileKey) -> None:
     cap = capture(Runtime(str(tiny_checkpoint("tiny-llama")[0]), level=0, **FP8), PROMPT)
-    manager = PassManager(PassConfig.from_names(["silu_mul_quant"]), PassEnv())
     total = 0
-    for piece_hash, group in split(cap.gm).distinct().items():
-        scope = f"{piece_hash[:12]}_{key}"
-        before, after = post_grad(group[0].module, key, manager, scope)
-        matched = manager.matches[scope].get("silu_mul_quant", 0)
-        total += matched * len(group)
+    for before, after, matched, copies in each_piece_with(cap.gm, key, "silu_mul_quant"):
+        total += matched * copies
         assert str(after.graph).count("kiln.silu_mul_quant") == matched
         # the quantization's own amax went with it; the others' (the norms before q/k/v and gate_up) stay
         assert str(after.graph).count("aten.amax") == str(before.graph).count("aten.amax") - matched

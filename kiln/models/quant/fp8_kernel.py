@@ -132,25 +132,13 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# M is not specialized (Triton would compile M == 1 and M % 16 == 0 apart): fewer compiles at start-up,
-# where every CUDA-graph size runs once, for no loss (M only masks the few activation rows)
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
-    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
-    pdl_start(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+@triton.jit
+def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s_xm, s_wn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               EVEN_N: tl.constexpr, SCALED: tl.constexpr):
+    """acc[BLOCK_N, BLOCK_M] = sum over [k_lo, k_lo + k_steps * BLOCK_K) of W[offs_n, k] * X[offs_m, k]: the
+    weight rows a program streams (any rows: the epilogue kernels pair them) against its tokens, past K masked."""
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
-    k_lo = pid_k * k_steps * BLOCK_K
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * s_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -172,6 +160,28 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
             acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    return acc
+
+
+# M is not specialized (Triton would compile M == 1 and M % 16 == 0 apart): fewer compiles at start-up,
+# where every CUDA-graph size runs once, for no loss (M only masks the few activation rows)
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
+    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
+    pdl_start(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
+    acc = accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, pid_k * k_steps * BLOCK_K, k_steps, s_xm,
+                     s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED)
     out_mask = n_mask[:, None] & m_mask[None, :]
     out_offs = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     if SPLIT:

@@ -1,0 +1,157 @@
+"""Decode-sized 16-bit GEMMs that finish the element-wise step after them in their epilogue.
+
+At batch 1 a decode step is a chain of kernels that each wait for the one before; after PDL (docs/cuda_graphs.md)
+SmolLM2-135M's 346 kernels a step still cost ~2 us each, so a kernel that only reshapes a GEMM's output is worth
+folding into the GEMM. Both kernels here run the small-M GEMM's K loop (kiln/models/quant/fp8_kernel.py,
+`accumulate`) on a tile whose weight rows come in two halves that the epilogue pairs in registers:
+
+- `gate_up_silu_mul_triton`: BLOCK_N / 2 gate rows and the up rows N below them -> silu(gate) * up, [M, N];
+- `qkv_rope_triton`: inside one head, BLOCK_N / 2 rows of its first half and the rows HEAD_DIM / 2 below them ->
+  the neox rotation of q and k by each token's cos/sin (v as it is), written as three contiguous tensors.
+
+The work sits after the sums, so the GEMM's operands stay plain asynchronous loads (the activation computed in the
+down GEMM's operand loads instead cost Llama-3-8B 8% at batch 1: docs/passes.md). Values are rounded where the
+unfused graph rounds them: the GEMM's output to the model dtype, then the SiLU / rotation in fp32. Tile configs are
+the plain GEMM's for the same weight (`pick_config`), without split-K: an epilogue needs whole sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.models.pdl import pdl_launch, pdl_start
+from kiln.models.quant.fp8_kernel import Fp8GemmConfig, accumulate, block_m_for, num_sms, pick_config
+
+
+@triton.jit
+def _halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] -> (rows [0, BLOCK_N/2), rows [BLOCK_N/2, BLOCK_N)), each rounded to `dtype` as the
+    GEMM's output would be, then widened to fp32."""
+    pairs = tl.reshape(acc.to(dtype).to(tl.float32), (2, BLOCK_N // 2, BLOCK_M))
+    return tl.split(tl.permute(pairs, (1, 2, 0)))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gate_up_silu_mul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                             EVEN_N: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (tile, m tile): out[m, c] = silu(gate[c]) * up[c] for its BLOCK_N / 2 columns c."""
+    pdl_start(PDL)
+    rows = tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * (BLOCK_N // 2) + rows % (BLOCK_N // 2)  # the output column each weight row feeds
+    n_mask = cols < N
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = accumulate(x_ptr, w_ptr, cols + (rows // (BLOCK_N // 2)) * N, n_mask, offs_m, m_mask, K, 0, k_steps,
+                     s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, False)
+    dtype = out_ptr.dtype.element_ty
+    gate, up = _halves(acc, dtype, BLOCK_N, BLOCK_M)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu's output is in the model dtype
+    out_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(out_ptr + offs_m[None, :].to(tl.int64) * s_om + out_n[:, None], (act * up).to(dtype),
+             mask=(out_n < N)[:, None] & m_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qkv_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, M, K, k_steps, s_xm, s_wn, s_cs,
+                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """Program (tile, m tile): head `head`'s dims d (BLOCK_N / 2 of its first half) and d + HEAD_DIM / 2."""
+    pdl_start(PDL)
+    tiles = HEAD_DIM // BLOCK_N  # tiles per head
+    head = tl.program_id(0) // tiles
+    d = (tl.program_id(0) % tiles) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    rows = tl.arange(0, BLOCK_N)
+    offs_n = head * HEAD_DIM + (tl.program_id(0) % tiles) * (BLOCK_N // 2) + rows % (BLOCK_N // 2) \
+        + (rows // (BLOCK_N // 2)) * (HEAD_DIM // 2)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = accumulate(x_ptr, w_ptr, offs_n, offs_n >= 0, offs_m, m_mask, K, 0, k_steps, s_xm, s_wn, BLOCK_M,
+                     BLOCK_N, BLOCK_K, EVEN_K, True, False)
+    dtype = q_ptr.dtype.element_ty
+    x1, x2 = _halves(acc, dtype, BLOCK_N, BLOCK_M)
+    rows_m = offs_m[None, :].to(tl.int64)
+    if head < NUM_HEADS + NUM_KV_HEADS:  # q and k rotate: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        cs = cs_ptr + pos[None, :] * s_cs + d[:, None]
+        cos = tl.load(cs, mask=m_mask[None, :], other=0.0)
+        sin = tl.load(cs + HEAD_DIM // 2, mask=m_mask[None, :], other=0.0)
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+    else:
+        o1 = x1
+        o2 = x2
+    if head < NUM_HEADS:
+        dst = q_ptr + rows_m * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[:, None]
+    elif head < NUM_HEADS + NUM_KV_HEADS:
+        dst = k_ptr + rows_m * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_HEADS) * HEAD_DIM + d[:, None]
+    else:
+        dst = v_ptr + rows_m * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM + d[:, None]
+    tl.store(dst, o1.to(dtype), mask=m_mask[None, :])
+    tl.store(dst + HEAD_DIM // 2, o2.to(dtype), mask=m_mask[None, :])
+
+
+def _k_steps(k: int, config: Fp8GemmConfig) -> tuple[int, bool]:
+    """BLOCK_K steps over the whole of K (no split), and whether K is a whole number of them."""
+    steps = triton.cdiv(k, config.block_k)
+    return steps, k % config.block_k == 0
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={x.shape[1]} of the activation")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x/weight: the K dimension must be contiguous")
+
+
+def gate_up_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
+                            config: Fp8GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K], weight [2N, K] (gate rows, then up rows) -> silu(x gate^T) * (x up^T), [M, N] in x's dtype."""
+    _check(x, weight)
+    if weight.shape[0] % 2:
+        raise ValueError(f"weight: {weight.shape[0]} rows, expected gate and up halves of equal size")
+    m, k = x.shape
+    n = weight.shape[0] // 2
+    config = config or pick_config(m, 2 * n, k, num_sms(x.device), x.element_size())
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_m, (k_steps, even_k) = block_m_for(m), _k_steps(k, config)
+    grid = (triton.cdiv(n, config.block_n // 2), triton.cdiv(m, block_m))
+    _gate_up_silu_mul_kernel[grid](x, weight, out, m, n, k, k_steps, x.stride(0), weight.stride(0), out.stride(0),
+                                   BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
+                                   EVEN_N=n % (config.block_n // 2) == 0, num_warps=config.num_warps,
+                                   num_stages=config.num_stages, **pdl_launch(x.device))
+    return out
+
+
+def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                    num_heads: int, num_kv_heads: int,
+                    config: Fp8GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K], weight [(H + 2 Hkv) D, K] (q, k, v rows), positions [>= M], cos_sin_cache [P, D] (cos then sin)
+    -> (q [M, H, D], k [M, Hkv, D] rotated, v [M, Hkv, D]), contiguous, in x's dtype."""
+    _check(x, weight)
+    m, k = x.shape
+    head_dim = cos_sin_cache.shape[-1]
+    n = weight.shape[0]
+    if n != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"weight: {n} rows, expected ({num_heads} + 2 x {num_kv_heads}) heads of {head_dim}")
+    config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
+    block_n = min(config.block_n, head_dim)  # a tile stays inside one head
+    if head_dim % block_n or block_n < 32:
+        raise ValueError(f"head_dim {head_dim}: no tile of >= 32 rows divides it")
+    q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    k_out = torch.empty((m, num_kv_heads, head_dim), dtype=x.dtype, device=x.device)
+    v = torch.empty_like(k_out)
+    if m == 0:
+        return q, k_out, v
+    block_m, (k_steps, even_k) = block_m_for(m), _k_steps(k, config)
+    _qkv_rope_kernel[(n // block_n, triton.cdiv(m, block_m))](
+        x, weight, positions, cos_sin_cache, q, k_out, v, m, k, k_steps, x.stride(0), weight.stride(0),
+        cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=config.block_k, EVEN_K=even_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_launch(x.device))
+    return q, k_out, v

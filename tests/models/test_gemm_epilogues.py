@@ -1,0 +1,119 @@
+"""The small-M GEMMs with an epilogue (kiln/models/gemm_epilogues.py) against the unfused arithmetic: the GEMM
+rounded to the model dtype, then silu(gate) * up or RoPE as the model computes them; the ops that dispatch to
+them (kiln/passes/ops.py) on both sides of the threshold; and their sm90 compile. Without a GPU the kernels run
+under Triton's CPU interpreter in fp16 (its bf16 loads are wrong: tests/models/test_fp8_kernel.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from tests.conftest import define_interpreted  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+TOLERANCE = dict(rtol=2 ** -6 if DTYPE == torch.bfloat16 else 2 ** -8, atol=2e-3)  # a 16-bit ulp or two
+
+if DEVICE == "cpu":
+    define_interpreted("kiln.models.quant.fp8_kernel", "kiln.models.gemm_epilogues")
+
+import kiln.passes.ops  # noqa: E402, F401 - registers the ops
+from kiln.models.gemm_epilogues import gate_up_silu_mul_triton, qkv_rope_triton  # noqa: E402
+from kiln.models.quant.fp8_kernel import Fp8GemmConfig  # noqa: E402
+from kiln.passes.ops import norm_rope_ref  # noqa: E402
+from tests.models.test_fp8_kernel import sm90_ptx  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def operands(m: int, n: int, k: int, seed: int, dtype: torch.dtype = DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g).to(dtype).to(DEVICE),
+            (torch.randn(n, k, generator=g) * 0.1).to(dtype).to(DEVICE))
+
+
+def rope_cache(positions: int, head_dim: int) -> torch.Tensor:
+    freqs = torch.outer(torch.arange(positions).float(), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+
+
+def qkv_rope_reference(x, w, positions, cache, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
+    head_dim = cache.shape[-1]
+    y = (x.double() @ w.double().t()).to(x.dtype)
+    q, k, v = (t.reshape(x.shape[0], -1, head_dim) for t in y.split([heads * head_dim, kv_heads * head_dim,
+                                                                      kv_heads * head_dim], dim=-1))
+    return (*norm_rope_ref(q, k, positions[: x.shape[0]], cache, None, None, 0.0), v)
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 96, 200, Fp8GemmConfig(64, 64, 1, 4, 2)),
+    (5, 70, 256, Fp8GemmConfig(32, 64, 4, 4, 2)),  # split-K asked for: the epilogue kernels run without it
+    (17, 64, 130, Fp8GemmConfig(128, 32, 1, 4, 2)),
+])
+def test_gate_up_with_silu_mul_in_the_epilogue(m: int, n: int, k: int, config: Fp8GemmConfig) -> None:
+    """[gate; up] rows paired per tile: N off the half tile, K off the tile, M over one tile."""
+    x, w = operands(m, 2 * n, k, m * 1000 + n)
+    out = gate_up_silu_mul_triton(x, w, config)
+    gate, up = (x.double() @ w.double().t()).to(DTYPE).chunk(2, dim=-1)
+    assert out.dtype == DTYPE and out.shape == (m, n)
+    torch.testing.assert_close(out.double(), (F.silu(gate.float()).to(DTYPE) * up).double(), **TOLERANCE)
+
+
+@pytest.mark.parametrize("m,heads,kv_heads,head_dim,k,config", [
+    (1, 4, 2, 64, 96, Fp8GemmConfig(64, 64, 1, 4, 2)),  # a tile = a head (SmolLM2's 64)
+    (3, 2, 1, 128, 200, Fp8GemmConfig(64, 64, 2, 4, 2)),  # two tiles a head (Llama's 128), K off the tile
+    (17, 2, 2, 64, 64, Fp8GemmConfig(128, 32, 1, 4, 2)),  # the config's 128 rows cut to the head
+])
+def test_qkv_with_rope_in_the_epilogue(m: int, heads: int, kv_heads: int, head_dim: int, k: int,
+                                       config: Fp8GemmConfig) -> None:
+    """q and k heads rotated by each token's position (not in order, past the first), v heads as computed."""
+    x, w = operands(m, (heads + 2 * kv_heads) * head_dim, k, m + heads)
+    positions = torch.randperm(64, generator=torch.Generator().manual_seed(m))[:m].to(DEVICE)
+    cache = rope_cache(64, head_dim)
+    got = qkv_rope_triton(x, w, positions, cache, heads, kv_heads, config)
+    for out, want in zip(got, qkv_rope_reference(x, w, positions, cache, heads, kv_heads)):
+        assert out.dtype == DTYPE and out.shape == want.shape and out.is_contiguous()
+        torch.testing.assert_close(out.double(), want.double(), **TOLERANCE)
+
+
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_the_ops_dispatch_on_m(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kiln::gate_up_silu_mul and kiln::qkv_rope: the epilogue kernels up to dense_gemm's TRITON_MAX_M tokens on
+    CUDA; the GEMM, then the unfused graph's step, above it and on the CPU: the same values either way."""
+    from kiln.models import gemm_epilogues
+
+    calls: list[str] = []
+    for name in ("gate_up_silu_mul_triton", "qkv_rope_triton"):
+        original = getattr(gemm_epilogues, name)
+        monkeypatch.setattr(gemm_epilogues, name,
+                            lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    x, w = operands(m, 144, 96, m, torch.float16)
+    got = torch.ops.kiln.gate_up_silu_mul(x, w)
+    gate, up = (x.double() @ w.double().t()).chunk(2, dim=-1)
+    torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=2 ** -7, atol=2e-3)
+    torch.library.opcheck(torch.ops.kiln.gate_up_silu_mul.default, (x, w), test_utils=("test_faketensor",))
+    positions, cache = torch.arange(m, device=DEVICE) + 3, rope_cache(32, 16)
+    args = (x, w[: (2 + 2 * 2) * 16], positions, cache, 2, 2)
+    got = torch.ops.kiln.qkv_rope(*args)
+    for out, want in zip(got, qkv_rope_reference(*args)):
+        torch.testing.assert_close(out.double(), want.double(), rtol=2 ** -7, atol=2e-3)
+    torch.library.opcheck(torch.ops.kiln.qkv_rope.default, args, test_utils=("test_faketensor",))
+    fused = DEVICE == "cuda" and m <= 16
+    assert calls == (["gate_up_silu_mul_triton", "qkv_rope_triton"] if fused else [])
+
+
+@pytest.mark.parametrize("kernel", ["gate_up", "qkv_rope"])
+def test_epilogue_kernels_compile_for_hopper_to_pipelined_wgmma(kernel: str) -> None:
+    """Ahead-of-time compile for sm90 (no GPU needed): the gathered weight rows still stream through multi-stage
+    async copies into bf16 wgmma, and the launch takes part in PDL."""
+    ptx = sm90_ptx(kernel)
+    assert ptx["wgmma"] and ptx["bf16"] and ptx["cp_async"], ptx
+    assert ptx["shared"] >= 3 * (64 * 128 + 16 * 128) * 2, ptx  # several stages of a W and an X tile in flight
+    assert ptx["gdc_wait"] and ptx["gdc_launch"] and ptx["launch_pdl"], ptx

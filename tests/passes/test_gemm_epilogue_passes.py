@@ -1,0 +1,129 @@
+"""The passes that hand an element-wise step to the GEMM before it (kiln/models/gemm_epilogues.py):
+
+- gate_up_silu_mul: `silu(gate) * up` over the halves of `kiln::dense_gemm(x, W_gate_up)` becomes
+  `kiln::gate_up_silu_mul(x, W_gate_up)` (post-grad);
+- qkv_rope: the RoPE of q and k split from `kiln::dense_gemm(x, W_qkv)` becomes `kiln::qkv_rope` (captured graph).
+
+kiln::dense_gemm appears only in CUDA graphs (16-bit projections), so here a 16-bit tiny model is traced with the
+op let onto the CPU (its torch.mm path) and the rewritten graphs run against the originals; the kernels and the
+ops' dispatch are checked in tests/models/test_gemm_epilogues.py, the passes on a GPU in test_gpu_passes.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kiln import Runtime
+from kiln.compiler.ranges import CompileKey
+from kiln.models import dense_gemm
+from kiln.passes import PassConfig
+from kiln.passes.base import PassEnv
+from kiln.passes.gate_up_silu_mul import GateUpSiluMulPass
+from kiln.passes.manager import GRAPH_SCOPE, PassManager
+from tests.passes.conftest import NUM_LAYERS, PROMPT
+from tests.passes.harness import capture, copy_graph_module, each_piece_with
+
+INTER = 48
+
+
+def mlp_head(x: torch.Tensor, w_gate_up: torch.Tensor, w_other: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    gate_up = torch.ops.kiln.dense_gemm(x, w_gate_up)
+    gate, up = gate_up.reshape(-1, 2 * INTER).split(INTER, dim=-1)
+    other = torch.ops.kiln.dense_gemm(x, w_other)  # a GEMM of something else: left alone
+    return F.silu(gate) * up, other
+
+
+def run_pass(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, int]:
+    import kiln.models.dense_gemm  # noqa: F401 - registers kiln::dense_gemm
+
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    count = GateUpSiluMulPass(PassConfig(), PassEnv()).apply_post_grad(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, count
+
+
+def test_the_gate_up_gemm_takes_the_silu_mul_and_numbers_stay() -> None:
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(20, 32, generator=g), torch.randn(2 * INTER, 32, generator=g) * 0.2,
+            torch.randn(8, 32, generator=g) * 0.2)  # 20 tokens: the ops' torch.mm paths, on the CPU
+    gm, count = run_pass(mlp_head, *args)
+    assert count == 1
+    code = gm.code
+    assert code.count("kiln.gate_up_silu_mul") == 1 and code.count("kiln.dense_gemm.") == 1
+    assert "silu" not in code.replace("gate_up_silu_mul", "") and "aten.mul" not in code
+    for got, want in zip(gm(*args), mlp_head(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_gate_up_output_with_another_user_is_left_alone() -> None:
+    def both(x: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = torch.ops.kiln.dense_gemm(x, w_gate_up)
+        gate, up = gate_up.split(INTER, dim=-1)
+        return F.silu(gate) * up, gate_up.sum()
+
+    assert run_pass(both, torch.randn(20, 32), torch.randn(2 * INTER, 32))[1] == 0
+
+
+@pytest.fixture
+def captured_16_bit(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch):
+    """preset -> its bf16 graph captured on the CPU with kiln::dense_gemm let onto it (its torch.mm path)."""
+    monkeypatch.setattr(dense_gemm, "applies", lambda x, bias: bias is None and x.dtype == torch.bfloat16)
+    monkeypatch.setattr(dense_gemm, "TRITON_MAX_M", 0)  # the capture's eager run takes torch.mm
+
+    def get(preset: str):
+        runtime = Runtime(str(tiny_checkpoint(preset)[0]), level=0, device="cpu", dtype="bf16",
+                          max_num_batched_tokens=32, max_num_seqs=4, num_blocks=8)
+        return capture(runtime, PROMPT)
+
+    return get
+
+
+@pytest.mark.parametrize("key", [CompileKey.size(len(PROMPT)), CompileKey.range(1, 32)], ids=["size", "range"])
+def test_matches_once_per_layer_in_a_16_bit_models_graph(captured_16_bit, key: CompileKey) -> None:
+    total = 0
+    for before, after, matched, copies in each_piece_with(captured_16_bit("tiny-llama").gm, key, "gate_up_silu_mul"):
+        total += matched * copies
+        assert str(after.graph).count("kiln.gate_up_silu_mul") == matched
+        assert str(after.graph).count("kiln.dense_gemm.") == str(before.graph).count("kiln.dense_gemm.") - matched
+    assert total == NUM_LAYERS
+
+
+# qkv_rope: every layer of a Llama; none where q and k pass a norm first (Qwen3: qk_norm_rope's) or the qkv
+# projection has a bias (Qwen2: F.linear, no kiln::dense_gemm)
+@pytest.mark.parametrize("preset,expected", [("tiny-llama", NUM_LAYERS), ("tiny-qwen3", 0), ("tiny-qwen2", 0)])
+def test_qkv_rope_takes_each_layers_rotation_and_numbers_stay(captured_16_bit, preset: str, expected: int) -> None:
+    cap = captured_16_bit(preset)
+    manager = PassManager(PassConfig.from_names(["qkv_rope"]), PassEnv())
+    gm = manager.run_graph_passes(copy_graph_module(cap.gm))
+    assert manager.matches[GRAPH_SCOPE]["qkv_rope"] == expected
+    code = gm.code
+    assert code.count("kiln.qkv_rope") == expected
+    if expected:  # no rotation, split or V copy left beside the op
+        assert "index_select" not in code and ".split(" not in code and "contiguous" not in code
+    hidden_ref, cache_ref = cap.run(cap.gm)
+    hidden, cache = cap.run(gm)
+    torch.testing.assert_close(hidden, hidden_ref, atol=0, rtol=0)  # the same arithmetic, op for op
+    torch.testing.assert_close(cache, cache_ref, atol=0, rtol=0)
+    assert cache_ref.abs().sum() > 0
+
+
+def test_kiln_passes_replaces_the_levels_defaults_for_an_ab(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KILN_PASSES (an A/B at default settings) stands in for the level's set; an explicit `passes=` still wins."""
+    from types import SimpleNamespace
+
+    from kiln.passes.config import LEVEL_DEFAULTS
+
+    level_two = SimpleNamespace(enable_passes=True, passes=None, level=2)
+    assert PassConfig.from_compilation(level_two).enabled == LEVEL_DEFAULTS[2]
+    monkeypatch.setenv("KILN_PASSES", "qkv_rope+gate_up_silu_mul")
+    assert PassConfig.from_compilation(level_two).enabled == ("qkv_rope", "gate_up_silu_mul")
+    assert PassConfig.from_compilation(SimpleNamespace(enable_passes=True, passes=("noop",), level=2)).enabled == \
+        ("noop",)
+    monkeypatch.setenv("KILN_PASSES", "")
+    assert PassConfig.from_compilation(level_two).enabled == ()
+    monkeypatch.setenv("KILN_PASSES", "qkv_rope,fast")
+    with pytest.raises(ValueError, match="unknown compiler pass 'fast'"):
+        PassConfig.from_compilation(level_two)
