@@ -1,9 +1,9 @@
 """Triton compiles of kiln's own kernels in a process of their own, during the compile phase of a start.
 
 Graph capture runs every capture size once, and the first run of each of kiln's Triton kernels at a new
-specialization compiles it (the small-M GEMM of `kiln::dense_gemm` per projection shape and M, the decode
-attention per split count, the varlen attention, a mixture of experts' `kiln::fused_moe` kernels per launch
-config): on a cold 8B start on the H200 they made the capture phase
+specialization compiles it (the small-M GEMM of `kiln::dense_gemm` per projection shape and M, and its epilogue
+variants where a pass asks for them, the decode attention per split count, the varlen attention, a mixture of
+experts' `kiln::fused_moe` kernels per launch config): on a cold 8B start on the H200 they made the capture phase
 15.6 s instead of ~3 s. Those kernels need no compiled model, so a process started with the compile phase runs
 each once on zeros of the same shapes (a `WarmupPlan`), and Triton's on-disk cache hands the compiled kernels to
 the serving process's first launches.
@@ -67,6 +67,48 @@ def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
             if 0 < m <= dense_gemm.TRITON_MAX_M:
                 bf16_gemm_triton(weight.new_zeros(m, weight.shape[1]), weight)
                 launches += 1
+    return launches
+
+
+# (pass, weight rows, K, dtype, heads, KV heads, head_dim): a GEMM that a pass hands an epilogue
+# (kiln/models/gemm_epilogues.py); heads are 0 for gate_up_silu_mul
+EpilogueShape = tuple[str, int, int, torch.dtype, int, int, int]
+
+
+def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[EpilogueShape]:
+    """The distinct GEMMs the enabled epilogue passes (gate_up_silu_mul, qkv_rope) will run kernels for."""
+    from kiln.models.llama import MLP, Attention
+
+    passes, seen = set(passes), {}
+    for module in model.modules():
+        if isinstance(module, MLP) and "gate_up_silu_mul" in passes and _served(module.gate_up_proj.weight):
+            weight = module.gate_up_proj.weight
+            seen[("gate_up_silu_mul", *weight.shape, weight.dtype, 0, 0, 0)] = None
+        elif isinstance(module, Attention) and "qkv_rope" in passes and module.q_norm is None \
+                and _served(module.qkv_proj.weight) and getattr(module.qkv_proj, "bias", None) is None:
+            weight = module.qkv_proj.weight
+            seen[("qkv_rope", *weight.shape, weight.dtype, module.num_heads, module.num_kv_heads,
+                  module.head_dim)] = None
+    return list(seen)
+
+
+def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device: torch.device) -> int:
+    """Each epilogue GEMM at each M its kernel serves, on zeros. -> launches."""
+    from kiln.models.gemm_epilogues import gate_up_silu_mul_triton, qkv_rope_triton
+
+    launches = 0
+    for name, n, k, dtype, heads, kv_heads, head_dim in shapes:
+        weight = torch.zeros(n, k, dtype=dtype, device=device)
+        for m in sizes:
+            if not 0 < m <= dense_gemm.TRITON_MAX_M:
+                continue
+            x = torch.zeros(m, k, dtype=dtype, device=device)
+            if name == "gate_up_silu_mul":
+                gate_up_silu_mul_triton(x, weight)
+            else:
+                qkv_rope_triton(x, weight, torch.zeros(m, dtype=torch.int64, device=device),
+                                torch.zeros(2, head_dim, device=device), heads, kv_heads)
+            launches += 1
     return launches
 
 
@@ -148,10 +190,11 @@ class WarmupPlan:
     block_table_width: int
     device: str
     moe: tuple[MoeShape, ...] = ()  # expert layers, run at `sizes` tokens
+    epilogues: tuple[EpilogueShape, ...] = ()  # GEMMs with an epilogue, run at `sizes` tokens
 
     @property
     def empty(self) -> bool:
-        return not self.gemms and self.attention is None and not self.moe
+        return not self.gemms and self.attention is None and not self.moe and not self.epilogues
 
 
 def run_plan(plan: WarmupPlan) -> int:
@@ -162,7 +205,8 @@ def run_plan(plan: WarmupPlan) -> int:
         torch.cuda.set_device(device)
     weights = [torch.zeros(n, k, dtype=dtype, device=device) for n, k, dtype in plan.gemms]
     with torch.inference_mode():
-        launches = run_gemms(weights, plan.sizes) + run_moe(plan.moe, plan.sizes, device)
+        launches = run_gemms(weights, plan.sizes) + run_moe(plan.moe, plan.sizes, device) \
+            + run_epilogues(plan.epilogues, plan.sizes, device)
         if plan.attention is not None:
             launches += run_attention(plan.attention(plan.layout, device), plan.decode_sizes,
                                       plan.block_table_width)
@@ -173,14 +217,14 @@ class KernelWarmup:
     """The warm-up process, started by the constructor; `join()` waits for it (and says how long it ran)."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, sizes: Iterable[int],
-                 decode_sizes: Iterable[int], block_table_width: int) -> None:
+                 decode_sizes: Iterable[int], block_table_width: int, passes: Iterable[str] = ()) -> None:
         self.launches = 0
         self.seconds = 0.0
         self._started = time.perf_counter()
         gemms = tuple((w.shape[0], w.shape[1], w.dtype) for w in gemm_shapes(model) if _served(w))
         self.plan = WarmupPlan(gemms, tuple(sorted(set(sizes))), type(backend) if backend.name == "triton" else None,
                                backend.layout, tuple(sorted(set(decode_sizes))), block_table_width,
-                               str(backend.device), tuple(moe_shapes(model)))
+                               str(backend.device), tuple(moe_shapes(model)), tuple(epilogue_shapes(model, passes)))
         self._pool: WorkerPool | Executor | None = None
         self._future: Future[int] | None = None
         if self.plan.empty:

@@ -21,6 +21,7 @@ from kiln.models.base import ModelSpec
 from kiln.models.kv_quant import is_fp8
 from kiln.models.loader.load import LoadedModel, load_model
 from kiln.models.parallel import tp_size
+from kiln.passes import PassConfig
 from kiln.runtime.kernel_warmup import KernelWarmup
 from kiln.runtime.kv.sizing import kv_cache_num_blocks
 from kiln.runtime.model_runner import ModelRunner
@@ -175,7 +176,8 @@ class Worker:
             return None
         capture = self.compilation.cudagraph_capture_sizes or ()
         return KernelWarmup(self.model, self.backend, (*capture, *(self.compilation.compile_sizes or ())),
-                            [s for s in capture if s <= self.runner.max_num_seqs], self.runner.max_blocks_per_seq)
+                            [s for s in capture if s <= self.runner.max_num_seqs], self.runner.max_blocks_per_seq,
+                            PassConfig.from_compilation(self.compilation).enabled)
 
     def release_graphs(self) -> None:
         """Drop every captured CUDA graph and its memory pool, after the device has finished the last step.

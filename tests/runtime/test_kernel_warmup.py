@@ -10,7 +10,16 @@ import torch
 from kiln.attention.base import AttentionLayout
 from kiln.attention.triton_backend import TritonAttentionBackend
 from kiln.models.loader.load import load_model
-from kiln.runtime.kernel_warmup import KernelWarmup, gemm_shapes, moe_shapes, run_attention, run_gemms, run_moe
+from kiln.runtime.kernel_warmup import (
+    KernelWarmup,
+    epilogue_shapes,
+    gemm_shapes,
+    moe_shapes,
+    run_attention,
+    run_epilogues,
+    run_gemms,
+    run_moe,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -35,6 +44,27 @@ def test_gemm_shapes_are_the_distinct_projections() -> None:
     assert shapes == expected
     if DEVICE.type == "cpu":  # kiln::dense_gemm is CUDA-only: nothing to compile
         assert run_gemms(gemm_shapes(model), [1, 2, 4, 8, 16, 32]) == 0
+
+
+def test_epilogue_shapes_follow_the_enabled_passes() -> None:
+    """gate_up_silu_mul and qkv_rope compile kernels of their own: one per distinct GEMM, only where the pass is on
+    and kiln::dense_gemm serves the projection (16-bit CUDA weights; Qwen3's q/k norms keep RoPE apart)."""
+    both = ("qkv_rope", "gate_up_silu_mul")
+    llama = load_model("tiny-llama", device=DEVICE, dtype="bf16", load_format="dummy").model
+    if DEVICE.type == "cpu":  # no kiln::dense_gemm on the CPU: nothing to compile
+        assert epilogue_shapes(llama, both) == []
+        return
+    layer = llama.layers[0]
+    qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
+    attn = layer.self_attn
+    expected = [("qkv_rope", *qkv.shape, qkv.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim),
+                ("gate_up_silu_mul", *gate_up.shape, gate_up.dtype, 0, 0, 0)]
+    assert epilogue_shapes(llama, both) == expected
+    assert epilogue_shapes(llama, ("gate_up_silu_mul",)) == expected[1:]
+    assert epilogue_shapes(llama, ()) == []
+    qwen3 = load_model("tiny-qwen3", device=DEVICE, dtype="bf16", load_format="dummy").model
+    assert [s[0] for s in epilogue_shapes(qwen3, both)] == ["gate_up_silu_mul"]
+    assert run_epilogues(expected, [1, 4, 32], DEVICE) == 4  # 32 tokens run the unfused path: nothing to compile
 
 
 def test_moe_shapes_are_the_distinct_expert_layers() -> None:
