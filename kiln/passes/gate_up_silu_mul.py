@@ -4,7 +4,7 @@ At decode sizes Inductor makes `silu(gate) * up` one pointwise kernel between th
 kernel a layer that only waits for the GEMM before it and holds up the one after it. Matched in the post-grad
 graph, `silu(gate) * up` over the halves of `kiln::dense_gemm(x, W_gate_up)` becomes one op whose small-M kernel
 takes each tile's gate rows with the up rows that pair with them and writes silu(gate) * up from registers
-(kiln/models/quant/fp8_kernel.py, SILU_MUL). The activation is computed after the sums, where the operands of
+(kiln/models/gemm_epilogues.py). The activation is computed after the sums, where the operands of
 the GEMM stay plain loads (the opposite placement, in the down GEMM's operand loads, cost Llama-3-8B 8% at batch
 1: docs/passes.md). Larger M runs the unfused graph's GEMM and kiln::silu_and_mul. `kiln::dense_gemm` only
 appears on CUDA (16-bit projections), so elsewhere the pass matches nothing. Runs before silu_mul.
@@ -27,7 +27,8 @@ def _gemm_behind(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     views = []
     if is_call(node, aten.view.default, aten.reshape.default) and single_user(node):
         inner = node.args[0]
-        if not isinstance(inner, fx.Node) or tuple(inner.meta["val"].shape) != tuple(node.meta["val"].shape):
+        if not isinstance(inner, fx.Node) or "val" not in inner.meta \
+                or tuple(inner.meta["val"].shape) != tuple(node.meta["val"].shape):
             return None
         node, views = inner, [node]
     if is_call(node, torch.ops.kiln.dense_gemm.default) and single_user(node):
