@@ -10,8 +10,9 @@ folding into the GEMM. Both kernels here run the small-M GEMM's K loop (kiln/mod
   the neox rotation of q and k by each token's cos/sin (v as it is), written as three contiguous tensors.
 
 The work sits after the sums, so the GEMM's operands stay plain asynchronous loads (the activation computed in the
-down GEMM's operand loads instead cost Llama-3-8B 8% at batch 1: docs/passes.md). Values are rounded where the
-unfused graph rounds them: the GEMM's output to the model dtype, then the SiLU / rotation in fp32. Tile configs are
+down GEMM's operand loads instead cost Llama-3-8B 8% at batch 1: docs/passes.md). Values are rounded where
+Inductor's kernels for the unfused graph round them: the GEMM's output to the model dtype, then the SiLU-mul or
+the rotation in fp32 to the stored result. Tile configs are
 the plain GEMM's for the same weight (`pick_config`), without split-K: an epilogue needs whole sums.
 """
 
@@ -48,7 +49,7 @@ def _gate_up_silu_mul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn
                      s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, False)
     dtype = out_ptr.dtype.element_ty
     gate, up = _halves(acc, dtype, BLOCK_N, BLOCK_M)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu's output is in the model dtype
+    act = gate * tl.sigmoid(gate)  # in fp32 to the product, as Inductor compiles silu(gate) * up
     out_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     tl.store(out_ptr + offs_m[None, :].to(tl.int64) * s_om + out_n[:, None], (act * up).to(dtype),
              mask=(out_n < N)[:, None] & m_mask[None, :])
@@ -92,6 +93,12 @@ def _qkv_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, M, K, k
         dst = v_ptr + rows_m * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM + d[:, None]
     tl.store(dst, o1.to(dtype), mask=m_mask[None, :])
     tl.store(dst + HEAD_DIM // 2, o2.to(dtype), mask=m_mask[None, :])
+
+
+def fits_a_tile(head_dim: int) -> bool:
+    """Whether qkv_rope_triton's tiles can split heads of this size: a power of two of at least 16 (the smallest
+    MMA side), so the GEMM's tile (a power of two) either holds whole heads' halves or divides a head."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def _k_steps(k: int, config: Fp8GemmConfig) -> tuple[int, bool]:
@@ -141,8 +148,8 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
         raise ValueError(f"weight: {n} rows, expected ({num_heads} + 2 x {num_kv_heads}) heads of {head_dim}")
     config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
     block_n = min(config.block_n, head_dim)  # a tile stays inside one head
-    if head_dim % block_n or block_n < 32:
-        raise ValueError(f"head_dim {head_dim}: no tile of >= 32 rows divides it")
+    if not fits_a_tile(head_dim) or head_dim % block_n:
+        raise ValueError(f"head_dim {head_dim}: not a power of two of at least 16, which the tiles need")
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
     k_out = torch.empty((m, num_kv_heads, head_dim), dtype=x.dtype, device=x.device)
     v = torch.empty_like(k_out)

@@ -158,18 +158,22 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, ROUND_ACT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < n
     g = tl.load(x_ptr + row * s_x + col, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * s_x + n + col, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if ROUND_ACT:  # eager torch: F.silu returns the model dtype
+        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    else:  # Inductor's kernel for the same graph keeps fp32 to the product
+        act = g * tl.sigmoid(g)
     tl.store(out_ptr + row * s_o + col, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2N] -> silu(x[..., :N]) * x[..., N:]."""
+def silu_and_mul_triton(x: torch.Tensor, round_act: bool = True) -> torch.Tensor:
+    """x [..., 2N] -> silu(x[..., :N]) * x[..., N:]; round_act: the SiLU rounded to x's dtype before the product
+    (eager torch's arithmetic), else fp32 to the end (Inductor's)."""
     lead = x.shape[:-1]
     x = _unit_last(x.reshape(-1, x.shape[-1]))
     rows, n = x.shape[0], x.shape[1] // 2
@@ -177,7 +181,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
-                                                        num_warps=4)
+                                                        ROUND_ACT=round_act, num_warps=4)
     return out.reshape(*lead, n)
 
 

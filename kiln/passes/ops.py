@@ -172,16 +172,23 @@ def _silu_and_mul_fake(x):
 # -- the gate_up GEMM with SiLU-and-mul in its epilogue (16-bit weights) -----------------------------------------
 @torch.library.custom_op("kiln::gate_up_silu_mul", mutates_args=())
 def gate_up_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K], weight [2N, K] = [gate; up] -> silu(x gate^T) * (x up^T), [M, N]. Dispatched on M as
-    kiln::dense_gemm is (kiln/models/dense_gemm.py): its small-M kernel computes the activation in the epilogue;
-    larger M (and the CPU) run the unfused graph's GEMM, then silu_and_mul."""
+    """x [M, K], weight [2N, K] = [gate; up] -> silu(x gate^T) * (x up^T), [M, N], the GEMM rounded to x's dtype
+    and the rest in fp32 as Inductor compiles the unfused graph. Dispatched on M as kiln::dense_gemm is
+    (kiln/models/dense_gemm.py): its small-M kernel computes the activation in the epilogue; larger M (and the CPU)
+    run the GEMM, then the SiLU-mul."""
     from kiln.models import dense_gemm
 
     if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M:
         from kiln.models.gemm_epilogues import gate_up_silu_mul_triton
 
         return gate_up_silu_mul_triton(x, weight)
-    return silu_and_mul(torch.mm(x, weight.t()))
+    gate_up = torch.mm(x, weight.t())
+    if _use_triton(x):  # fp32 from the SiLU to the product, as Inductor's kernel for the unfused graph
+        from kiln.passes.kernels import silu_and_mul_triton
+
+        return silu_and_mul_triton(gate_up, round_act=False)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
 @gate_up_silu_mul.register_fake

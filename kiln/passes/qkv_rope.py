@@ -81,6 +81,7 @@ class QKVRopePass(KilnPass):
     def apply_graph(self, gm: fx.GraphModule) -> int:
         import kiln.models.dense_gemm  # noqa: F401 - registers kiln::dense_gemm
         import kiln.passes.ops  # noqa: F401 - registers kiln::qkv_rope
+        from kiln.models.gemm_epilogues import fits_a_tile  # imports triton: only where a pass runs
 
         graph, op = gm.graph, torch.ops.kiln.qkv_rope.default
         count = 0
@@ -97,24 +98,22 @@ class QKVRopePass(KilnPass):
                 continue
             gemm, v, chain = found
             qv, kv = tensor_value(rope.q), tensor_value(rope.k)
+            if not fits_a_tile(qv.shape[-1]):
+                continue
             args = (gemm.args[0], gemm.args[1], rope.positions, rope.cos_sin_cache, qv.shape[1], kv.shape[1])
             with graph.inserting_before(gemm):
                 fused = graph.call_function(op, args)
                 outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(3)]
+            # the outputs' example values: the rotated q and k are contiguous already; v is, made by the op
+            values = [tensor_value(n) for n in (q_rot, k_rot, v)]
+            if not values[2].is_contiguous():
+                values[2] = values[2].new_empty(values[2].shape)  # in the graph's own fake mode
             fused.meta = {key: val for key, val in gemm.meta.items() if key != "example_value"}
-            fused.meta["example_value"] = _fake_outputs(op, args)
-            for new, old, value in zip(outs, (q_rot, k_rot, v), fused.meta["example_value"]):
+            fused.meta["example_value"] = tuple(values)
+            for new, old, value in zip(outs, (q_rot, k_rot, v), values):
                 new.meta = {**old.meta, "example_value": value}
                 old.replace_all_uses_with(new)
             erase_if_dead(graph, list(reversed(rope.nodes)) + chain[::-1])
             count += 1
         return count
 
-
-def _fake_outputs(op: object, args: tuple) -> tuple:
-    """The op's fake outputs on the arguments' example values (Dynamo's graphs carry one per node)."""
-    from torch._guards import detect_fake_mode
-
-    vals = [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in args]
-    with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
-        return op(*vals)  # type: ignore[operator]

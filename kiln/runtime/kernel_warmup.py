@@ -201,7 +201,7 @@ def run_plan(plan: WarmupPlan) -> int:
     """In the warm-up process: each kernel once, on zeros of the planned shapes (Triton writes what it compiles
     to its cache directory, where the serving process finds it). -> launches."""
     device = torch.device(plan.device)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # ("cuda" alone: the current device, as it is)
         torch.cuda.set_device(device)
     weights = [torch.zeros(n, k, dtype=dtype, device=device) for n, k, dtype in plan.gemms]
     with torch.inference_mode():

@@ -58,18 +58,21 @@ def qkv_rope_reference(x, w, positions, cache, heads: int, kv_heads: int) -> tup
     (17, 64, 130, Fp8GemmConfig(128, 32, 1, 4, 2)),
 ])
 def test_gate_up_with_silu_mul_in_the_epilogue(m: int, n: int, k: int, config: Fp8GemmConfig) -> None:
-    """[gate; up] rows paired per tile: N off the half tile, K off the tile, M over one tile."""
+    """[gate; up] rows paired per tile: N off the half tile, K off the tile, M over one tile; the GEMM rounded to
+    the model dtype, the SiLU and the product in fp32."""
     x, w = operands(m, 2 * n, k, m * 1000 + n)
     out = gate_up_silu_mul_triton(x, w, config)
     gate, up = (x.double() @ w.double().t()).to(DTYPE).chunk(2, dim=-1)
     assert out.dtype == DTYPE and out.shape == (m, n)
-    torch.testing.assert_close(out.double(), (F.silu(gate.float()).to(DTYPE) * up).double(), **TOLERANCE)
+    want = (F.silu(gate.float()) * up.float()).to(DTYPE)  # Inductor's arithmetic for the unfused graph
+    torch.testing.assert_close(out.double(), want.double(), **TOLERANCE)
 
 
 @pytest.mark.parametrize("m,heads,kv_heads,head_dim,k,config", [
     (1, 4, 2, 64, 96, Fp8GemmConfig(64, 64, 1, 4, 2)),  # a tile = a head (SmolLM2's 64)
     (3, 2, 1, 128, 200, Fp8GemmConfig(64, 64, 2, 4, 2)),  # two tiles a head (Llama's 128), K off the tile
     (17, 2, 2, 64, 64, Fp8GemmConfig(128, 32, 1, 4, 2)),  # the config's 128 rows cut to the head
+    (2, 4, 2, 16, 64, Fp8GemmConfig(64, 64, 1, 4, 2)),  # the tiny test models' 16: the smallest tile
 ])
 def test_qkv_with_rope_in_the_epilogue(m: int, heads: int, kv_heads: int, head_dim: int, k: int,
                                        config: Fp8GemmConfig) -> None:
@@ -107,6 +110,15 @@ def test_the_ops_dispatch_on_m(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.library.opcheck(torch.ops.kiln.qkv_rope.default, args, test_utils=("test_faketensor",))
     fused = DEVICE == "cuda" and m <= 16
     assert calls == (["gate_up_silu_mul_triton", "qkv_rope_triton"] if fused else [])
+
+
+def test_heads_that_do_not_tile_are_refused_by_name() -> None:
+    from kiln.models.gemm_epilogues import fits_a_tile
+
+    assert [d for d in (8, 16, 48, 64, 80, 128, 256) if fits_a_tile(d)] == [16, 64, 128, 256]
+    x, w = operands(1, 3 * 48, 32, 0)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        qkv_rope_triton(x, w, torch.zeros(1, dtype=torch.int64, device=DEVICE), rope_cache(4, 48), 1, 1)
 
 
 @pytest.mark.parametrize("kernel", ["gate_up", "qkv_rope"])

@@ -127,3 +127,28 @@ def test_kiln_passes_replaces_the_levels_defaults_for_an_ab(monkeypatch: pytest.
     monkeypatch.setenv("KILN_PASSES", "qkv_rope,fast")
     with pytest.raises(ValueError, match="unknown compiler pass 'fast'"):
         PassConfig.from_compilation(level_two)
+
+
+@pytest.mark.slow
+def test_qkv_rope_through_a_real_compile_keeps_greedy_tokens(tiny_checkpoint, monkeypatch, tmp_path) -> None:
+    """-O2 end to end on the CPU (kiln::dense_gemm let onto it): the rewritten graph splits, compiles and runs
+    (the op's outputs carry fake values of the graph's own fake mode: a fresh one failed Inductor's compile with
+    "Mixing fake modes"), and generates the tokens it generates without the pass."""
+    from kiln import SamplingParams
+    from kiln.passes import pass_manager_of
+
+    monkeypatch.setattr(dense_gemm, "applies", lambda x, bias: bias is None and x.dtype == torch.bfloat16)
+    monkeypatch.setattr(dense_gemm, "TRITON_MAX_M", 0)
+    options = dict(level=2, device="cpu", dtype="bf16", max_num_batched_tokens=32, max_num_seqs=4, num_blocks=64,
+                   compile_sizes=())
+    path, greedy = str(tiny_checkpoint("tiny-llama")[0]), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:3], list(range(40, 61))]
+    outs = {}
+    # the debug dump turns the compile caches off: the capture really runs the pass
+    for label, extra in (("off", {"enable_passes": False}),
+                         ("on", {"passes": ("qkv_rope",), "debug_dump_path": str(tmp_path)})):
+        rt = Runtime(path, **options, **extra)
+        outs[label] = [o.outputs[0].token_ids for o in rt.generate(prompts, greedy)]
+        if label == "on":
+            assert pass_manager_of(rt.engine.worker.compiled).matches[GRAPH_SCOPE]["qkv_rope"] == NUM_LAYERS
+    assert outs["on"] == outs["off"]

@@ -56,6 +56,9 @@ def check_kernels(device: str) -> None:
         gate, up = gate_up.chunk(2, -1)
         torch.testing.assert_close(K.silu_and_mul_triton(gate_up).float(),
                                    (torch.nn.functional.silu(gate) * up).float(), atol=tol, rtol=0)
+        inductor = (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)  # fp32 to the product
+        torch.testing.assert_close(K.silu_and_mul_triton(gate_up, round_act=False).float(), inductor.float(),
+                                   atol=tol, rtol=0)
         q, scale = K.silu_mul_quant_triton(gate_up)
         ref_q, ref_scale = O.silu_mul_quant_ref(gate_up)
         # on a GPU exp's last bits can move the amax by a bf16 ulp; the interpreter's bf16 casts truncate,
