@@ -40,9 +40,13 @@ set_startup_ab() {  # start-up arms (STARTUP_AB_VARIANTS, default the ones docs/
 set_fp8() {  # FP8 weights against bf16 at default settings: decode and offline (FP8_PARTS: one of them)
   step fp8 420 python3 -m benchmarks.bench_fp8 --defaults --parts ${FP8_PARTS:-decode throughput} --json "$R/fp8.json"
 }
-set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64 (PROFILE_CONFIGS, PROFILE_BATCHES)
-  step profile 300 python3 -m benchmarks.bench_profile --configs ${PROFILE_CONFIGS:-llama3-8b:1:bf16 llama3-8b:1:fp8} \
-    --batches ${PROFILE_BATCHES:-1 64} --json "$R/profile.json"
+set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64 (PROFILE_CONFIGS, PROFILE_BATCHES); a
+  # process per config: in one process the configs after the first got a KV budget of 0 bytes (2026-12-03)
+  local config
+  for config in ${PROFILE_CONFIGS:-llama3-8b:1:bf16 llama3-8b:1:fp8}; do
+    step "profile_${config//[^A-Za-z0-9_]/_}" 200 python3 -m benchmarks.bench_profile --configs "$config" \
+      --batches ${PROFILE_BATCHES:-1 64} --json "$R/profile_${config//[^A-Za-z0-9_]/_}.json"
+  done
 }
 set_attention() {  # attention kernels per backend (FlashInfer when installed): decode, prefill, mixed steps
   step attention 300 python3 -m benchmarks.bench_attention --backends triton flashinfer --batches 1 8 64 256 \
