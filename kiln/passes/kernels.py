@@ -19,15 +19,16 @@ def _fp8_units(x, scale):
 
 
 @triton.jit
-def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_ptr, slot_ptr, cache_ptr,
-                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kot, s_koh, s_cs,
+def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_ptr,
+                      cache_ptr, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kot, s_koh, s_vot, s_voh, s_cs,
                       s_cb, s_ckv, s_cp, s_ch, num_q_heads, eps, k_scale, v_scale,
                       HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-                      NORM: tl.constexpr, TO_CACHE: tl.constexpr, KV_FP8: tl.constexpr):
+                      NORM: tl.constexpr, TO_CACHE: tl.constexpr, KV_FP8: tl.constexpr, V_OUT: tl.constexpr = False):
     """One program per (token, head) over q heads then k heads: [norm,] rotate, store q' / (k', v) -> cache.
 
     KV_FP8: the cache is e4m3; k' (rounded to the model dtype first, as the unfused path does) and v are
-    stored as clamp(x / scale, +-448) (kiln/models/kv_quant.py)."""
+    stored as clamp(x / scale, +-448) (kiln/models/kv_quant.py). V_OUT (without the cache): a k head's program
+    also copies the token's v head to v_out (a contiguous v, as the model's v.contiguous() makes)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -82,6 +83,11 @@ def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_ou
             dst = k_out_ptr + t * s_kot + kh * s_koh
             tl.store(dst + offs, o1, mask=mask)
             tl.store(dst + HALF + offs, o2, mask=mask)
+            if V_OUT:
+                vsrc = v_ptr + t * s_vt + kh * s_vh
+                vdst = v_out_ptr + t * s_vot + kh * s_voh
+                tl.store(vdst + offs, tl.load(vsrc + offs, mask=mask), mask=mask)
+                tl.store(vdst + HALF + offs, tl.load(vsrc + HALF + offs, mask=mask), mask=mask)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +98,9 @@ def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                      v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
                      slot_mapping: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [T, Hq, D], k [T, Hkv, D] -> (q', k'), or (q', None) with k' and v written to kv_cache at slots."""
+                     v_scale: float = 1.0, v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [T, Hq, D], k [T, Hkv, D] -> (q', k'), or (q', None) with k' and v written to kv_cache at slots; with
+    v_out (and v, no cache) v is also copied into v_out [T, Hkv, D] in the same launch."""
     q, k = _unit_last(q), _unit_last(k)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -107,15 +114,17 @@ def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
     vv = _unit_last(v) if v is not None else q
     kv_strides = (cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3)) if to_cache else (0, 0, 0, 0)
     ko = k_out if k_out is not None else q_out
+    vo = v_out if v_out is not None and v is not None and not to_cache else q_out
     half = head_dim // 2
     _norm_rope_kernel[(num_tokens, num_q_heads + num_kv_heads)](
-        q, k, vv, q_weight if norm else q, k_weight if norm else q, positions, cos_sin_cache, q_out, ko,
+        q, k, vv, q_weight if norm else q, k_weight if norm else q, positions, cos_sin_cache, q_out, ko, vo,
         slot_mapping if to_cache else positions, cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
-        q_out.stride(0), q_out.stride(1), ko.stride(0), ko.stride(1), cos_sin_cache.stride(0), *kv_strides,
+        q_out.stride(0), q_out.stride(1), ko.stride(0), ko.stride(1), vo.stride(0), vo.stride(1),
+        cos_sin_cache.stride(0), *kv_strides,
         num_q_heads, eps, float(k_scale), float(v_scale), HEAD_DIM=head_dim, HALF=half,
         BLOCK=triton.next_power_of_2(half), PAGE=cache.shape[2] if to_cache else 1, NORM=norm, TO_CACHE=to_cache,
-        KV_FP8=to_cache and cache.dtype == torch.float8_e4m3fn, num_warps=1)
+        KV_FP8=to_cache and cache.dtype == torch.float8_e4m3fn, V_OUT=vo is not q_out, num_warps=1)
     return q_out, k_out
 
 

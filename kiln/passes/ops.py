@@ -214,14 +214,14 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos
                                              num_kv_heads * head_dim], dim=-1)
     q, k, v = (t.reshape(x.shape[0], -1, head_dim) for t in (q, k, v))
     positions = positions[: x.shape[0]]
-    if _use_triton(x):
+    v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # fresh, as the fake says
+    if _use_triton(x):  # one kernel rotates q and k and copies v, as Inductor's for the unfused graph does
         from kiln.passes.kernels import norm_rope_triton
 
-        q, k = norm_rope_triton(q, k, positions, cos_sin_cache, None, None, 0.0)
-    else:
-        q, k = norm_rope_ref(q, k, positions, cos_sin_cache, None, None, 0.0)
-    # fresh tensors, as the fake says (a contiguous view of the GEMM's output would keep its storage offset)
-    return q.contiguous(), k.contiguous(), v.clone(memory_format=torch.contiguous_format)
+        q, k = norm_rope_triton(q, k, positions, cos_sin_cache, None, None, 0.0, v=v, v_out=v_out)
+        return q, k, v_out
+    q, k = norm_rope_ref(q, k, positions, cos_sin_cache, None, None, 0.0)
+    return q.contiguous(), k.contiguous(), v_out.copy_(v)
 
 
 @qkv_rope.register_fake

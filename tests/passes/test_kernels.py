@@ -40,6 +40,10 @@ def check_kernels(device: str) -> None:
             got_q, got_k = K.norm_rope_triton(q, k, positions, cos_sin, qw, kw, 1e-6)
             torch.testing.assert_close(got_q.float(), ref_q.float(), atol=tol, rtol=0)
             torch.testing.assert_close(got_k.float(), ref_k.float(), atol=tol, rtol=0)
+            v_out = torch.full_like(v, float("nan"), memory_format=torch.contiguous_format)
+            got_k = K.norm_rope_triton(q, k, positions, cos_sin, qw, kw, 1e-6, v=v, v_out=v_out)[1]
+            torch.testing.assert_close(got_k.float(), ref_k.float(), atol=tol, rtol=0)
+            assert torch.equal(v_out, v)  # the strided v, copied whole in the same launch
             cache, ref_cache = (torch.zeros(4, 2, 4, hkv, dim, dtype=dtype, device=device) for _ in range(2))
             got_q = K.norm_rope_triton(q, k, positions, cos_sin, qw, kw, 1e-6, v=v, kv_cache=cache,
                                        slot_mapping=slots)[0]
