@@ -98,7 +98,8 @@ def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                      v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
                      slot_mapping: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     v_scale: float = 1.0,
+                     v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [T, Hq, D], k [T, Hkv, D] -> (q', k'), or (q', None) with k' and v written to kv_cache at slots; with
     v_out (and v, no cache) v is also copied into v_out [T, Hkv, D] in the same launch."""
     q, k = _unit_last(q), _unit_last(k)

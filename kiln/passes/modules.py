@@ -10,12 +10,13 @@ the numbers.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from kiln.passes.base import tensor_value
+from kiln.passes.base import live_nodes, tensor_value
 
 ROTARY = "kiln.models.layers.RotaryEmbedding"
 RMSNORM = "kiln.models.layers.RMSNorm"
@@ -122,6 +123,21 @@ def match_rope(q_rot: fx.Node, k_rot: fx.Node, with_norms: bool) -> RopeCall | N
     if with_norms:
         _absorb_norms(rope)
     return rope
+
+
+def rope_calls(graph: fx.Graph, with_norms: bool) -> Iterator[RopeCall]:
+    """Each `RotaryEmbedding(positions, q, k)` call of the graph that match_rope recognises, once, in graph order
+    (a pass may rewrite the graph between two)."""
+    seen: set[str] = set()
+    for node in live_nodes(graph):
+        call = module_call(node, ROTARY)
+        if call is None or call.path in seen or len(call.outputs) != 2:
+            continue
+        seen.add(call.path)
+        q_rot, k_rot = call.outputs  # graph order: the model rotates q first
+        rope = match_rope(q_rot, k_rot, with_norms)
+        if rope is not None:
+            yield rope
 
 
 def _absorb_norms(rope: RopeCall) -> None:

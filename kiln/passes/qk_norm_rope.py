@@ -17,8 +17,8 @@ import operator
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, erase_if_dead, live_nodes
-from kiln.passes.modules import ROTARY, match_rope, module_call
+from kiln.passes.base import KilnPass, erase_if_dead
+from kiln.passes.modules import rope_calls
 
 
 class QKNormRopePass(KilnPass):
@@ -29,17 +29,11 @@ class QKNormRopePass(KilnPass):
 
         graph = gm.graph
         count = 0
-        seen: set[str] = set()
-        for node in live_nodes(graph):
-            call = module_call(node, ROTARY)
-            if call is None or call.path in seen or len(call.outputs) != 2:
+        for rope in rope_calls(graph, with_norms=True):
+            if not rope.norms:
                 continue
-            seen.add(call.path)
-            q_rot, k_rot = call.outputs  # graph order: the model rotates q first
-            rope = match_rope(q_rot, k_rot, with_norms=True)
-            if rope is None or not rope.norms:
-                continue
-            with graph.inserting_before(call.nodes[0]):
+            q_rot, k_rot = rope.q_rot, rope.k_rot
+            with graph.inserting_before(rope.call.nodes[0]):
                 fused = graph.call_function(torch.ops.kiln.qk_norm_rope.default, args=(
                     rope.q, rope.k, rope.positions, rope.cos_sin_cache, rope.q_weight, rope.k_weight, rope.eps))
                 q_new = graph.call_function(operator.getitem, (fused, 0))

@@ -17,8 +17,8 @@ import operator
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, erase_if_dead, live_nodes, single_user, tensor_value
-from kiln.passes.modules import ROTARY, match_rope, module_call
+from kiln.passes.base import KilnPass, erase_if_dead, single_user, tensor_value
+from kiln.passes.modules import rope_calls
 
 _VIEWS = ("view", "reshape")
 
@@ -85,17 +85,11 @@ class QKVRopePass(KilnPass):
 
         graph, op = gm.graph, torch.ops.kiln.qkv_rope.default
         count = 0
-        seen: set[str] = set()
-        for node in live_nodes(graph):
-            call = module_call(node, ROTARY)
-            if call is None or call.path in seen or len(call.outputs) != 2:
-                continue
-            seen.add(call.path)
-            q_rot, k_rot = call.outputs  # graph order: the model rotates q first
-            rope = match_rope(q_rot, k_rot, with_norms=False)
-            found = _qkv_gemm(rope.q, rope.k) if rope is not None else None
+        for rope in rope_calls(graph, with_norms=False):
+            found = _qkv_gemm(rope.q, rope.k)
             if found is None:
                 continue
+            q_rot, k_rot = rope.q_rot, rope.k_rot
             gemm, v, chain = found
             qv, kv = tensor_value(rope.q), tensor_value(rope.k)
             if not fits_a_tile(qv.shape[-1]):
