@@ -23,7 +23,15 @@ import triton
 import triton.language as tl
 
 from kiln.models.pdl import pdl_launch, pdl_start
-from kiln.models.quant.fp8_kernel import Fp8GemmConfig, accumulate, block_m_for, num_sms, pick_config
+from kiln.models.quant.fp8_kernel import (
+    Fp8GemmConfig,
+    accumulate,
+    block_m_for,
+    check_operands,
+    num_sms,
+    pick_config,
+    split_k,
+)
 
 
 @triton.jit
@@ -101,23 +109,10 @@ def fits_a_tile(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def _k_steps(k: int, config: Fp8GemmConfig) -> tuple[int, bool]:
-    """BLOCK_K steps over the whole of K (no split), and whether K is a whole number of them."""
-    steps = triton.cdiv(k, config.block_k)
-    return steps, k % config.block_k == 0
-
-
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={x.shape[1]} of the activation")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("x/weight: the K dimension must be contiguous")
-
-
 def gate_up_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
                             config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """x [M, K], weight [2N, K] (gate rows, then up rows) -> silu(x gate^T) * (x up^T), [M, N] in x's dtype."""
-    _check(x, weight)
+    check_operands(x, weight)
     if weight.shape[0] % 2:
         raise ValueError(f"weight: {weight.shape[0]} rows, expected gate and up halves of equal size")
     m, k = x.shape
@@ -126,7 +121,8 @@ def gate_up_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, (k_steps, even_k) = block_m_for(m), _k_steps(k, config)
+    _, k_steps, even_k = split_k(k, config, 1)  # the epilogue needs whole sums
+    block_m = block_m_for(m)
     grid = (triton.cdiv(n, config.block_n // 2), triton.cdiv(m, block_m))
     _gate_up_silu_mul_kernel[grid](x, weight, out, m, n, k, k_steps, x.stride(0), weight.stride(0), out.stride(0),
                                    BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
@@ -140,7 +136,7 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
                     config: Fp8GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K], weight [(H + 2 Hkv) D, K] (q, k, v rows), positions [>= M], cos_sin_cache [P, D] (cos then sin)
     -> (q [M, H, D], k [M, Hkv, D] rotated, v [M, Hkv, D]), contiguous, in x's dtype."""
-    _check(x, weight)
+    check_operands(x, weight)
     m, k = x.shape
     head_dim = cos_sin_cache.shape[-1]
     n = weight.shape[0]
@@ -155,7 +151,8 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
     v = torch.empty_like(k_out)
     if m == 0:
         return q, k_out, v
-    block_m, (k_steps, even_k) = block_m_for(m), _k_steps(k, config)
+    _, k_steps, even_k = split_k(k, config, 1)  # the epilogue needs whole sums
+    block_m = block_m_for(m)
     _qkv_rope_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x, weight, positions, cos_sin_cache, q, k_out, v, m, k, k_steps, x.stride(0), weight.stride(0),
         cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,

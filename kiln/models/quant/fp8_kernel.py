@@ -226,26 +226,35 @@ def bf16_gemm_triton(x: torch.Tensor, weight: torch.Tensor, config: Fp8GemmConfi
     return _small_m_gemm(x, weight, None, None, x.dtype, config)
 
 
+def check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """An [M, K] activation and an [N, K] weight, both K-contiguous (what the small-M kernels' loads assume)."""
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={x.shape[1]} of the activation")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x/weight: the K dimension must be contiguous")
+
+
+def split_k(k: int, config: Fp8GemmConfig, splits: int) -> tuple[int, int, bool]:
+    """-> (splits, BLOCK_K steps a split, whether K is a whole number of split ranges): every split covers a whole
+    number of BLOCK_K steps; only the last may run past K (masked loads)."""
+    splits = max(1, min(splits, triton.cdiv(k, config.block_k)))
+    k_steps = triton.cdiv(triton.cdiv(k, splits), config.block_k)
+    return triton.cdiv(k, k_steps * config.block_k), k_steps, k % (k_steps * config.block_k) == 0
+
+
 def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
                   weight_scale: torch.Tensor | None, out_dtype: torch.dtype,
                   config: Fp8GemmConfig | None) -> torch.Tensor:
+    check_operands(q, weight)
     m, k = q.shape
     n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={k} of the activation")
-    if q.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("q/weight: the K dimension must be contiguous")
     config = config or pick_config(m, n, k, num_sms(q.device), q.element_size())
     scaled = x_scale is not None
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return out
     block_m = block_m_for(m)
-    # every split covers a whole number of BLOCK_K steps; only the last may run past K (masked loads)
-    split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
-    k_steps = triton.cdiv(triton.cdiv(k, split), config.block_k)
-    split = triton.cdiv(k, k_steps * config.block_k)
-    even_k = k % (k_steps * config.block_k) == 0
+    split, k_steps, even_k = split_k(k, config, config.split_k)
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
     xs, ws = (x_scale, weight_scale) if scaled else (out, out)  # unread without scales
