@@ -74,16 +74,15 @@ def test_moe_graphs_match_no_graphs(tiny_checkpoint) -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 16, 17])
-def test_router_on_the_triton_gemm_agrees_with_cublas(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """KILN_MOE_ROUTER_TRITON: the router's logits from kiln's small-M kernel (up to 16 tokens; cuBLAS above) agree
-    with cuBLAS's, and every expert they pick is among cuBLAS's top k up to the rounding of a logit."""
+def test_router_on_the_triton_gemm_agrees_with_cublas(tokens: int) -> None:
+    """The router's logits from kiln's small-M kernel (up to 16 tokens; cuBLAS above) agree with cuBLAS's, and every
+    expert they pick is among cuBLAS's top k up to the rounding of a logit."""
     from kiln.models.fused_moe import routing
 
     g = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
     gate = (torch.randn(128, 2048, device="cuda", generator=g) * 0.03).bfloat16()
     want = torch.nn.functional.linear(x, gate).float()
-    monkeypatch.setattr(routing, "ROUTER_TRITON", True)
     got = routing.router_logits(x, gate).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     kth = torch.topk(want, 8, dim=-1).values[:, -1:]
