@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.models.pdl import pdl_launch, pdl_start, prefetch_row_bytes, prefetch_weight_rows
+from kiln.models.pdl import pdl_launch, pdl_start
 from kiln.models.quant.fp8_kernel import (
     Fp8GemmConfig,
     accumulate,
@@ -45,13 +45,11 @@ def _halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constex
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_silu_mul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                             EVEN_N: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_ROW_BYTES: tl.constexpr = 0):
+                             EVEN_N: tl.constexpr, PDL: tl.constexpr = False):
     """Program (tile, m tile): out[m, c] = silu(gate[c]) * up[c] for its BLOCK_N / 2 columns c."""
+    pdl_start(PDL)
     rows = tl.arange(0, BLOCK_N)
     cols = tl.program_id(0) * (BLOCK_N // 2) + rows % (BLOCK_N // 2)  # the output column each weight row feeds
-    prefetch_weight_rows(w_ptr, tl.minimum(cols, N - 1) + (rows // (BLOCK_N // 2)) * N, s_wn, 0, K,
-                         PREFETCH_ROW_BYTES)
-    pdl_start(PDL)
     n_mask = cols < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -69,16 +67,15 @@ def _gate_up_silu_mul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn
 def _qkv_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, M, K, k_steps, s_xm, s_wn, s_cs,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     PDL: tl.constexpr = False, PREFETCH_ROW_BYTES: tl.constexpr = 0):
+                     PDL: tl.constexpr = False):
     """Program (tile, m tile): head `head`'s dims d (BLOCK_N / 2 of its first half) and d + HEAD_DIM / 2."""
+    pdl_start(PDL)
     tiles = HEAD_DIM // BLOCK_N  # tiles per head
     head = tl.program_id(0) // tiles
     d = (tl.program_id(0) % tiles) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     rows = tl.arange(0, BLOCK_N)
     offs_n = head * HEAD_DIM + (tl.program_id(0) % tiles) * (BLOCK_N // 2) + rows % (BLOCK_N // 2) \
         + (rows // (BLOCK_N // 2)) * (HEAD_DIM // 2)
-    prefetch_weight_rows(w_ptr, offs_n, s_wn, 0, K, PREFETCH_ROW_BYTES)
-    pdl_start(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = accumulate(x_ptr, w_ptr, offs_n, offs_n >= 0, offs_m, m_mask, K, 0, k_steps, s_xm, s_wn, BLOCK_M,
@@ -127,12 +124,10 @@ def gate_up_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
     _, k_steps, even_k = split_k(k, config, 1)  # the epilogue needs whole sums
     block_m = block_m_for(m)
     grid = (triton.cdiv(n, config.block_n // 2), triton.cdiv(m, block_m))
-    pdl = pdl_launch(x.device)
     _gate_up_silu_mul_kernel[grid](x, weight, out, m, n, k, k_steps, x.stride(0), weight.stride(0), out.stride(0),
                                    BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
-                                   EVEN_N=n % (config.block_n // 2) == 0,
-                                   PREFETCH_ROW_BYTES=prefetch_row_bytes(weight, config.block_n, pdl["PDL"]),
-                                   num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
+                                   EVEN_N=n % (config.block_n // 2) == 0, num_warps=config.num_warps,
+                                   num_stages=config.num_stages, **pdl_launch(x.device))
     return out
 
 
@@ -158,11 +153,9 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
         return q, k_out, v
     _, k_steps, even_k = split_k(k, config, 1)  # the epilogue needs whole sums
     block_m = block_m_for(m)
-    pdl = pdl_launch(x.device)
     _qkv_rope_kernel[(n // block_n, triton.cdiv(m, block_m))](
         x, weight, positions, cos_sin_cache, q, k_out, v, m, k, k_steps, x.stride(0), weight.stride(0),
         cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
-        PREFETCH_ROW_BYTES=prefetch_row_bytes(weight, block_n, pdl["PDL"]), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl)
+        BLOCK_N=block_n, BLOCK_K=config.block_k, EVEN_K=even_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_launch(x.device))
     return q, k_out, v

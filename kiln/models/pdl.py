@@ -12,17 +12,15 @@ written (or may still be reading), in every program, so a kernel's completion im
 that do not take part (cuBLAS, copies) launch plainly and wait for their predecessor in full, as before.
 `KILN_PDL=0` (kiln.config.PDL) launches everything plainly.
 
-Weights before the wait: no kernel writes a weight, so a weight-streaming GEMM may read it before `gdc_wait`. While
-the kernel before it runs (a norm, attention: latency-bound, the DRAM idle), each program of the small-M GEMM asks
-L2 for the first `KILN_GEMM_PREFETCH_KB` of its weight slice (Hopper's bulk prefetch, one instruction a row), so the
-loads after the wait start from L2. The bound matters: asking for whole slices (up to 1.8 MB a program at
-Llama-3-8B's down projection, far past L2) took 8B's batch-1 step from 4.32 to 6.42 ms and SmolLM2-135M's from 0.70
-to 0.84 (one H200, 2026-12-03, `32c8378`).
+Measured and not kept: the small-M GEMM asking L2 for its weight slice (Hopper's bulk prefetch, one instruction a
+row) before its wait, so that the wait would overlap the first DRAM reads. The whole slice: Llama-3-8B decode 6.42
+against 4.32 ms at batch 1, SmolLM2-135M 0.84 against 0.70 (one H200, 2026-12-03, `32c8378`). Bounded to the first
+64 KB of each program's slice (~17 MB a GEMM, inside L2): 8B 4.53 / 4.66 against 4.29 / 4.42 ms at batch 1 / 8,
+SmolLM2 0.77 against 0.73 at batch 1, Qwen3-30B-A3B equal (one H200, 2026-12-03, `c61fcd4`, `KILN_GEMM_PREFETCH_KB`
+as a decode-ab arm; benchmarks/results/2026-12-03-h200-c61fcd4).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -50,29 +48,3 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
     `kernel[grid](..., **pdl_launch(x.device))`."""
     on = gdc_wait is not None and pdl_enabled(device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-
-
-# L2 asked for per GEMM program before its wait, in KB (0: none). The programs of a GEMM's first wave (up to two an
-# SM) prefetch together, so this times ~264 is what a GEMM puts in L2 ahead of its loads.
-PREFETCH_KB = int(os.environ.get("KILN_GEMM_PREFETCH_KB", "0"))
-
-
-def prefetch_row_bytes(weight: torch.Tensor, rows_per_program: int, pdl: bool) -> int:
-    """The ROW_BYTES constexpr of `prefetch_weight_rows`: PREFETCH_KB over a program's weight rows, in whole 16-byte
-    units, where PDL is on and the bulk prefetch's 16-byte alignment holds for every row; else 0 (none)."""
-    aligned = (weight.data_ptr() | weight.stride(0) * weight.element_size()) % 16 == 0
-    if not (pdl and aligned and PREFETCH_KB > 0):
-        return 0
-    return PREFETCH_KB * 1024 // rows_per_program // 16 * 16
-
-
-@triton.jit
-def prefetch_weight_rows(w_ptr, rows, s_wn, k_first, k_len, ROW_BYTES: tl.constexpr):
-    """Before `pdl_start`: ask L2 for up to ROW_BYTES of each weight row from column k_first, the program's K range
-    having k_len columns left (k_first * element size a multiple of 16). Nothing is loaded into registers."""
-    if ROW_BYTES > 0:
-        nbytes = tl.minimum(k_len * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), ROW_BYTES) // 16 * 16
-        if nbytes > 0:
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r",
-                                      [w_ptr + rows.to(tl.int64) * s_wn + k_first,
-                                       tl.full(rows.shape, nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

@@ -3,7 +3,7 @@
 Run as its own process by tests/models/test_fp8_kernel.py: Triton must be imported with TRITON_INTERPRET
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
-    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1) [PREFETCH_ROW_BYTES]
+    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1)
     python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope      the epilogue kernels (kiln/models/gemm_epilogues.py)
 """
 
@@ -13,14 +13,13 @@ import json
 import sys
 
 
-def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool, prefetch: int = 0) -> dict:
-    """Compile `kernel` for sm90: `pointers` its pointer arguments' types, every other argument an i32;
-    `prefetch`: the weight bytes a row asked of L2 before the PDL wait (kiln/models/pdl.py)."""
+def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool) -> dict:
+    """Compile `kernel` for sm90: `pointers` its pointer arguments' types, every other argument an i32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = {**constexprs, "PDL": pdl, "PREFETCH_ROW_BYTES": prefetch}
+    constexprs = {**constexprs, "PDL": pdl}
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in kernel.arg_names}
     # what Triton assumes at a launch on real shapes: 16-byte aligned pointers, sizes and strides divisible by 16
     aligned = [i for i, name in enumerate(kernel.arg_names)
@@ -32,38 +31,35 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool, 
     ptx = compiled.asm["ptx"]
     return {"wgmma": "wgmma" in ptx, "e4m3": "e4m3" in ptx, "bf16": "bf16" in ptx, "cp_async": "cp.async" in ptx,
             "shared": compiled.metadata.shared, "gdc_wait": "griddepcontrol.wait" in ptx,
-            "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl),
-            "prefetch_before_wait": -1 < ptx.find("cp.async.bulk.prefetch.L2") < ptx.find("griddepcontrol.wait")}
+            "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl)}
 
 
-def fp8_gemm(block_m: int, split: bool, pdl: bool, prefetch: int = 0) -> dict:
+def fp8_gemm(block_m: int, split: bool, pdl: bool) -> dict:
     from kiln.models.quant.fp8_kernel import _fp8_gemm_kernel
 
     pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
                 "out_ptr": "*fp32" if split else "*bf16"}
     return compile_sm90(_fp8_gemm_kernel, pointers, {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256,
                                                      "SPLIT": split, "EVEN_K": True, "EVEN_N": True, "SCALED": True},
-                        pdl, prefetch)
+                        pdl)
 
 
 def epilogue(name: str) -> dict:
-    """An epilogue kernel at a decode tile (16 tokens, 64 weight rows, K steps of 128 bf16), with PDL and 1 KB of
-    each weight row asked of L2 before the wait."""
+    """An epilogue kernel at a decode tile (16 tokens, 64 weight rows, K steps of 128 bf16), with PDL."""
     from kiln.models import gemm_epilogues
 
     tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True}
     if name == "gate_up":
         pointers = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr"), "*bf16")
-        return compile_sm90(gemm_epilogues._gate_up_silu_mul_kernel, pointers, {**tile, "EVEN_N": True}, True, 1024)
+        return compile_sm90(gemm_epilogues._gate_up_silu_mul_kernel, pointers, {**tile, "EVEN_N": True}, True)
     pointers = {**dict.fromkeys(("x_ptr", "w_ptr", "q_ptr", "k_ptr", "v_ptr"), "*bf16"), "pos_ptr": "*i64",
                 "cs_ptr": "*fp32"}
     return compile_sm90(gemm_epilogues._qkv_rope_kernel, pointers,
-                        {**tile, "NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128}, True, 1024)
+                        {**tile, "NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128}, True)
 
 
 if __name__ == "__main__":
     if sys.argv[1].isdigit():
-        print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])),
-                                  int(sys.argv[4]) if len(sys.argv) > 4 else 0)))
+        print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])))))
     else:
         print(json.dumps(epilogue(sys.argv[1])))

@@ -58,19 +58,3 @@ def test_inductor_knows_the_option() -> None:
     import torch._inductor.config as inductor_config
 
     assert hasattr(inductor_config, "triton.enable_pdl")
-
-
-def test_weight_prefetch_bytes_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KILN_GEMM_PREFETCH_KB a program, spread over its weight rows in whole 16-byte units (what Hopper's bulk
-    prefetch takes); none without PDL, with the switch at 0, or on rows the bulk prefetch cannot address."""
-    from kiln.models import pdl
-
-    weight = torch.empty(64, 4096, dtype=torch.bfloat16)
-    monkeypatch.setattr(pdl, "PREFETCH_KB", 32)
-    assert pdl.prefetch_row_bytes(weight, 64, pdl=True) == 512
-    assert pdl.prefetch_row_bytes(weight, 48, pdl=True) == 672  # 682.67 down to a multiple of 16
-    assert pdl.prefetch_row_bytes(weight, 64, pdl=False) == 0
-    assert pdl.prefetch_row_bytes(weight[:, 1:], 64, pdl=True) == 0  # rows start 2 bytes past alignment
-    assert pdl.prefetch_row_bytes(torch.empty(64, 4097, dtype=torch.bfloat16), 64, pdl=True) == 0  # odd row stride
-    monkeypatch.setattr(pdl, "PREFETCH_KB", 0)
-    assert pdl.prefetch_row_bytes(weight, 64, pdl=True) == 0

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.models.pdl import pdl_launch, pdl_start, prefetch_row_bytes, prefetch_weight_rows
+from kiln.models.pdl import pdl_launch, pdl_start
 
 
 @dataclass(frozen=True)
@@ -168,24 +168,20 @@ def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH_ROW_BYTES: tl.constexpr = 0):
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
     are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
-    k_lo = pid_k * k_steps * BLOCK_K
-    prefetch_weight_rows(w_ptr, tl.minimum(offs_n, N - 1), s_wn, k_lo, tl.minimum(k_steps * BLOCK_K, K - k_lo),
-                         PREFETCH_ROW_BYTES)
-    pdl_start(PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    acc = accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s_xm, s_wn, BLOCK_M, BLOCK_N,
-                     BLOCK_K, EVEN_K, EVEN_N, SCALED)
+    # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
+    acc = accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, pid_k * k_steps * BLOCK_K, k_steps, s_xm,
+                     s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED)
     out_mask = n_mask[:, None] & m_mask[None, :]
     out_offs = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     if SPLIT:
@@ -266,7 +262,6 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     _fp8_gemm_kernel[grid](q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n,
                            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split > 1,
                            EVEN_K=even_k, EVEN_N=n % config.block_n == 0, SCALED=scaled,
-                           PREFETCH_ROW_BYTES=prefetch_row_bytes(weight, config.block_n, pdl["PDL"]),
                            num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
     if split > 1:
         block = 1024
