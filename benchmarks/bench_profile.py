@@ -3,8 +3,10 @@
 For each configuration (model, TP size, quantization, batch) it reports, per step: the wall time of the step
 (timed without the profiler), the time the GPU of rank 0 was busy (union of its kernel intervals), the
 idle remainder and the gaps that make it up (by the kernel that ends each), and the kernel time by kind (GEMM,
-attention, all-reduce, Inductor/Triton element-wise, copies, other) with the top kernels. Idle time is host or
-peer waiting; an all-reduce kernel that runs long is waiting for the peer rank. Only rank 0 is profiled.
+attention, all-reduce, Inductor/Triton element-wise, copies, other) with the top kernels, both as span sums and
+as the time each adds to the busy chain (`critical_us`: what is left of a kernel once spans overlap under PDL).
+Idle time is host or peer waiting; an all-reduce kernel that runs long is waiting for the peer rank. Only rank 0 is
+profiled.
 
     python -m benchmarks.bench_profile --configs llama3-8b:1:bf16 llama3-8b:2:bf16 llama3-8b:1:fp8 \
         --batches 1 64 --json prof.json [--trace-dir DIR]
@@ -53,6 +55,32 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
         total += stop - max(start, end)
         end = stop
     return total
+
+
+def critical_us(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+    """The busy time each kernel adds to one stream's chain. With programmatic dependent launch a kernel's span
+    starts before its predecessor ends (its programs wait on the device), so spans overlap and their sum exceeds
+    the busy time. Here every busy instant is charged to the next kernel to complete: in completion order, a kernel
+    gets the busy time between the previous completion and its own. The charges sum to the busy time."""
+    merged: list[list[float]] = []
+    for start, stop in sorted((k[0], k[1]) for k in kernels):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    charged: dict[str, float] = {}
+    end, j = float("-inf"), 0
+    for _, stop, name in sorted(kernels, key=lambda k: k[1]):
+        busy = 0.0
+        while j < len(merged) and merged[j][0] < stop:
+            lo, hi = max(merged[j][0], end), min(merged[j][1], stop)
+            busy += max(0.0, hi - lo)
+            if merged[j][1] > stop:
+                break
+            j += 1
+        charged[name] = charged.get(name, 0.0) + busy
+        end = max(end, stop)
+    return charged
 
 
 def gaps(kernels: list[tuple[float, float, str]], steps: int, min_us: float = 2.0) -> dict[str, Any]:
@@ -130,7 +158,12 @@ def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None, ho
         entry[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]  # a layer's kernels, all of them at decode
     busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps / 1e3
-    idle = gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels], steps)
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in kernels]
+    idle = gaps(spans, steps)
+    critical = critical_us(spans)
+    critical_by_kind: dict[str, float] = {}
+    for name, us in critical.items():
+        critical_by_kind[kind_of(name)] = critical_by_kind.get(kind_of(name), 0.0) + us
     if trace_path:
         prof.export_chrome_trace(trace_path)
         with open(trace_path, "rb") as src, gzip.open(trace_path + ".gz", "wb") as dst:
@@ -139,7 +172,10 @@ def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None, ho
     return {"step_ms": step_ms, "gpu_busy_ms": busy, "idle_ms": step_ms - busy, "host": host_rows,
             "kernels_per_step": len(kernels) / steps, "gaps": idle,
             "by_kind_ms": {k: v / steps / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "top": [{"name": n[:90], "ms_per_step": t / steps / 1e3, "per_step": c / steps} for n, (t, c) in top]}
+            "critical_by_kind_ms": {k: v / steps / 1e3 for k, v in sorted(critical_by_kind.items(),
+                                                                           key=lambda kv: -kv[1])},
+            "top": [{"name": n[:90], "ms_per_step": t / steps / 1e3, "critical_ms_per_step": critical[n] / steps / 1e3,
+                     "per_step": c / steps} for n, (t, c) in top]}
 
 
 def profile_config(model: str, tp: int, quant: str, batches: list[int], steps: int, trace_dir: str | None,
@@ -226,8 +262,9 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
+    # by kind: the busy time each kind adds to the chain (critical_us), which sums to the busy time under PDL too
     rows = [[f"{r['model']} tp{r['tp']} {r['quant']}", row["batch"], row["step_ms"], row["gpu_busy_ms"], row["idle_ms"],
-             *(row["by_kind_ms"].get(k, 0.0) for k, _ in KINDS), row["by_kind_ms"].get("other", 0.0)]
+             *(row["critical_by_kind_ms"].get(k, 0.0) for k, _ in KINDS), row["critical_by_kind_ms"].get("other", 0.0)]
             for r in results if "rows" in r for row in r["rows"]]
     print(table(["config", "batch", "step ms", "GPU busy", "idle", *(k for k, _ in KINDS), "other"], rows))
 
