@@ -48,6 +48,15 @@ set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64
       --batches ${PROFILE_BATCHES:-1 64} --json "$R/profile_${config//[^A-Za-z0-9_]/_}.json"
   done
 }
+set_passes() {  # compiler passes off vs on, decode and the prefill of a 1024-token prompt, one process per preset
+  # (PASSES_CONFIGS: bench_passes configurations, passes joined by "+"; PASSES_PRESETS)
+  local preset
+  for preset in ${PASSES_PRESETS:-smollm2-135m llama3-8b}; do
+    step "passes_$preset" 240 python3 -m benchmarks.bench_passes --preset "$preset" \
+      --configs ${PASSES_CONFIGS:-off qkv_rope+gate_up_silu_mul} --batches 1 8 64 --prefill 1024 \
+      --json "$R/passes_${preset//[^A-Za-z0-9_]/_}.json"
+  done
+}
 set_attention() {  # attention kernels per backend (FlashInfer when installed): decode, prefill, mixed steps
   step attention 300 python3 -m benchmarks.bench_attention --backends triton flashinfer --batches 1 8 64 256 \
     --contexts 512 4096 --json "$R/attention.json"
