@@ -178,6 +178,25 @@ def run_attention(backend: Any, decode_sizes: Iterable[int], block_table_width: 
     return launches
 
 
+def run_step_kernels(logits_dtype: torch.dtype, device: torch.device) -> int:
+    """The kernels a step runs around the model: the inputs' unpacking, with and without pending tokens, and the
+    greedy argmax of logits of the model's dtype. -> launches."""
+    from kiln.runtime.greedy_argmax import argmax_triton
+    from kiln.runtime.input_upload import ORDER, Counts
+    from kiln.runtime.input_upload_triton import unpack_triton
+
+    int32 = ("query_start_loc", "seq_lens")
+    arrays = {name: torch.zeros(4, dtype=torch.int32 if name in int32 else torch.int64, device=device)
+              for name in ORDER}
+    arrays["block_tables"] = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    counts = Counts(tokens=1, reqs=1, sampling=1, width=1)
+    staged = torch.zeros(counts.total, dtype=torch.int32, device=device)
+    for sampled in (None, torch.zeros(1, dtype=torch.int64, device=device)):
+        unpack_triton(staged, arrays, counts, sampled)
+    argmax_triton(torch.zeros(1, 8, dtype=logits_dtype, device=device))
+    return 3
+
+
 @dataclass(frozen=True)
 class WarmupPlan:
     """What the warm-up process runs: plain shapes and types, so it pickles without the model."""
@@ -191,10 +210,12 @@ class WarmupPlan:
     device: str
     moe: tuple[MoeShape, ...] = ()  # expert layers, run at `sizes` tokens
     epilogues: tuple[EpilogueShape, ...] = ()  # GEMMs with an epilogue, run at `sizes` tokens
+    logits_dtype: torch.dtype | None = None  # on CUDA: the step's own kernels (run_step_kernels)
 
     @property
     def empty(self) -> bool:
-        return not self.gemms and self.attention is None and not self.moe and not self.epilogues
+        return (not self.gemms and self.attention is None and not self.moe and not self.epilogues
+                and self.logits_dtype is None)
 
 
 def run_plan(plan: WarmupPlan) -> int:
@@ -210,6 +231,8 @@ def run_plan(plan: WarmupPlan) -> int:
         if plan.attention is not None:
             launches += run_attention(plan.attention(plan.layout, device), plan.decode_sizes,
                                       plan.block_table_width)
+        if plan.logits_dtype is not None:
+            launches += run_step_kernels(plan.logits_dtype, device)
     return launches
 
 
@@ -224,7 +247,8 @@ class KernelWarmup:
         gemms = tuple((w.shape[0], w.shape[1], w.dtype) for w in gemm_shapes(model) if _served(w))
         self.plan = WarmupPlan(gemms, tuple(sorted(set(sizes))), type(backend) if backend.name == "triton" else None,
                                backend.layout, tuple(sorted(set(decode_sizes))), block_table_width,
-                               str(backend.device), tuple(moe_shapes(model)), tuple(epilogue_shapes(model, passes)))
+                               str(backend.device), tuple(moe_shapes(model)), tuple(epilogue_shapes(model, passes)),
+                               backend.layout.dtype if backend.device.type == "cuda" else None)
         self._pool: WorkerPool | Executor | None = None
         self._future: Future[int] | None = None
         if self.plan.empty:

@@ -23,6 +23,7 @@ from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, GraphedC
 from kiln.models.forward_context import ForwardContext, set_forward_context
 from kiln.models.parallel import tp_size
 from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
+from kiln.runtime.input_upload import ORDER, Counts, pack, staging_capacity, unpack
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import Sampler, SamplingBatch, plain_greedy
 from kiln.runtime.scheduler import SchedulerOutput
@@ -104,14 +105,14 @@ class ModelRunner:
         self.query_start_loc_cpu, self.query_start_loc = buffers((s + 1,), torch.int32)
         self.seq_lens_cpu, self.seq_lens = buffers((s,), torch.int32)
         self.block_tables_cpu, self.block_tables = buffers((s, self.max_blocks_per_seq), torch.int32)
-        # the columns in use, packed: what a step uploads instead of whole rows (max_model_len / block_size
-        # columns each; at 256 requests 512 KB where ~70 KB are in use, 0.17 ms of H2D copy a step on an H200)
-        self.block_tables_packed_cpu, self.block_tables_packed = buffers((s * self.max_blocks_per_seq,), torch.int32)
         # one per sampling request, or per token of a speculative verify (k + 1 per request): up to every token
         self.logits_indices_cpu, self.logits_indices = buffers((max(s, n),), torch.int64)
         # input_ids positions whose token is still on the device, and its row in the previous step's samples
-        self.pending_dst_cpu, self.pending_dst = buffers((s,), torch.int64)
-        self.pending_src_cpu, self.pending_src = buffers((s,), torch.int64)
+        self.pending_dst_cpu = torch.zeros(s, dtype=torch.int64)
+        self.pending_src_cpu = torch.zeros(s, dtype=torch.int64)
+        # the used part of every array above, packed for one upload a step (kiln/runtime/input_upload.py); only the
+        # block-table columns in use travel (at 256 requests ~70 KB of 512 KB, 0.17 ms of copy a step on an H200)
+        self.staged_cpu, self.staged = buffers((staging_capacity(n, s, self.max_blocks_per_seq),), torch.int32)
         # the previous launch's sampled tokens, on the device (a tensor-parallel worker receives rank 0's)
         self.last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}  # request id -> its row there
@@ -119,7 +120,8 @@ class ModelRunner:
         # torch-side writes and `.numpy()` calls were half of its ~33 us on the CPU
         self._np = {name: getattr(self, f"{name}_cpu").numpy() for name in (
             "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-            "block_tables_packed", "logits_indices", "pending_dst", "pending_src")}
+            "logits_indices", "pending_dst", "pending_src", "staged")}
+        self._device_inputs = {name: getattr(self, name) for name in (*ORDER, "block_tables")}
         # The host buffers are uploaded without blocking: the next fill must wait until the copies ran.
         self._inputs_consumed = DeviceEvent(device)
         self._readback = TokenReadback(s, device)
@@ -133,10 +135,8 @@ class ModelRunner:
             plain_greedy(sched.requests[i].params) and sched.requests[i].grammar is None for i in sampling_rows)
         if self.on_batch is not None:
             self.on_batch(shape, num_pending, local_greedy)
-        batch = self.to_device(shape, sampling_rows)
+        batch = self.to_device(shape, sampling_rows, num_pending)
         batch.local_greedy = local_greedy
-        if num_pending:
-            self._copy_pending_tokens(num_pending)
         return batch
 
     def wait_host_buffers_free(self) -> None:
@@ -268,10 +268,11 @@ class ModelRunner:
         self._row_owner[0] = None
         return BatchShape(num_tokens, num_tokens, 1, 0, num_tokens, num_tokens, False, blocks)
 
-    def to_device(self, shape: BatchShape, sampling_rows: list[int]) -> PreparedBatch:
-        """Copy the host buffers to the device ones and describe them for attention."""
+    def to_device(self, shape: BatchShape, sampling_rows: list[int], num_pending: int = 0) -> PreparedBatch:
+        """Upload the host buffers into the device ones (with the `num_pending` input tokens the step in flight
+        samples, from `last_sampled`) and describe them for attention."""
         num_reqs, padded = shape.num_reqs, shape.num_padded_tokens
-        self._upload(num_tokens=padded, num_reqs=num_reqs, num_sampling=shape.num_sampling, width=shape.max_blocks)
+        self._upload(Counts(padded, num_reqs, shape.num_sampling, shape.max_blocks), num_pending)
         metadata = CommonAttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=shape.num_tokens,
@@ -287,35 +288,15 @@ class ModelRunner:
         )
         return PreparedBatch(shape, metadata, self.logits_indices[: shape.num_sampling], sampling_rows)
 
-    def _upload(self, num_tokens: int, num_reqs: int, num_sampling: int, width: int) -> None:
-        nb = self.device.type == "cuda"
-        self.input_ids[:num_tokens].copy_(self.input_ids_cpu[:num_tokens], non_blocking=nb)
-        self.positions[:num_tokens].copy_(self.positions_cpu[:num_tokens], non_blocking=nb)
-        self.slot_mapping[:num_tokens].copy_(self.slot_mapping_cpu[:num_tokens], non_blocking=nb)
-        self.query_start_loc[: num_reqs + 1].copy_(self.query_start_loc_cpu[: num_reqs + 1], non_blocking=nb)
-        self.seq_lens[:num_reqs].copy_(self.seq_lens_cpu[:num_reqs], non_blocking=nb)
-        self._upload_block_tables(num_reqs, width, nb)
-        self.logits_indices[:num_sampling].copy_(self.logits_indices_cpu[:num_sampling], non_blocking=nb)
-
-    def _upload_block_tables(self, num_reqs: int, width: int, non_blocking: bool) -> None:
-        """Only the first `width` columns (every block a request of the step has; the kernels read no further):
-        packed on the host, one contiguous upload, unpacked into the table on the device. A strided copy
-        straight from the host would go through pageable memory, which waits for the device."""
-        size = num_reqs * width
-        if size == 0:
-            return
-        np.copyto(self._np["block_tables_packed"][:size].reshape(num_reqs, width),
-                  self._np["block_tables"][:num_reqs, :width])
-        packed = self.block_tables_packed[:size].copy_(self.block_tables_packed_cpu[:size], non_blocking=non_blocking)
-        self.block_tables[:num_reqs, :width].copy_(packed.view(num_reqs, width))
-
-    def _copy_pending_tokens(self, num: int) -> None:
-        """Put the previous step's sampled tokens into input_ids on the device, in place (CUDA graphs read that
-        buffer). Queued after the upload on the same stream, so it lands over the placeholders."""
-        nb = self.device.type == "cuda"
-        dst = self.pending_dst[:num].copy_(self.pending_dst_cpu[:num], non_blocking=nb)
-        src = self.pending_src[:num].copy_(self.pending_src_cpu[:num], non_blocking=nb)
-        self.input_ids.index_copy_(0, dst, self.last_sampled.index_select(0, src))
+    def _upload(self, counts: Counts, num_pending: int) -> None:
+        """One copy of the packed inputs and one unpacking kernel (kiln/runtime/input_upload.py). Pending tokens
+        land over their placeholders in the same kernel; the step in flight wrote `last_sampled` earlier on this
+        stream."""
+        views = self._np
+        size = pack(views["staged"], views, counts, views["pending_dst"][:num_pending],
+                    views["pending_src"][:num_pending])
+        staged = self.staged[:size].copy_(self.staged_cpu[:size], non_blocking=self.device.type == "cuda")
+        unpack(staged, self._device_inputs, counts, self.last_sampled if num_pending else None)
 
     # -- forward -------------------------------------------------------------------------------------
     def forward_context(self, metadata: CommonAttentionMetadata, num_tokens: int) -> ForwardContext:
@@ -447,9 +428,7 @@ class ModelRunner:
         collectives pair with rank 0's) and discard the logits, or, `local_greedy`, return the greedy tokens
         every rank computes alike. Pending input tokens come from `last_sampled`, this rank's copy of the
         previous step's samples."""
-        batch = self.to_device(shape, [])
-        if num_pending:
-            self._copy_pending_tokens(num_pending)
+        batch = self.to_device(shape, [], num_pending)
         self._build_context(batch)
         self._inputs_consumed.record()
         if local_greedy:

@@ -19,6 +19,7 @@ from kiln.runtime.kernel_warmup import (
     run_epilogues,
     run_gemms,
     run_moe,
+    run_step_kernels,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -117,3 +118,10 @@ def test_a_tensor_parallel_worker_warms_up_on_a_thread(monkeypatch) -> None:
     assert isinstance(warmup._pool, ThreadPoolExecutor)
     warmup.join()
     assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1
+
+
+def test_step_kernels_compile_both_unpackings_and_the_argmax() -> None:
+    """The inputs' unpacking with and without pending tokens and the greedy argmax, once each (the interpreter on
+    the CPU; on CUDA the plan runs them for the model's logits dtype)."""
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    assert run_step_kernels(dtype, DEVICE) == 3

@@ -1,0 +1,88 @@
+"""A step's inputs reach the device in one copy: packed on the host, unpacked on the device by one kernel.
+
+A step's forward reads seven device arrays at fixed addresses (CUDA graphs replay them): input_ids, positions,
+slot_mapping, query_start_loc, seq_lens, logits_indices and the block tables. Uploading each from its own pinned
+buffer, unpacking the block tables and putting the step in flight's sampled tokens into input_ids (async
+scheduling) took twelve stream operations before each graph launch: nine host-to-device copies, a device copy, an
+index_select and an index_copy, each a launch on the host and, on the GPU, a microsecond or two plus the gap to the
+next (none of them takes part in programmatic dependent launch). Here the used part of each host array is packed
+into one pinned int32 buffer, copied in one transfer, and one kernel writes every array from it, reading a pending
+token from the previous step's samples where the packed id says so (-1 - its row there; real ids are >= 0).
+
+int32 holds every value: token ids, positions and request counts are far below 2^31, and so are slots (the KV
+cache's blocks times the block size). On CUDA the unpacking is a Triton kernel; elsewhere `unpack_reference`, the
+same writes in torch, which is also the kernel's test oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# the arrays in the order they are packed; all but the block tables are 1-D prefixes of their buffers
+ORDER = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices")
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How much of each array a step uses: tokens (ids, positions, slots), requests (seq_lens; query_start_loc has
+    one more), sampling rows (logits_indices), and the block tables' rows x width."""
+
+    tokens: int
+    reqs: int
+    sampling: int
+    width: int
+
+    def lengths(self) -> tuple[int, ...]:
+        return (self.tokens, self.tokens, self.tokens, self.reqs + 1, self.reqs, self.sampling)
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths()) + self.reqs * self.width
+
+
+def staging_capacity(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
+    """Ints the staging buffers need for the largest step."""
+    return 3 * max_tokens + 2 * max_seqs + 1 + max(max_seqs, max_tokens) + max_seqs * max_blocks
+
+
+def pack(out: np.ndarray, host: dict[str, np.ndarray], counts: Counts, pending_dst: np.ndarray,
+         pending_src: np.ndarray) -> int:
+    """Write the used part of each host array into `out` (int32), input ids still pending as -1 - their row in
+    the previous step's samples; -> ints written."""
+    at = 0
+    for name, n in zip(ORDER, counts.lengths()):
+        out[at:at + n] = host[name][:n]
+        at += n
+    out[pending_dst] = -1 - pending_src
+    rows, width = counts.reqs, counts.width
+    out[at:at + rows * width].reshape(rows, width)[:] = host["block_tables"][:rows, :width]
+    return at + rows * width
+
+
+def unpack_reference(staged: torch.Tensor, dst: dict[str, torch.Tensor], counts: Counts,
+                     sampled: torch.Tensor | None) -> None:
+    """Write each array from the staged ints, in torch (any device)."""
+    at = 0
+    for name, n in zip(ORDER, counts.lengths()):
+        part = staged[at:at + n].to(dst[name].dtype)
+        if name == "input_ids" and sampled is not None:
+            pending = part < 0
+            part = torch.where(pending, sampled[(-1 - part).clamp_min(0)].to(part.dtype), part)
+        dst[name][:n].copy_(part)
+        at += n
+    rows, width = counts.reqs, counts.width
+    dst["block_tables"][:rows, :width].copy_(staged[at:at + rows * width].view(rows, width))
+
+
+def unpack(staged: torch.Tensor, dst: dict[str, torch.Tensor], counts: Counts,
+           sampled: torch.Tensor | None) -> None:
+    """Write each array from the staged ints: one Triton kernel on CUDA (input_upload_triton.py)."""
+    if staged.is_cuda:
+        from kiln.runtime.input_upload_triton import unpack_triton
+
+        unpack_triton(staged, dst, counts, sampled)
+    else:
+        unpack_reference(staged, dst, counts, sampled)
