@@ -192,14 +192,17 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def suggested_tuned(best: list[dict]) -> str:
-    """The sweep's winners as a `TUNED` literal for kiln/models/quant/fp8_kernel.py."""
-    lines = []
-    for r in sorted(best, key=lambda r: (r["N"], r["K"], r["M"])):
-        c = r["best_config"]
-        if c:
-            lines.append(f"    ({r['N']}, {r['K']}, {r['M']}): Fp8GemmConfig({c['block_n']}, {c['block_k']}, "
-                         f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}),")
-    return "TUNED = {\n" + "\n".join(lines) + "\n}"
+    """The sweep's winners as `TUNED` and `TUNED_16BIT` literals for kiln/models/quant/fp8_kernel.py. The 16-bit
+    table holds one config for every M <= 16 of a shape (greedy tokens must not depend on M there): M = 1's winner."""
+
+    def line(r: dict, c: dict, max_m: int) -> str:
+        return (f"    ({r['N']}, {r['K']}, {max_m}): Fp8GemmConfig({c['block_n']}, {c['block_k']}, {c['split_k']}, "
+                f"{c['num_warps']}, {c['num_stages']}),")
+
+    rows = sorted(best, key=lambda r: (r["N"], r["K"], r["M"]))
+    fp8 = [line(r, r["best_config"], r["M"]) for r in rows if r["best_config"]]
+    bf16 = [line(r, r["bf16_triton_best_config"], 16) for r in rows if r["bf16_triton_best_config"] and r["M"] == 1]
+    return ("TUNED = {\n" + "\n".join(fp8) + "\n}\nTUNED_16BIT = {\n" + "\n".join(bf16) + "\n}")
 
 
 def kernel_table(shapes: dict[str, tuple[int, int]], device: str, ms: tuple[int, ...], budget_s: float,
