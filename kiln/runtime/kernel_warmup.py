@@ -40,11 +40,13 @@ logger = logging.getLogger("kiln")
 
 
 def gemm_shapes(model: torch.nn.Module) -> list[torch.Tensor]:
-    """One weight per distinct (N, K, dtype) among the projections that go through `kiln::dense_gemm`."""
+    """One weight per distinct (N, K, dtype) among the projections that go through `kiln::dense_gemm`, a mixture
+    of experts' routers among them (kiln/models/fused_moe/routing.py)."""
     seen: dict[tuple, torch.Tensor] = {}
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, _ParallelLinear) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        weight = module.gate.weight if isinstance(module, SparseMoeBlock) else getattr(module, "weight", None)
+        if isinstance(module, (_ParallelLinear, SparseMoeBlock)) and isinstance(weight, torch.Tensor) \
+                and weight.dim() == 2:
             seen.setdefault((*weight.shape, weight.dtype), weight)
     return list(seen.values())
 
