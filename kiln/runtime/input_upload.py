@@ -23,6 +23,11 @@ import torch
 
 # the arrays in the order they are packed; all but the block tables are 1-D prefixes of their buffers
 ORDER = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices")
+INT32_ARRAYS = ("query_start_loc", "seq_lens", "block_tables")  # on the device; the others are int64
+
+
+def device_dtype(name: str) -> torch.dtype:
+    return torch.int32 if name in INT32_ARRAYS else torch.int64
 
 
 @dataclass(frozen=True)

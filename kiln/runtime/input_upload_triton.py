@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kiln.models.pdl import pdl_launch, pdl_start
-from kiln.runtime.input_upload import Counts
+from kiln.runtime.input_upload import ORDER, Counts, device_dtype
 
 BLOCK = 1024
 
@@ -47,11 +47,9 @@ def unpack_triton(staged: torch.Tensor, dst: dict[str, torch.Tensor], counts: Co
                   sampled: torch.Tensor | None) -> None:
     """`unpack_reference`'s writes in one launch: int64 ids, positions, slots and logits indices, int32
     query_start_loc, seq_lens and block tables (K-contiguous rows)."""
-    for name, dtype in (("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
-                        ("logits_indices", torch.int64), ("query_start_loc", torch.int32), ("seq_lens", torch.int32),
-                        ("block_tables", torch.int32)):
-        if dst[name].dtype != dtype:
-            raise ValueError(f"{name}: {dst[name].dtype}, the kernel writes {dtype}")
+    for name in (*ORDER, "block_tables"):
+        if dst[name].dtype != device_dtype(name):
+            raise ValueError(f"{name}: {dst[name].dtype}, the kernel writes {device_dtype(name)}")
     total = counts.total
     if total == 0:
         return

@@ -184,13 +184,11 @@ def run_step_kernels(logits_dtype: torch.dtype, device: torch.device) -> int:
     """The kernels a step runs around the model: the inputs' unpacking, with and without pending tokens, and the
     greedy argmax of logits of the model's dtype. -> launches."""
     from kiln.runtime.greedy_argmax import argmax_triton
-    from kiln.runtime.input_upload import ORDER, Counts
+    from kiln.runtime.input_upload import ORDER, Counts, device_dtype
     from kiln.runtime.input_upload_triton import unpack_triton
 
-    int32 = ("query_start_loc", "seq_lens")
-    arrays = {name: torch.zeros(4, dtype=torch.int32 if name in int32 else torch.int64, device=device)
-              for name in ORDER}
-    arrays["block_tables"] = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    arrays = {name: torch.zeros(4, dtype=device_dtype(name), device=device) for name in ORDER}
+    arrays["block_tables"] = torch.zeros(2, 4, dtype=device_dtype("block_tables"), device=device)
     counts = Counts(tokens=1, reqs=1, sampling=1, width=1)
     staged = torch.zeros(counts.total, dtype=torch.int32, device=device)
     for sampled in (None, torch.zeros(1, dtype=torch.int64, device=device)):
