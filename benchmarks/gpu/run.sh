@@ -67,8 +67,9 @@ set_backend_ab() {  # decode at default settings with each attention backend (Fl
       --models llama3-8b smollm2-135m --async-scheduling on --json "$R/decode_$backend.json"
   done
 }
-set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm
-  step gemm 240 python3 -m benchmarks.bench_gemm --part small-m --json "$R/gemm.json"
+set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm (GEMM_M: the
+  # token counts, default bench_gemm's 1 to 64)
+  step gemm 240 python3 -m benchmarks.bench_gemm --part small-m ${GEMM_M:+--m $GEMM_M} --json "$R/gemm.json"
 }
 set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS and kiln's small-M kernel, every tile config
   step gemm_moe 200 python3 -m benchmarks.bench_gemm --part small-m --preset qwen3-30b-a3b --projections qkv o \
