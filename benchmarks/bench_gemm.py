@@ -6,7 +6,8 @@ Two parts:
   Triton FP8 GEMM at the heuristic's config and at every swept tile config, and the same kernel on the bf16
   weight; floors are the weight bytes at the copy bandwidth measured in the same run. Prints the per-(projection,
   M) summary, the per-step totals and a suggested `TUNED` table for kiln/models/quant/fp8_kernel.py (all rows in
-  the JSON). On the CPU the Triton kernel runs under the interpreter and times are wall clock (a dry run).
+  the JSON; --table-out adds the winners to a KILN_GEMM_CONFIGS table, which the runtime then picks them from).
+  On the CPU the Triton kernel runs under the interpreter and times are wall clock (a dry run).
 - `mid-m` (M = 64..256, an offline run's decode steps): cuBLAS against the best Triton kernel Inductor's
   max-autotune finds per projection (Triton templates only, persistent TMA templates on, static shapes; its
   choice is in the log as "AUTOTUNE mm").
@@ -32,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,11 +54,15 @@ def candidate_tiles() -> list[Any]:
     """(block_n, block_k, num_warps, num_stages) tiles of the sweep; each is tried at every split in SPLITS."""
     from kiln.models.quant.fp8_kernel import Fp8GemmConfig
 
-    # the last two keep more weight bytes in flight per program (deeper pipelines): at one token Qwen3-30B-A3B's
-    # attention projections streamed at ~55% of the copy bandwidth on the best of the others (docs/moe.md)
+    # 64x256 six stages and 32x256 eight keep more weight bytes in flight per program (deeper pipelines): at one
+    # token Qwen3-30B-A3B's attention projections streamed at ~55% of the copy bandwidth on the best of the others
+    # (docs/moe.md). The narrow ones (16 and 32 weight rows, two warps, the whole K of a small model's projection
+    # in flight) spread a small weight over more SMs: SmolLM2-135M's projections took ~3.3 us at one token on the
+    # others, with 9 to 48 programs streaming 0.7-3.5 MB, a DRAM round trip or two behind each other.
     return [Fp8GemmConfig(64, 256, 1, 4, 4), Fp8GemmConfig(64, 128, 1, 4, 6), Fp8GemmConfig(128, 256, 1, 4, 3),
             Fp8GemmConfig(128, 128, 1, 8, 4), Fp8GemmConfig(32, 256, 1, 4, 4), Fp8GemmConfig(64, 256, 1, 4, 6),
-            Fp8GemmConfig(32, 256, 1, 4, 8)]
+            Fp8GemmConfig(32, 256, 1, 4, 8), Fp8GemmConfig(16, 128, 1, 2, 10), Fp8GemmConfig(32, 128, 1, 2, 8),
+            Fp8GemmConfig(16, 256, 1, 2, 6)]
 
 
 def graph_time_us(calls: list[Callable[[], Any]], device: str) -> float:
@@ -203,6 +209,26 @@ def suggested_tuned(best: list[dict]) -> str:
     fp8 = [line(r, r["best_config"], r["M"]) for r in rows if r["best_config"]]
     bf16 = [line(r, r["bf16_triton_best_config"], 16) for r in rows if r["bf16_triton_best_config"] and r["M"] == 1]
     return ("TUNED = {\n" + "\n".join(fp8) + "\n}\nTUNED_16BIT = {\n" + "\n".join(bf16) + "\n}")
+
+
+def table_entries(best: list[dict]) -> dict[str, list[dict]]:
+    """The sweep's winners as KILN_GEMM_CONFIGS entries (kiln/models/quant/fp8_kernel.py, `swept_tables`): FP8 per
+    swept M; 16-bit M = 1's winner for every M <= 16, as in suggested_tuned."""
+    fp8 = [dict(N=r["N"], K=r["K"], max_m=r["M"], config=r["best_config"]) for r in best if r["best_config"]]
+    bf16 = [dict(N=r["N"], K=r["K"], max_m=16, config=r["bf16_triton_best_config"])
+            for r in best if r["bf16_triton_best_config"] and r["M"] == 1]
+    return {"fp8": fp8, "16bit": bf16}
+
+
+def write_table(path: str, entries: dict[str, list[dict]]) -> None:
+    """Adds the entries to the table at `path` (made if missing): a swept (N, K) replaces that shape's entries
+    there, other shapes' stay, so sweeps of several presets build one table."""
+    old = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+    out = {}
+    for kind in ("fp8", "16bit"):
+        swept = {(e["N"], e["K"]) for e in entries[kind]}
+        out[kind] = [e for e in old.get(kind, []) if (e["N"], e["K"]) not in swept] + entries[kind]
+    Path(path).write_text(json.dumps(out, indent=1))
 
 
 def kernel_table(shapes: dict[str, tuple[int, int]], device: str, ms: tuple[int, ...], budget_s: float,
@@ -414,6 +440,8 @@ def main() -> None:
                         help="small-m: only these projections")
     parser.add_argument("--budget-s", type=float, default=300.0, help="no new shape or autotune after this")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--table-out", default=None,
+                        help="small-m: add the winners to this KILN_GEMM_CONFIGS table (made if missing)")
     args = parser.parse_args()
     print(stamp(), flush=True)
     errors: dict[str, str] = {}
@@ -421,6 +449,8 @@ def main() -> None:
     if args.part == "small-m":
         result["small_m"] = small_m(args, errors)
         print_kernels(result["small_m"])
+        if args.table_out:
+            write_table(args.table_out, table_entries(result["small_m"]["summary"]))
     elif args.part == "host":
         result["host"] = host_cost(args)
     else:

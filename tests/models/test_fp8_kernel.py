@@ -141,6 +141,39 @@ def test_measured_tables_win_over_the_rule_per_operand_width() -> None:
         assert pick_config(1, n, k, num_sms=132).block_k == 256  # e4m3 operands take the rule here
 
 
+def test_a_swept_table_comes_before_the_shipped_ones(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KILN_GEMM_CONFIGS: what `bench_gemm --table-out` wrote wins for its shapes; a later sweep of the same shape
+    replaces its entries there, other shapes' entries stay, and shapes it lacks keep the shipped configs."""
+    from benchmarks.bench_gemm import write_table
+    from kiln.models.quant import fp8_kernel
+    from kiln.models.quant.fp8_kernel import TUNED_16BIT, swept_tables
+
+    (n16, k16, _), shipped16 = next(iter(TUNED_16BIT.items()))
+    narrow, wide = Fp8GemmConfig(16, 64, 1, 2, 10), Fp8GemmConfig(128, 64, 2, 8, 3)
+
+    def entry(n: int, k: int, max_m: int, config: Fp8GemmConfig) -> dict:
+        return dict(N=n, K=k, max_m=max_m, config=dict(block_n=config.block_n, block_k=config.block_k,
+                                                        split_k=config.split_k, num_warps=config.num_warps,
+                                                        num_stages=config.num_stages))
+
+    path = str(tmp_path / "gemm.json")
+    write_table(path, {"fp8": [entry(512, 256, 1, wide)], "16bit": [entry(n16, k16, 16, wide)]})
+    write_table(path, {"fp8": [], "16bit": [entry(n16, k16, 16, narrow), entry(300, 200, 16, wide)]})
+    monkeypatch.setenv("KILN_GEMM_CONFIGS", path)
+    swept_tables.cache_clear()
+    try:
+        assert pick_config(4, n16, k16, num_sms=132, element_bytes=2) == narrow  # the later sweep's
+        assert pick_config(1, 300, 200, num_sms=132, element_bytes=2) == wide
+        assert pick_config(1, 512, 256, num_sms=132) == wide
+        assert pick_config(2, 512, 256, num_sms=132) != wide  # past the entry's M: the rule
+        (n8, k8, max_m), shipped = next(iter(fp8_kernel.TUNED.items()))
+        assert pick_config(max_m, n8, k8, num_sms=132) == shipped
+    finally:
+        monkeypatch.delenv("KILN_GEMM_CONFIGS")
+        swept_tables.cache_clear()
+    assert pick_config(4, n16, k16, num_sms=132, element_bytes=2) == shipped16
+
+
 def test_op_on_cpu_is_scaled_mm() -> None:
     from kiln.models.quant import fp8_gemm  # noqa: F401 - registers kiln::fp8_gemm
 

@@ -23,8 +23,11 @@ compiled pieces, where a first-call benchmark would be captured or would cost st
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 import triton
@@ -105,10 +108,26 @@ def block_m_for(m: int) -> int:
     return min(64, max(16, triton.next_power_of_2(m)))
 
 
+@lru_cache(maxsize=1)
+def swept_tables() -> dict[str, dict[tuple[int, int, int], Fp8GemmConfig]]:
+    """KILN_GEMM_CONFIGS=path: the tables `bench_gemm --table-out` wrote ({"fp8": [...], "16bit": [...]}, entries
+    {"N", "K", "max_m", "config"}), looked up before TUNED / TUNED_16BIT: a fresh sweep's tiles in an A/B of the
+    same run, or the tiles of a GPU the shipped tables were not measured on."""
+    path = os.environ.get("KILN_GEMM_CONFIGS")
+    if not path:
+        return {"fp8": {}, "16bit": {}}
+    raw = json.loads(Path(path).read_text())
+    return {kind: {(e["N"], e["K"], e["max_m"]): Fp8GemmConfig(**e["config"])
+                   for e in sorted(raw.get(kind, []), key=lambda e: (e["N"], e["K"], e["max_m"]))}
+            for kind in ("fp8", "16bit")}
+
+
 def pick_config(m: int, n: int, k: int, num_sms: int, element_bytes: int = 1) -> Fp8GemmConfig:
     """The tile config for an [M, K] x [N, K]^T GEMM on a GPU with num_sms SMs (TUNED holds FP8 shapes,
-    TUNED_16BIT 16-bit ones; the rule gives 16-bit operands half the K tile, the same bytes per step)."""
-    for (tn, tk, max_m), config in (TUNED if element_bytes == 1 else TUNED_16BIT).items():
+    TUNED_16BIT 16-bit ones, a KILN_GEMM_CONFIGS table either before them; the rule gives 16-bit operands half
+    the K tile, the same bytes per step)."""
+    swept = swept_tables()["fp8" if element_bytes == 1 else "16bit"]
+    for (tn, tk, max_m), config in [*swept.items(), *(TUNED if element_bytes == 1 else TUNED_16BIT).items()]:
         if tn == n and tk == k and m <= max_m:
             return config
     block_n, block_k = 64, 256 // element_bytes
