@@ -9,6 +9,10 @@ folding into the GEMM. Both kernels here run the small-M GEMM's K loop (kiln/mod
 - `qkv_rope_triton`: inside one head, BLOCK_N / 2 rows of its first half and the rows HEAD_DIM / 2 below them ->
   the neox rotation of q and k by each token's cos/sin (v as it is), written as three contiguous tensors.
 
+- `gemm_add_rms_norm_triton`: a projection whose output joins the residual stream (o, down) -> the GEMM's fp32
+  sums (split-K partials, or one whole-K "partial"), then one program per row sums them, adds the residual and
+  RMS-normalises the row for the next layer: the split-K reduce and the add + norm kernel after it become one.
+
 The work sits after the sums, so the GEMM's operands stay plain asynchronous loads (the activation computed in the
 down GEMM's operand loads instead cost Llama-3-8B 8% at batch 1: docs/passes.md). Values are rounded where
 Inductor's kernels for the unfused graph round them: the GEMM's output to the model dtype, then the SiLU-mul or
@@ -25,6 +29,7 @@ import triton.language as tl
 from kiln.models.pdl import pdl_launch, pdl_start
 from kiln.models.quant.fp8_kernel import (
     Fp8GemmConfig,
+    _fp8_gemm_kernel,
     accumulate,
     block_m_for,
     check_operands,
@@ -159,3 +164,55 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
         BLOCK_N=block_n, BLOCK_K=config.block_k, EVEN_K=even_k, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_launch(x.device))
     return q, k_out, v
+
+
+@triton.jit
+def _add_rms_norm_rows_kernel(p_ptr, res_ptr, w_ptr, normed_ptr, sum_ptr, N, s_p, s_res, eps, SPLIT_K: tl.constexpr,
+                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program m: h = round(sum over splits, in order, of partial[s, m]) + residual[m], rounded (the plain GEMM's
+    output, then the add, as the unfused graph rounds them); normed = w * round(h * rsqrt(mean(h^2) + eps))."""
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.load(p_ptr + row * N + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * s_p + row * N + offs, mask=mask, other=0.0)
+    dtype = sum_ptr.dtype.element_ty
+    res = tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (acc.to(dtype).to(tl.float32) + res).to(dtype)
+    tl.store(sum_ptr + row * N + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(hf * hf, 0) / N + eps)  # Inductor's arithmetic for the unfused norm
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + row * N + offs, (w * (hf * inv).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+
+
+def gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                             eps: float, config: Fp8GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] @ weight [N, K]^T + residual [M, N] -> (rms_norm(h) * norm_weight, h), both [M, N] in x's dtype.
+    The GEMM sums as kiln::dense_gemm's small-M kernel does for this shape (its config and split), so h is what the
+    unfused graph's GEMM and add give."""
+    check_operands(x, weight)
+    m, k = x.shape
+    n = weight.shape[0]
+    if residual.shape != (m, n) or residual.stride(-1) != 1 or norm_weight.shape != (n,):
+        raise ValueError(f"residual {tuple(residual.shape)} / norm weight {tuple(norm_weight.shape)}: expected "
+                         f"({m}, {n}) with unit last stride / ({n},)")
+    config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
+    normed = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(normed)
+    if m == 0:
+        return normed, summed
+    split, k_steps, even_k = split_k(k, config, config.split_k)
+    partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    block_m = block_m_for(m)
+    pdl = pdl_launch(x.device)
+    _fp8_gemm_kernel[(triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))](
+        x, weight, partials, partials, partials, m, n, k, k_steps, x.stride(0), weight.stride(0), n, m * n,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=True, EVEN_K=even_k,
+        EVEN_N=n % config.block_n == 0, SCALED=False, num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
+    block = triton.next_power_of_2(n)
+    _add_rms_norm_rows_kernel[(m,)](partials, residual, norm_weight, normed, summed, n, m * n, residual.stride(0), eps,
+                                    SPLIT_K=split, BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl)
+    return normed, summed

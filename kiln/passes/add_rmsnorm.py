@@ -16,6 +16,8 @@ qk_norm_rope.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import fx
 
@@ -40,11 +42,11 @@ class AddRMSNormPass(KilnPass):
         for rsqrt in live_nodes(graph):
             if not is_call(rsqrt, aten.rsqrt.default):
                 continue
-            match = self._match(rsqrt)
+            match = rms_norm_match(rsqrt)
             if match is None:
                 continue
             x, weight, eps, out, dead = match
-            summed = x if is_call(x, aten.add.Tensor) and self._fusable_add(x) else None
+            summed = x if is_call(x, aten.add.Tensor) and fusable_add(x) else None
             with graph.inserting_after(x):
                 if summed is not None:
                     a, b = summed.args[:2]
@@ -61,49 +63,72 @@ class AddRMSNormPass(KilnPass):
             count += 1
         return count
 
-    @staticmethod
-    def _fusable_add(add: fx.Node) -> bool:
-        a, b = add.args[:2]
-        va, vb, vx = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (a, b, add))
-        return all(isinstance(v, torch.Tensor) for v in (va, vb)) and va.shape == vx.shape == vb.shape \
-            and va.dtype == vb.dtype == vx.dtype  # type: ignore[union-attr]
 
-    @staticmethod
-    def _match(rsqrt: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node, list[fx.Node]] | None:
-        add_eps = rsqrt.args[0]
-        if not is_call(add_eps, aten.add.Tensor, aten.add.Scalar) or len(add_eps.users) != 1 \
-                or not isinstance(add_eps.args[1], float):
-            return None
-        mean = add_eps.args[0]
-        if not is_call(mean, aten.mean.dim) or len(mean.users) != 1 or len(mean.args) < 3 or mean.args[2] is not True:
-            return None
-        square = mean.args[0]
-        if not is_call(square, aten.pow.Tensor_Scalar) or square.args[1] != 2 or len(square.users) != 1:
-            return None
-        xf = square.args[0]
-        xv = xf.meta.get("val")
-        if not isinstance(xv, torch.Tensor) or xv.dim() != 2 or list(mean.args[1]) not in ([-1], [1]):
-            return None
-        if len(rsqrt.users) != 1:
-            return None
-        scaled = next(iter(rsqrt.users))
-        if not is_call(scaled, aten.mul.Tensor) or _other(scaled, rsqrt) is not xf or len(scaled.users) != 1:
-            return None
-        cast = next(iter(scaled.users))
-        out = next(iter(cast.users)) if is_call(cast, prims.convert_element_type.default) and len(cast.users) == 1 \
-            else cast
-        if not is_call(out, aten.mul.Tensor) or (cast is not out and _other(out, cast) is None):
-            return None
-        weight = _other(out, cast if cast is not out else scaled)
-        wv = weight.meta.get("val") if isinstance(weight, fx.Node) else None
-        if not isinstance(wv, torch.Tensor) or wv.dim() != 1:
-            return None
-        x = strip_cast(xf)
-        # a cast feeds only the norm; x itself may also feed the rest of the graph (the residual stream)
-        if (xf is not x and set(xf.users) != {square, scaled}) or not {square, scaled} <= set(xf.users):
-            return None
-        out_v = out.meta.get("val")
-        if not isinstance(out_v, torch.Tensor) or out_v.dtype != x.meta["val"].dtype:
-            return None
-        dead = [out, cast, scaled, rsqrt, add_eps, mean, square] + ([xf] if xf is not x else [])
-        return x, weight, float(add_eps.args[1]), out, dead  # type: ignore[return-value]
+def norms_of_sums(graph: fx.Graph) -> Iterator[tuple[fx.Node, fx.Node, float, fx.Node, list[fx.Node]]]:
+    """Each RMSNorm (as rms_norm_match finds it) whose input is an add of two like tensors: (the add, the norm's
+    weight, eps, its output, its nodes)."""
+    for rsqrt in live_nodes(graph):
+        match = rms_norm_match(rsqrt) if is_call(rsqrt, aten.rsqrt.default) else None
+        if match is not None and is_call(match[0], aten.add.Tensor) and fusable_add(match[0]):
+            yield match
+
+
+def replace_norm_of_sum(graph: fx.Graph, op: object, args: tuple, summed: fx.Node, out: fx.Node,
+                        dead: list[fx.Node], inputs: list[fx.Node]) -> None:
+    """`op(*args)` -> (normed, sum), inserted before the add, takes the uses of the norm's output and of the add;
+    the norm's nodes, the add and `inputs` (what fed the add) are erased where nothing else uses them."""
+    with graph.inserting_before(summed):
+        normed, new_sum = call_two_outputs(graph, op, args)
+    out.replace_all_uses_with(normed)
+    erase_if_dead(graph, dead)
+    summed.replace_all_uses_with(new_sum)
+    erase_if_dead(graph, [summed, *inputs])
+
+
+def fusable_add(add: fx.Node) -> bool:
+    """An add of two tensors of its own shape and dtype (no broadcast, no promotion)."""
+    a, b = add.args[:2]
+    va, vb, vx = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (a, b, add))
+    return all(isinstance(v, torch.Tensor) for v in (va, vb)) and va.shape == vx.shape == vb.shape \
+        and va.dtype == vb.dtype == vx.dtype  # type: ignore[union-attr]
+
+
+def rms_norm_match(rsqrt: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node, list[fx.Node]] | None:
+    """The model's RMSNorm around this rsqrt -> (its input, weight, eps, its output, the nodes that go with it)."""
+    add_eps = rsqrt.args[0]
+    if not is_call(add_eps, aten.add.Tensor, aten.add.Scalar) or len(add_eps.users) != 1 \
+            or not isinstance(add_eps.args[1], float):
+        return None
+    mean = add_eps.args[0]
+    if not is_call(mean, aten.mean.dim) or len(mean.users) != 1 or len(mean.args) < 3 or mean.args[2] is not True:
+        return None
+    square = mean.args[0]
+    if not is_call(square, aten.pow.Tensor_Scalar) or square.args[1] != 2 or len(square.users) != 1:
+        return None
+    xf = square.args[0]
+    xv = xf.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or xv.dim() != 2 or list(mean.args[1]) not in ([-1], [1]):
+        return None
+    if len(rsqrt.users) != 1:
+        return None
+    scaled = next(iter(rsqrt.users))
+    if not is_call(scaled, aten.mul.Tensor) or _other(scaled, rsqrt) is not xf or len(scaled.users) != 1:
+        return None
+    cast = next(iter(scaled.users))
+    out = next(iter(cast.users)) if is_call(cast, prims.convert_element_type.default) and len(cast.users) == 1 \
+        else cast
+    if not is_call(out, aten.mul.Tensor) or (cast is not out and _other(out, cast) is None):
+        return None
+    weight = _other(out, cast if cast is not out else scaled)
+    wv = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+    if not isinstance(wv, torch.Tensor) or wv.dim() != 1:
+        return None
+    x = strip_cast(xf)
+    # a cast feeds only the norm; x itself may also feed the rest of the graph (the residual stream)
+    if (xf is not x and set(xf.users) != {square, scaled}) or not {square, scaled} <= set(xf.users):
+        return None
+    out_v = out.meta.get("val")
+    if not isinstance(out_v, torch.Tensor) or out_v.dtype != x.meta["val"].dtype:
+        return None
+    dead = [out, cast, scaled, rsqrt, add_eps, mean, square] + ([xf] if xf is not x else [])
+    return x, weight, float(add_eps.args[1]), out, dead  # type: ignore[return-value]

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from kiln.passes.add_rmsnorm import AddRMSNormPass
-from kiln.passes.base import KilnPass, call_two_outputs, erase_if_dead, is_call, live_nodes
+from kiln.passes.add_rmsnorm import norms_of_sums, replace_norm_of_sum
+from kiln.passes.base import KilnPass, is_call
 
 aten = torch.ops.aten
 
@@ -52,15 +52,7 @@ class AllReduceRMSNormPass(KilnPass):
 
         op = torch.ops.kiln.all_reduce_add_rms_norm.default
         count = 0
-        for rsqrt in live_nodes(graph):
-            if not is_call(rsqrt, aten.rsqrt.default):
-                continue
-            match = AddRMSNormPass._match(rsqrt)
-            if match is None:
-                continue
-            summed, weight, eps, out, dead = match
-            if not is_call(summed, aten.add.Tensor) or not AddRMSNormPass._fusable_add(summed):
-                continue
+        for summed, weight, eps, out, dead in norms_of_sums(graph):
             a, b = summed.args[:2]
             source, residual = _all_reduce_source(a), b
             if source is None:
@@ -68,12 +60,7 @@ class AllReduceRMSNormPass(KilnPass):
             if source is None:
                 continue
             partial, group_name, reduce_nodes = source
-            with graph.inserting_before(summed):
-                normed, new_sum = call_two_outputs(graph, op, (partial, residual, weight, eps, group_name))
-            out.replace_all_uses_with(normed)
-            erase_if_dead(graph, dead)
-            summed.replace_all_uses_with(new_sum)
-            graph.erase_node(summed)
-            erase_if_dead(graph, reduce_nodes)
+            replace_norm_of_sum(graph, op, (partial, residual, weight, eps, group_name), summed, out, dead,
+                                reduce_nodes)
             count += 1
         return count

@@ -15,11 +15,11 @@ from typing import Any
 
 # In the order the manager runs them: graph-level passes first (they change what is split out), then the
 # post-grad ones; `noop` runs last in post-grad so it also tidies what the fusions leave behind.
-# allreduce_rmsnorm precedes add_rmsnorm, which would otherwise take its norms alone.
+# allreduce_rmsnorm and gemm_add_rmsnorm precede add_rmsnorm, which would otherwise take their norms alone.
 # silu_mul_quant and gate_up_silu_mul precede silu_mul for the same reason.
 # qkv_rope follows rope_kv and qk_norm_rope, which take the rotations they match first.
-ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "add_rmsnorm",
-                               "silu_mul_quant", "gate_up_silu_mul", "silu_mul")
+ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "gemm_add_rmsnorm",
+                               "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "silu_mul")
 
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
@@ -54,6 +54,7 @@ class PassConfig:
     qk_norm_rope: bool = False
     qkv_rope: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
+    gemm_add_rmsnorm: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
     add_rmsnorm: bool = False
     silu_mul_quant: bool = False  # FP8 models only: matches nothing without the activation quantization
     gate_up_silu_mul: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm

@@ -21,7 +21,7 @@ from kiln.passes.silu_mul import silu_mul_operand
 aten = torch.ops.aten
 
 
-def _gemm_behind(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+def gemm_behind(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """The `kiln::dense_gemm` call that produced `node` (itself, or through one view of the same shape: the
     projection's reshape back to its input's leading dims) and feeds nothing else -> (gemm, the view if any)."""
     views = []
@@ -47,7 +47,7 @@ class GateUpSiluMulPass(KilnPass):
         count = 0
         for mul in live_nodes(graph):
             operand = silu_mul_operand(mul) if is_call(mul, aten.mul.Tensor) else None
-            found = _gemm_behind(operand[0]) if operand is not None else None
+            found = gemm_behind(operand[0]) if operand is not None else None
             if found is None or mul.meta["val"].dtype != operand[0].meta["val"].dtype:
                 continue
             gemm, views = found

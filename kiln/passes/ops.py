@@ -196,6 +196,28 @@ def _gate_up_silu_mul_fake(x, weight):
     return x.new_empty((x.shape[0], weight.shape[0] // 2))
 
 
+# -- a projection into the residual stream, the add and the next norm (16-bit weights) ---------------------------
+@torch.library.custom_op("kiln::gemm_add_rms_norm", mutates_args=())
+def gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] @ weight [N, K]^T + residual [M, N] -> (rms_norm(h) * norm_weight, h). Dispatched on M as
+    kiln::dense_gemm is: its small-M GEMM writes fp32 sums that one kernel a row adds and normalises; larger M (and
+    the CPU) run the GEMM, then the add and norm."""
+    from kiln.models import dense_gemm
+
+    if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M:
+        from kiln.models.gemm_epilogues import gemm_add_rms_norm_triton
+
+        return gemm_add_rms_norm_triton(x, weight, residual, norm_weight, eps)
+    return _add_rms_norm(torch.mm(x, weight.t()), residual, norm_weight, eps)
+
+
+@gemm_add_rms_norm.register_fake
+def _gemm_add_rms_norm_fake(x, weight, residual, norm_weight, eps):
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    return out, torch.empty_like(out)
+
+
 # -- the qkv GEMM with RoPE in its epilogue (16-bit weights, no q/k norm) --------------------------------------
 @torch.library.custom_op("kiln::qkv_rope", mutates_args=())
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

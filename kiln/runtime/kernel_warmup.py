@@ -73,16 +73,21 @@ def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
 
 
 # (pass, weight rows, K, dtype, heads, KV heads, head_dim): a GEMM that a pass hands an epilogue
-# (kiln/models/gemm_epilogues.py); heads are 0 for gate_up_silu_mul
+# (kiln/models/gemm_epilogues.py); heads are 0 but for qkv_rope
 EpilogueShape = tuple[str, int, int, torch.dtype, int, int, int]
 
 
 def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[EpilogueShape]:
-    """The distinct GEMMs the enabled epilogue passes (gate_up_silu_mul, qkv_rope) will run kernels for."""
+    """The distinct GEMMs the enabled epilogue passes (gate_up_silu_mul, qkv_rope, gemm_add_rmsnorm) will run
+    kernels for."""
     from kiln.models.llama import MLP, Attention
 
     passes, seen = set(passes), {}
     for module in model.modules():
+        if isinstance(module, (MLP, Attention)) and "gemm_add_rmsnorm" in passes:
+            weight = module.down_proj.weight if isinstance(module, MLP) else module.o_proj.weight
+            if _served(weight):
+                seen[("gemm_add_rmsnorm", *weight.shape, weight.dtype, 0, 0, 0)] = None
         if isinstance(module, MLP) and "gate_up_silu_mul" in passes and _served(module.gate_up_proj.weight):
             weight = module.gate_up_proj.weight
             seen[("gate_up_silu_mul", *weight.shape, weight.dtype, 0, 0, 0)] = None
@@ -96,7 +101,7 @@ def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[Epilo
 
 def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device: torch.device) -> int:
     """Each epilogue GEMM at each M its kernel serves, on zeros. -> launches."""
-    from kiln.models.gemm_epilogues import gate_up_silu_mul_triton, qkv_rope_triton
+    from kiln.models.gemm_epilogues import gate_up_silu_mul_triton, gemm_add_rms_norm_triton, qkv_rope_triton
 
     launches = 0
     for name, n, k, dtype, heads, kv_heads, head_dim in shapes:
@@ -107,6 +112,8 @@ def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device:
             x = torch.zeros(m, k, dtype=dtype, device=device)
             if name == "gate_up_silu_mul":
                 gate_up_silu_mul_triton(x, weight)
+            elif name == "gemm_add_rmsnorm":
+                gemm_add_rms_norm_triton(x, weight, x.new_zeros(m, n), x.new_ones(n), 1e-6)
             else:
                 qkv_rope_triton(x, weight, torch.zeros(m, dtype=torch.int64, device=device),
                                 torch.zeros(2, head_dim, device=device), heads, kv_heads)

@@ -1,7 +1,8 @@
 """The small-M GEMMs with an epilogue (kiln/models/gemm_epilogues.py) against the unfused arithmetic: the GEMM
-rounded to the model dtype, then silu(gate) * up or RoPE as the model computes them; the ops that dispatch to
-them (kiln/passes/ops.py) on both sides of the threshold; and their sm90 compile. Without a GPU the kernels run
-under Triton's CPU interpreter in fp16 (its bf16 loads are wrong: tests/models/test_fp8_kernel.py)."""
+rounded to the model dtype, then silu(gate) * up, RoPE, or the residual add and RMSNorm as the model computes
+them; the ops that dispatch to them (kiln/passes/ops.py) on both sides of the threshold; and their sm90 compile.
+Without a GPU the kernels run under Triton's CPU interpreter in fp16 (its bf16 loads are wrong:
+tests/models/test_fp8_kernel.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ if DEVICE == "cpu":
     define_interpreted("kiln.models.quant.fp8_kernel", "kiln.models.gemm_epilogues")
 
 import kiln.passes.ops  # noqa: E402, F401 - registers the ops
-from kiln.models.gemm_epilogues import gate_up_silu_mul_triton, qkv_rope_triton  # noqa: E402
-from kiln.models.quant.fp8_kernel import Fp8GemmConfig  # noqa: E402
-from kiln.passes.ops import norm_rope_ref  # noqa: E402
+from kiln.models.gemm_epilogues import gate_up_silu_mul_triton, gemm_add_rms_norm_triton, qkv_rope_triton  # noqa: E402
+from kiln.models.quant.fp8_kernel import Fp8GemmConfig, bf16_gemm_triton  # noqa: E402
+from kiln.passes.ops import norm_rope_ref, rms_norm_ref  # noqa: E402
 from tests.models.test_fp8_kernel import sm90_ptx  # noqa: E402
 
 
@@ -86,6 +87,27 @@ def test_qkv_with_rope_in_the_epilogue(m: int, heads: int, kv_heads: int, head_d
         torch.testing.assert_close(out.double(), want.double(), **TOLERANCE)
 
 
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 576, 200, Fp8GemmConfig(64, 64, 4, 4, 2)),  # split-K: the row kernel sums the partials
+    (3, 100, 256, Fp8GemmConfig(32, 64, 1, 4, 2)),  # one whole-K partial; N off the tile and the row block
+    (17, 64, 130, Fp8GemmConfig(64, 32, 2, 4, 2)),  # M over one tile, K off the tile
+])
+def test_gemm_with_the_residual_add_and_norm_after_it(m: int, n: int, k: int, config: Fp8GemmConfig) -> None:
+    """h is exactly the plain small-M GEMM at the same config plus the residual, rounded as the unfused graph's add;
+    the normalised row is the model's RMSNorm of h (the sum of squares in another order: an ulp apart at most)."""
+    x, w = operands(m, n, k, m + n)
+    g = torch.Generator().manual_seed(k)
+    residual = torch.randn(m, n, generator=g).to(DTYPE).to(DEVICE)
+    norm_weight = (1 + 0.1 * torch.randn(n, generator=g)).to(DTYPE).to(DEVICE)
+    normed, summed = gemm_add_rms_norm_triton(x, w, residual, norm_weight, 1e-5, config)
+    want_sum = (bf16_gemm_triton(x, w, config).float() + residual.float()).to(DTYPE)
+    assert torch.equal(summed, want_sum)
+    assert normed.dtype == DTYPE and normed.shape == (m, n)
+    torch.testing.assert_close(normed.double(), rms_norm_ref(want_sum, norm_weight, 1e-5).double(), **TOLERANCE)
+    with pytest.raises(ValueError, match="residual"):
+        gemm_add_rms_norm_triton(x, w, residual[:, :-1], norm_weight, 1e-5, config)
+
+
 @pytest.mark.parametrize("m", [1, 16, 17])
 def test_the_ops_dispatch_on_m(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """kiln::gate_up_silu_mul and kiln::qkv_rope: the epilogue kernels up to dense_gemm's TRITON_MAX_M tokens on
@@ -93,7 +115,7 @@ def test_the_ops_dispatch_on_m(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from kiln.models import gemm_epilogues
 
     calls: list[str] = []
-    for name in ("gate_up_silu_mul_triton", "qkv_rope_triton"):
+    for name in ("gate_up_silu_mul_triton", "qkv_rope_triton", "gemm_add_rms_norm_triton"):
         original = getattr(gemm_epilogues, name)
         monkeypatch.setattr(gemm_epilogues, name,
                             lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
@@ -106,11 +128,19 @@ def test_the_ops_dispatch_on_m(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     got = torch.ops.kiln.qkv_rope(*args)
     for out, want in zip(got, qkv_rope_reference(*args)):
         torch.testing.assert_close(out.double(), want.double(), rtol=2 ** -7, atol=2e-3)
+    residual, norm_weight = torch.randn(m, 144, device=DEVICE).half(), torch.rand(144, device=DEVICE).half() + 0.5
+    normed, summed = torch.ops.kiln.gemm_add_rms_norm(x, w, residual, norm_weight, 1e-6)
+    want_sum = (x.double() @ w.double().t() + residual.double()).half()
+    torch.testing.assert_close(summed.double(), want_sum.double(), rtol=2 ** -7, atol=2e-3)
+    torch.testing.assert_close(normed.double(), rms_norm_ref(summed, norm_weight, 1e-6).double(), rtol=2 ** -7,
+                               atol=2e-3)
     fused = DEVICE == "cuda" and m <= 16
-    assert calls == (["gate_up_silu_mul_triton", "qkv_rope_triton"] if fused else [])
+    assert calls == (["gate_up_silu_mul_triton", "qkv_rope_triton", "gemm_add_rms_norm_triton"] if fused else [])
     # the fakes (what Dynamo traces) agree with the ops (opcheck runs them again, so after the count above)
     torch.library.opcheck(torch.ops.kiln.gate_up_silu_mul.default, (x, w), test_utils=("test_faketensor",))
     torch.library.opcheck(torch.ops.kiln.qkv_rope.default, args, test_utils=("test_faketensor",))
+    torch.library.opcheck(torch.ops.kiln.gemm_add_rms_norm.default, (x, w, residual, norm_weight, 1e-6),
+                          test_utils=("test_faketensor",))
 
 
 def test_heads_that_do_not_tile_are_refused_by_name() -> None:

@@ -2,7 +2,9 @@
 
 - gate_up_silu_mul: `silu(gate) * up` over the halves of `kiln::dense_gemm(x, W_gate_up)` becomes
   `kiln::gate_up_silu_mul(x, W_gate_up)` (post-grad);
-- qkv_rope: the RoPE of q and k split from `kiln::dense_gemm(x, W_qkv)` becomes `kiln::qkv_rope` (captured graph).
+- qkv_rope: the RoPE of q and k split from `kiln::dense_gemm(x, W_qkv)` becomes `kiln::qkv_rope` (captured graph);
+- gemm_add_rmsnorm: `rms_norm(kiln::dense_gemm(x, W) + residual)`, the sum kept too, becomes
+  `kiln::gemm_add_rms_norm(x, W, residual, w_norm, eps)` (post-grad).
 
 kiln::dense_gemm appears only in CUDA graphs (16-bit projections), so here a 16-bit tiny model is traced with the
 op let onto the CPU (its torch.mm path) and the rewritten graphs run against the originals; the kernels and the
@@ -21,7 +23,9 @@ from kiln.models import dense_gemm
 from kiln.passes import PassConfig
 from kiln.passes.base import PassEnv
 from kiln.passes.gate_up_silu_mul import GateUpSiluMulPass
+from kiln.passes.gemm_add_rmsnorm import GemmAddRMSNormPass
 from kiln.passes.manager import GRAPH_SCOPE, PassManager
+from kiln.passes.ops import rms_norm_ref
 from tests.passes.conftest import NUM_LAYERS, PROMPT
 from tests.passes.harness import capture, copy_graph_module, each_piece_with
 
@@ -35,11 +39,11 @@ def mlp_head(x: torch.Tensor, w_gate_up: torch.Tensor, w_other: torch.Tensor) ->
     return F.silu(gate) * up, other
 
 
-def run_pass(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, int]:
+def run_pass(fn, *args: torch.Tensor, kind: type = GateUpSiluMulPass) -> tuple[torch.fx.GraphModule, int]:
     import kiln.models.dense_gemm  # noqa: F401 - registers kiln::dense_gemm
 
     gm = make_fx(fn, tracing_mode="fake")(*args)
-    count = GateUpSiluMulPass(PassConfig(), PassEnv()).apply_post_grad(gm.graph)
+    count = kind(PassConfig(), PassEnv()).apply_post_grad(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return gm, count
@@ -67,6 +71,40 @@ def test_a_gate_up_output_with_another_user_is_left_alone() -> None:
     assert run_pass(both, torch.randn(20, 32), torch.randn(2 * INTER, 32))[1] == 0
 
 
+def into_the_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
+                      norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection joining the residual stream and the next layer's norm, as the model's RMSNorm(x, residual)."""
+    summed = residual + torch.ops.kiln.dense_gemm(x, w).reshape(residual.shape)
+    return rms_norm_ref(summed, norm_weight, 1e-5), summed
+
+
+def test_the_projection_takes_the_add_and_norm_after_it_and_numbers_stay() -> None:
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(20, 32, generator=g), torch.randn(24, 32, generator=g) * 0.2, torch.randn(20, 24, generator=g),
+            1 + 0.1 * torch.randn(24, generator=g))  # 20 tokens: the ops' torch.mm paths, on the CPU
+    gm, count = run_pass(into_the_residual, *args, kind=GemmAddRMSNormPass)
+    assert count == 1
+    code = gm.code
+    assert code.count("kiln.gemm_add_rms_norm") == 1 and "kiln.dense_gemm" not in code and "rsqrt" not in code
+    for got, want in zip(gm(*args), into_the_residual(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sum_with_no_gemm_or_a_shared_gemm_is_left_alone() -> None:
+    def shared(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
+        y = torch.ops.kiln.dense_gemm(x, w)
+        summed = residual + y
+        return rms_norm_ref(summed, norm_weight, 1e-5), summed, y.sum()
+
+    def no_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
+        summed = residual + x @ w.t()
+        return rms_norm_ref(summed, norm_weight, 1e-5), summed
+
+    args = (torch.randn(20, 32), torch.randn(24, 32), torch.randn(20, 24), torch.ones(24))
+    assert run_pass(shared, *args, kind=GemmAddRMSNormPass)[1] == 0
+    assert run_pass(no_gemm, *args, kind=GemmAddRMSNormPass)[1] == 0
+
+
 @pytest.fixture
 def captured_16_bit(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch):
     """preset -> its bf16 graph captured on the CPU with kiln::dense_gemm let onto it (its torch.mm path)."""
@@ -89,6 +127,19 @@ def test_matches_once_per_layer_in_a_16_bit_models_graph(captured_16_bit, key: C
         assert str(after.graph).count("kiln.gate_up_silu_mul") == matched
         assert str(after.graph).count("kiln.dense_gemm.") == str(before.graph).count("kiln.dense_gemm.") - matched
     assert total == NUM_LAYERS
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_gemm_add_rmsnorm_takes_both_norms_after_the_first(captured_16_bit, preset: str) -> None:
+    """Each layer's o projection into its post-attention norm, each down projection into the next layer's input
+    norm (the last one into the final norm): 2 a layer, the first layer's input norm (of the embedding) left."""
+    total = 0
+    for before, after, matched, copies in each_piece_with(captured_16_bit(preset).gm, CompileKey.range(1, 32),
+                                                          "gemm_add_rmsnorm"):
+        total += matched * copies
+        assert str(after.graph).count("kiln.gemm_add_rms_norm") == matched
+        assert str(after.graph).count("kiln.dense_gemm.") == str(before.graph).count("kiln.dense_gemm.") - matched
+    assert total == 2 * NUM_LAYERS
 
 
 # qkv_rope: every layer of a Llama; none where q and k pass a norm first (Qwen3: qk_norm_rope's) or the qkv

@@ -37,11 +37,12 @@ def test_passes_on_vs_off_on_gpu(tiny_checkpoint, preset: str, backend: str) -> 
     assert outs["on"] == outs["off"]
 
 
-@pytest.mark.parametrize("passes", [("gate_up_silu_mul",), ("qkv_rope",), ("qkv_rope", "gate_up_silu_mul")])
+@pytest.mark.parametrize("passes", [("gate_up_silu_mul",), ("qkv_rope",), ("gemm_add_rmsnorm",),
+                                    ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul")])
 def test_gemm_epilogue_passes_on_a_16_bit_model(tiny_checkpoint, passes: tuple[str, ...]) -> None:
-    """bf16 projections run kiln::dense_gemm, so gate_up_silu_mul and qkv_rope hand each layer's SiLU-mul and RoPE
-    to the GEMM before it (decode in the small-M kernels' epilogues, prefill through torch.mm and the unfused
-    step's kernel): greedy tokens as without, and every pass matched."""
+    """bf16 projections run kiln::dense_gemm, so gate_up_silu_mul, qkv_rope and gemm_add_rmsnorm hand each layer's
+    SiLU-mul, RoPE and residual add + norm to the GEMM before it (decode in the small-M kernels, prefill through
+    torch.mm and the unfused step's kernel): greedy tokens as without, and every pass matched."""
     prompts = random_prompts([1, 7, 30, 3], 256, seed=2)
     options = dict(level=2, device="cuda", dtype="bf16", max_num_batched_tokens=32, max_num_seqs=4,
                    compile_sizes=(1, 4), cudagraph_capture_sizes=(1, 4), num_blocks=64)

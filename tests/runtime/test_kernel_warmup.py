@@ -48,8 +48,9 @@ def test_gemm_shapes_are_the_distinct_projections() -> None:
 
 
 def test_epilogue_shapes_follow_the_enabled_passes() -> None:
-    """gate_up_silu_mul and qkv_rope compile kernels of their own: one per distinct GEMM, only where the pass is on
-    and kiln::dense_gemm serves the projection (16-bit CUDA weights; Qwen3's q/k norms keep RoPE apart)."""
+    """gate_up_silu_mul, qkv_rope and gemm_add_rmsnorm compile kernels of their own: one per distinct GEMM, only where
+    the pass is on and kiln::dense_gemm serves the projection (16-bit CUDA weights; Qwen3's q/k norms keep RoPE
+    apart)."""
     both = ("qkv_rope", "gate_up_silu_mul")
     llama = load_model("tiny-llama", device=DEVICE, dtype="bf16", load_format="dummy").model
     if DEVICE.type == "cpu":  # no kiln::dense_gemm on the CPU: nothing to compile
@@ -66,6 +67,11 @@ def test_epilogue_shapes_follow_the_enabled_passes() -> None:
     qwen3 = load_model("tiny-qwen3", device=DEVICE, dtype="bf16", load_format="dummy").model
     assert [s[0] for s in epilogue_shapes(qwen3, both)] == ["gate_up_silu_mul"]
     assert run_epilogues(expected, [1, 4, 32], DEVICE) == 4  # 32 tokens run the unfused path: nothing to compile
+    o, down = layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight
+    into_the_residual = [("gemm_add_rmsnorm", *o.shape, o.dtype, 0, 0, 0),
+                         ("gemm_add_rmsnorm", *down.shape, down.dtype, 0, 0, 0)]
+    assert epilogue_shapes(llama, ("gemm_add_rmsnorm",)) == list(dict.fromkeys(into_the_residual))
+    assert run_epilogues(into_the_residual, [1, 4], DEVICE) == 4
 
 
 def test_moe_shapes_are_the_distinct_expert_layers() -> None:
