@@ -67,9 +67,11 @@ set_backend_ab() {  # decode at default settings with each attention backend (Fl
       --models llama3-8b smollm2-135m --async-scheduling on --json "$R/decode_$backend.json"
   done
 }
-set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm (GEMM_M: the
-  # token counts, default bench_gemm's 1 to 64)
-  step gemm 240 python3 -m benchmarks.bench_gemm --part small-m ${GEMM_M:+--m $GEMM_M} --json "$R/gemm.json"
+set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm (GEMM_PRESET: the
+  # model, default Llama-3-8B; GEMM_M: the token counts, default bench_gemm's 1 to 64). The winners are added to
+  # $R/gemm_table.json, a KILN_GEMM_CONFIGS table for a decode-ab arm of the same call
+  step gemm 240 python3 -m benchmarks.bench_gemm --part small-m --preset "${GEMM_PRESET:-llama3-8b}" ${GEMM_M:+--m $GEMM_M} \
+    --table-out "$R/gemm_table.json" --json "$R/gemm.json"
 }
 set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS and kiln's small-M kernel, every tile config
   step gemm_moe 200 python3 -m benchmarks.bench_gemm --part small-m --preset qwen3-30b-a3b --projections qkv o \
