@@ -67,11 +67,14 @@ set_backend_ab() {  # decode at default settings with each attention backend (Fl
       --models llama3-8b smollm2-135m --async-scheduling on --json "$R/decode_$backend.json"
   done
 }
-set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm (GEMM_PRESET: the
-  # model, default Llama-3-8B; GEMM_M: the token counts, default bench_gemm's 1 to 64). The winners are added to
+set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm (GEMM_PRESETS: the
+  # models, default Llama-3-8B; GEMM_M: the token counts, default bench_gemm's 1 to 64). The winners are added to
   # $R/gemm_table.json, a KILN_GEMM_CONFIGS table for a decode-ab arm of the same call
-  step gemm 240 python3 -m benchmarks.bench_gemm --part small-m --preset "${GEMM_PRESET:-llama3-8b}" ${GEMM_M:+--m $GEMM_M} \
-    --table-out "$R/gemm_table.json" --json "$R/gemm.json"
+  local preset
+  for preset in ${GEMM_PRESETS:-llama3-8b}; do
+    step "gemm_$preset" 240 python3 -m benchmarks.bench_gemm --part small-m --preset "$preset" ${GEMM_M:+--m $GEMM_M} \
+      --table-out "$R/gemm_table.json" --json "$R/gemm_${preset//[^A-Za-z0-9_]/_}.json"
+  done
 }
 set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS and kiln's small-M kernel, every tile config
   step gemm_moe 200 python3 -m benchmarks.bench_gemm --part small-m --preset qwen3-30b-a3b --projections qkv o \
@@ -175,8 +178,9 @@ set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolL
   # DECODE_AB_ARGS: more bench_gpu arguments, e.g. --quantization fp8) in each arm of DECODE_AB_ARMS, processes
   # alternated DECODE_AB_ROUNDS times (2). Arms: "base" (.ab/base's code), "new" (the working tree; the default
   # arms), NAME=VALUE[,NAME=VALUE] (the working tree with those environment variables). DECODE_AB_MOE=1:
-  # Qwen3-30B-A3B's decode (bench_moe --parts decode) in each arm too
-  local run arm dir tag vars
+  # Qwen3-30B-A3B's decode (bench_moe --parts decode) in each arm too. DECODE_AB_LABEL: the steps' and files'
+  # prefix (default decode), for a second decode-ab in the same call
+  local run arm dir tag vars label=${DECODE_AB_LABEL:-decode}
   for run in $(seq "${DECODE_AB_ROUNDS:-2}"); do
     for arm in ${DECODE_AB_ARMS:-base new}; do
       dir=$PWD; [ "$arm" = base ] && dir=$PWD/.ab/base
@@ -184,9 +188,9 @@ set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolL
       (
         case $arm in *=*) IFS=, read -ra vars <<< "$arm"; export "${vars[@]}";; esac
         export PYTHONPATH=$dir:/tmp/site
-        [ "${DECODE_AB_MODELS:-}" = none ] || step "decode_${tag}_$run" 200 bash -c "cd $dir && exec python3 -m \
+        [ "${DECODE_AB_MODELS:-}" = none ] || step "${label}_${tag}_$run" 200 bash -c "cd $dir && exec python3 -m \
           benchmarks.bench_gpu decode --defaults --backend triton --models ${DECODE_AB_MODELS:-smollm2-135m} \
-          --async-scheduling on ${DECODE_AB_ARGS:-} --json $R/decode_${tag}_$run.json"
+          --async-scheduling on ${DECODE_AB_ARGS:-} --json $R/${label}_${tag}_$run.json"
         [ -z "${DECODE_AB_MOE:-}" ] || step "moe_decode_${tag}_$run" 240 bash -c "cd $dir && exec python3 -m \
           benchmarks.bench_moe --parts decode --json $R/moe_decode_${tag}_$run.json"
       )

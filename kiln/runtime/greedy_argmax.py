@@ -8,6 +8,8 @@ torch; NaN counts as +inf (torch takes the first NaN, which differs only where a
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -15,6 +17,8 @@ import triton.language as tl
 from kiln.models.pdl import pdl_launch, pdl_start
 
 CHUNK = 16384  # logits a program holds at once: 32 a thread at 16 warps
+# KILN_ARGMAX_TRITON=0: torch.argmax on CUDA too (an A/B of the kernel's device time against its launch's host time)
+USE_KERNEL = os.environ.get("KILN_ARGMAX_TRITON", "1") != "0"
 
 
 @triton.jit(do_not_specialize=["vocab", "stride"])
@@ -46,6 +50,6 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] -> int64 [rows]: each row's argmax, the kernel on CUDA."""
-    if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1]:
+    if USE_KERNEL and logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1]:
         return argmax_triton(logits)
     return logits.argmax(dim=-1)
