@@ -200,8 +200,11 @@ set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolL
 set_spec_tests() {  # the speculative-decoding GPU tests (greedy equality with graphs, bf16 bit-for-bit at batch 1)
   step spec_tests 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_spec_decode_gpu.py
 }
-set_tests() {  # the GPU tests (GPU_TESTS: a subset, pytest's arguments)
-  step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfE ${GPU_TESTS:-tests/gpu}
+set_tests() {  # the GPU tests (GPU_TESTS: a subset, pytest's arguments split at spaces; in a -k expression write " or " as
+  # "_or_", e.g. -k residual_or_dispatch)
+  local args=() word
+  for word in ${GPU_TESTS:-tests/gpu}; do args+=("${word//_or_/ or }"); done
+  step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfE "${args[@]}"
 }
 
 BUDGET=570

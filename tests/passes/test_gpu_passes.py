@@ -38,7 +38,7 @@ def test_passes_on_vs_off_on_gpu(tiny_checkpoint, preset: str, backend: str) -> 
 
 
 @pytest.mark.parametrize("passes", [("gate_up_silu_mul",), ("qkv_rope",), ("gemm_add_rmsnorm",),
-                                    ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul")])
+                                    ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul")], ids="+".join)
 def test_gemm_epilogue_passes_on_a_16_bit_model(tiny_checkpoint, passes: tuple[str, ...]) -> None:
     """bf16 projections run kiln::dense_gemm, so gate_up_silu_mul, qkv_rope and gemm_add_rmsnorm hand each layer's
     SiLU-mul, RoPE and residual add + norm to the GEMM before it (decode in the small-M kernels, prefill through
