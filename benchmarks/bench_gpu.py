@@ -353,6 +353,8 @@ def main() -> None:
             p.add_argument("--requests", type=int, default=32)
             p.add_argument("--prefix-tokens", type=int, default=512)
             p.add_argument("--max-tokens", type=int, default=16)
+        if name in ("decode", "throughput"):
+            p.add_argument("--quantization", default=None, choices=["fp8"], help="with --defaults: an FP8 model")
         if name == "throughput":
             p.add_argument("--model", default="llama3-8b")
             p.add_argument("--requests", type=int, default=256)
@@ -371,7 +373,6 @@ def main() -> None:
                            help="with --defaults: range end points (e.g. 256: decode sizes get their own artifact)")
             p.add_argument("--repeats", type=int, default=1,
                            help="time the whole workload this many times on one runtime; report the median run")
-            p.add_argument("--quantization", default=None, choices=["fp8"], help="with --defaults: an FP8 model")
             p.add_argument("--inductor-option", action="append", default=None, metavar="NAME=VALUE",
                            type=parse_inductor_option,
                            help="with --defaults: an Inductor config entry (JSON value), e.g. combo_kernels=true")
