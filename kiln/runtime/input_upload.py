@@ -16,7 +16,6 @@ same writes in torch, which is also the kernel's test oracle.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,8 +24,6 @@ import torch
 # the arrays in the order they are packed; all but the block tables are 1-D prefixes of their buffers
 ORDER = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices")
 INT32_ARRAYS = ("query_start_loc", "seq_lens", "block_tables")  # on the device; the others are int64
-# KILN_UNPACK_TRITON=0: the torch unpacking on CUDA too (an A/B of the kernel against its launch's host time)
-USE_KERNEL = os.environ.get("KILN_UNPACK_TRITON", "1") != "0"
 
 
 def device_dtype(name: str) -> torch.dtype:
@@ -88,7 +85,7 @@ def unpack_reference(staged: torch.Tensor, dst: dict[str, torch.Tensor], counts:
 def unpack(staged: torch.Tensor, dst: dict[str, torch.Tensor], counts: Counts,
            sampled: torch.Tensor | None) -> None:
     """Write each array from the staged ints: one Triton kernel on CUDA (input_upload_triton.py)."""
-    if staged.is_cuda and USE_KERNEL:
+    if staged.is_cuda:
         from kiln.runtime.input_upload_triton import unpack_triton
 
         unpack_triton(staged, dst, counts, sampled)

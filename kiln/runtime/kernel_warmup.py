@@ -187,10 +187,9 @@ def run_attention(backend: Any, decode_sizes: Iterable[int], block_table_width: 
     return launches
 
 
-def run_step_kernels(logits_dtype: torch.dtype, device: torch.device) -> int:
-    """The kernels a step runs around the model: the inputs' unpacking, with and without pending tokens, and the
-    greedy argmax of logits of the model's dtype. -> launches."""
-    from kiln.runtime.greedy_argmax import argmax_triton
+def run_unpack(device: torch.device) -> int:
+    """The kernel a step runs before the model: the inputs' unpacking, with and without pending tokens. ->
+    launches."""
     from kiln.runtime.input_upload import ORDER, Counts, device_dtype
     from kiln.runtime.input_upload_triton import unpack_triton
 
@@ -200,8 +199,7 @@ def run_step_kernels(logits_dtype: torch.dtype, device: torch.device) -> int:
     staged = torch.zeros(counts.total, dtype=torch.int32, device=device)
     for sampled in (None, torch.zeros(1, dtype=torch.int64, device=device)):
         unpack_triton(staged, arrays, counts, sampled)
-    argmax_triton(torch.zeros(1, 8, dtype=logits_dtype, device=device))
-    return 3
+    return 2
 
 
 @dataclass(frozen=True)
@@ -217,12 +215,12 @@ class WarmupPlan:
     device: str
     moe: tuple[MoeShape, ...] = ()  # expert layers, run at `sizes` tokens
     epilogues: tuple[EpilogueShape, ...] = ()  # GEMMs with an epilogue, run at `sizes` tokens
-    logits_dtype: torch.dtype | None = None  # on CUDA: the step's own kernels (run_step_kernels)
+    unpack: bool = False  # on CUDA: the kernel that unpacks a step's inputs (run_unpack)
 
     @property
     def empty(self) -> bool:
         return (not self.gemms and self.attention is None and not self.moe and not self.epilogues
-                and self.logits_dtype is None)
+                and not self.unpack)
 
 
 def run_plan(plan: WarmupPlan) -> int:
@@ -238,8 +236,8 @@ def run_plan(plan: WarmupPlan) -> int:
         if plan.attention is not None:
             launches += run_attention(plan.attention(plan.layout, device), plan.decode_sizes,
                                       plan.block_table_width)
-        if plan.logits_dtype is not None:
-            launches += run_step_kernels(plan.logits_dtype, device)
+        if plan.unpack:
+            launches += run_unpack(device)
     return launches
 
 
@@ -255,7 +253,7 @@ class KernelWarmup:
         self.plan = WarmupPlan(gemms, tuple(sorted(set(sizes))), type(backend) if backend.name == "triton" else None,
                                backend.layout, tuple(sorted(set(decode_sizes))), block_table_width,
                                str(backend.device), tuple(moe_shapes(model)), tuple(epilogue_shapes(model, passes)),
-                               backend.layout.dtype if backend.device.type == "cuda" else None)
+                               backend.device.type == "cuda")
         self._pool: WorkerPool | Executor | None = None
         self._future: Future[int] | None = None
         if self.plan.empty:

@@ -62,7 +62,7 @@ class Sampler:
         if all(plain_greedy(p) for p in params):
             # argmax of the model-dtype logits is the argmax of their fp32 copy (the cast is exact and
             # monotone); the copy kernel alone was 0.10 ms of an 8B step at 256 rows on the H200
-            return _argmax(logits), [None] * len(params)
+            return logits.argmax(dim=-1), [None] * len(params)
         # A copy even when already fp32: everything below edits in place and must not touch the caller's.
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -76,7 +76,7 @@ class Sampler:
         if len(sampled) == len(params):
             tokens = _sample(logits, params, batch.generators)
         else:
-            tokens = _argmax(logits)
+            tokens = logits.argmax(dim=-1)
             if sampled:
                 rows = _device_tensor(sampled, torch.long, logits.device)
                 tokens[rows] = _sample(logits[rows], [params[i] for i in sampled],
@@ -87,15 +87,6 @@ class Sampler:
             for row, entry in zip(lp_rows, _gather_logprobs(raw_logprobs, tokens[lp_rows], params, lp_rows)):
                 logprobs[row] = entry
         return tokens, logprobs
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax; on CUDA kiln's kernel (greedy_argmax.py, imported where a GPU runs: it needs triton)."""
-    if logits.is_cuda:
-        from kiln.runtime.greedy_argmax import greedy_argmax
-
-        return greedy_argmax(logits)
-    return logits.argmax(dim=-1)
 
 
 def plain_greedy(p: SamplingParams) -> bool:

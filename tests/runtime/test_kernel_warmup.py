@@ -19,14 +19,13 @@ from kiln.runtime.kernel_warmup import (
     run_epilogues,
     run_gemms,
     run_moe,
-    run_step_kernels,
+    run_unpack,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-# the plan runs the step's own kernels (run_step_kernels: two unpackings and the argmax) on CUDA only, where it
-# knows the logits' dtype
-STEP_KERNELS = 3 if DEVICE.type == "cuda" else 0
+# the plan runs the unpacking of a step's inputs (run_unpack: with and without pending tokens) on CUDA only
+UNPACKS = 2 if DEVICE.type == "cuda" else 0
 
 
 def test_attention_warmup_runs_one_batch_per_split_count_and_one_prefill() -> None:
@@ -111,7 +110,7 @@ def test_the_warmup_process_runs_the_plan() -> None:
     warmup = KernelWarmup(model, backend, sizes, sizes, 16)
     assert warmup.plan.attention is TritonAttentionBackend and warmup._future is not None
     warmup.join()
-    expected = len({backend.num_splits(n) for n in sizes}) + 1 + run_gemms(gemm_shapes(model), sizes) + STEP_KERNELS
+    expected = len({backend.num_splits(n) for n in sizes}) + 1 + run_gemms(gemm_shapes(model), sizes) + UNPACKS
     assert warmup.launches == expected
     processes = warmup._pool.processes
     assert len(processes) == 1 and processes[0].exitcode == 0  # it ran there and exited once told to
@@ -129,11 +128,9 @@ def test_a_tensor_parallel_worker_warms_up_on_a_thread(monkeypatch) -> None:
     warmup = KernelWarmup(model, backend, [1, 2, 8], [1, 2, 8], 16)
     assert isinstance(warmup._pool, ThreadPoolExecutor)
     warmup.join()
-    assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1 + STEP_KERNELS
+    assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1 + UNPACKS
 
 
-def test_step_kernels_compile_both_unpackings_and_the_argmax() -> None:
-    """The inputs' unpacking with and without pending tokens and the greedy argmax, once each (the interpreter on
-    the CPU; on CUDA the plan runs them for the model's logits dtype)."""
-    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
-    assert run_step_kernels(dtype, DEVICE) == 3
+def test_the_unpacking_compiles_with_and_without_pending_tokens() -> None:
+    """The inputs' unpacking with and without pending tokens, once each (the interpreter on the CPU)."""
+    assert run_unpack(DEVICE) == 2
