@@ -37,12 +37,12 @@ def test_passes_on_vs_off_on_gpu(tiny_checkpoint, preset: str, backend: str) -> 
     assert outs["on"] == outs["off"]
 
 
-@pytest.mark.parametrize("passes", [("gate_up_silu_mul",), ("qkv_rope",), ("gemm_add_rmsnorm",),
-                                    ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul")], ids="+".join)
+@pytest.mark.parametrize("passes", [("gate_up_silu_mul",), ("qkv_rope",), ("qkv_rope", "gate_up_silu_mul")],
+                         ids="+".join)
 def test_gemm_epilogue_passes_on_a_16_bit_model(tiny_checkpoint, passes: tuple[str, ...]) -> None:
-    """bf16 projections run kiln::dense_gemm, so gate_up_silu_mul, qkv_rope and gemm_add_rmsnorm hand each layer's
-    SiLU-mul, RoPE and residual add + norm to the GEMM before it (decode in the small-M kernels, prefill through
-    torch.mm and the unfused step's kernel): greedy tokens as without, and every pass matched."""
+    """bf16 projections run kiln::dense_gemm, so gate_up_silu_mul and qkv_rope hand each layer's SiLU-mul and RoPE
+    to the GEMM before it (decode in the small-M kernels' epilogues, prefill through torch.mm and the unfused
+    step's kernel), rounding where the unfused graph rounds: greedy tokens as without, and every pass matched."""
     prompts = random_prompts([1, 7, 30, 3], 256, seed=2)
     options = dict(level=2, device="cuda", dtype="bf16", max_num_batched_tokens=32, max_num_seqs=4,
                    compile_sizes=(1, 4), cudagraph_capture_sizes=(1, 4), num_blocks=64)
@@ -57,3 +57,27 @@ def test_gemm_epilogue_passes_on_a_16_bit_model(tiny_checkpoint, passes: tuple[s
                 assert manager.total(name) > 0, (name, dict(manager.matches))
         del rt
     assert outs["on"] == outs["off"]
+
+
+def test_gemm_add_rmsnorm_on_a_16_bit_model(tiny_checkpoint) -> None:
+    """gemm_add_rmsnorm hands the residual add and the next norm after o and down to the GEMM's second kernel. Its
+    sum of squares runs in another order than Inductor's reduction, so a normalised row may differ from the unfused
+    graph's by a bf16 rounding and greedy tokens may part at a near-tie: the logits of prompts of up to 16 tokens
+    (the small-M kernels) and of 30 (the torch.mm path) stay within bf16 noise of the unfused graph's, and every
+    norm but the first layer's matched."""
+    from tests.conftest import prompt_logits
+
+    options = dict(level=2, device="cuda", dtype="bf16", max_num_batched_tokens=32, max_num_seqs=4,
+                   compile_sizes=(1, 4), cudagraph_capture_sizes=(1, 4), num_blocks=64)
+    path = str(tiny_checkpoint("tiny-llama")[0])
+    prompts = random_prompts([1, 5, 16, 30], 256, seed=3)
+    logits = {}
+    for label, extra in (("off", {"enable_passes": False}), ("on", {"passes": ("gemm_add_rmsnorm",)})):
+        rt = Runtime(path, **options, **extra)
+        logits[label] = [prompt_logits(rt, p) for p in prompts]
+        if label == "on":
+            assert pass_manager_of(rt.engine.worker.compiled).total("gemm_add_rmsnorm") > 0
+        del rt
+    for on, off in zip(logits["on"], logits["off"]):
+        scale = off.abs().max().item()
+        assert (on - off).abs().max().item() <= 0.02 * scale, ((on - off).abs().max().item(), scale)
