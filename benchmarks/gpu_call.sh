@@ -12,7 +12,11 @@ fi
 export PYTHONPATH=$PWD:/tmp/site
 # a file over one call's carry limit travels in parts (.carry/*.part), one call each: they gather in /tmp/parts
 mkdir -p /tmp/parts && cp .carry/*.part /tmp/parts/ 2>/dev/null
-OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs; mkdir -p "$OUT" $R $L
+OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs
+# $OUT starts empty in every call: a warm machine's /tmp still holds the previous call's results and logs, which came
+# back with it; a second script of the same call finds $OUT written and keeps what the first left (a sweep's table)
+[ -z "$(ls -A "$OUT" 2>/dev/null)" ] && rm -rf $R $L
+mkdir -p "$OUT" $R $L
 left() { echo $(( $1 - ($(date +%s) - T0) )); }
 bounded() {
   local t=$1; shift
@@ -25,10 +29,12 @@ bounded() {
   echo "[$(( $(date +%s) - T0 ))s] rc=$rc"
   return $rc
 }
-# The end of a call: every result JSON and a tarball of results and logs under $OUT, and the last N lines of each
-# log (progress bars, warnings and JSON bodies left out) in the call's reply.
+# The end of a call: a tarball of results and logs under $OUT, beside it the result JSONs while at most 6 (a call
+# brings back 8 files: the rest would be dropped, the tarball among them), and the last N lines of each log
+# (progress bars, warnings and JSON bodies left out) in the call's reply.
 finish_call() {
-  cp $R/*.json "$OUT"/ 2>/dev/null
+  local results=($R/*.json)
+  [ -e "${results[0]}" ] && [ ${#results[@]} -le 6 ] && cp "${results[@]}" "$OUT"/
   tar czf "$OUT"/logs.tgz -C /tmp res logs 2>/dev/null
   for f in $L/*.log; do
     echo "== $f"

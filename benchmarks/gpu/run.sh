@@ -243,11 +243,10 @@ step() {
 
 for name in "${SETS[@]}"; do "set_${name//-/_}"; done
 finish_call 12
-cp "$R/steps.tsv" "$OUT/" 2>/dev/null
 echo
 echo "| step | rc | seconds | result |"
 echo "|---|---|---|---|"
 while IFS=$'\t' read -r label rc seconds; do
-  result=$(ls "$OUT/$label.json" 2>/dev/null || echo "(log only: logs.tgz)")
+  result=$(ls "$OUT/$label.json" 2>/dev/null || echo "(in logs.tgz)")
   echo "| $label | $rc | $seconds | $result |"
 done < "$R/steps.tsv"

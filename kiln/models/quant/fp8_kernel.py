@@ -50,11 +50,16 @@ class Fp8GemmConfig:
 
 # (N, K, largest M) -> config, measured on an H200 (benchmarks/bench_gemm.py --part small-m). The first
 # entry whose N, K match and whose largest M is >= M wins; shapes not listed fall back to the rule below.
-TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {  # H200, 2026-11-30 (docs/BENCHMARKS.md)
+# H200, 2026-11-30 (docs/BENCHMARKS.md), before the kernel promoted its fp8 MMA accumulator to fp32 every 32
+# products; re-swept 2026-12-03 (`bench_gemm --part small-m`, benchmarks/results/2026-12-03-h200-baeb392) where the
+# winner moved: gate_up at M <= 32 (128x128, 8 warps -> 64x256: 41.8 -> 30.4 us at M = 1, 42.1 -> 31.1 at 8; M = 64
+# kept its tile), qkv at M = 1 and 8 (10.1 -> 9.1 us) and o at M = 8 (9.9 -> 6.9). The other entries were re-swept at
+# M = 1 and 8 only (qkv's M = 2 and 4 not at all) and kept.
+TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {
     (4096, 4096, 1): Fp8GemmConfig(64, 128, 4, 4, 6),
     (4096, 4096, 2): Fp8GemmConfig(64, 128, 4, 4, 6),
     (4096, 4096, 4): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (4096, 4096, 8): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (4096, 4096, 8): Fp8GemmConfig(64, 128, 4, 4, 6),
     (4096, 4096, 16): Fp8GemmConfig(64, 256, 1, 4, 4),
     (4096, 4096, 32): Fp8GemmConfig(64, 256, 1, 4, 4),
     (4096, 4096, 64): Fp8GemmConfig(64, 128, 2, 4, 6),
@@ -65,19 +70,14 @@ TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {  # H200, 2026-11-30 (docs/B
     (4096, 14336, 16): Fp8GemmConfig(64, 128, 4, 4, 6),
     (4096, 14336, 32): Fp8GemmConfig(64, 256, 2, 4, 4),
     (4096, 14336, 64): Fp8GemmConfig(64, 256, 2, 4, 4),
-    (6144, 4096, 1): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (6144, 4096, 1): Fp8GemmConfig(64, 128, 4, 4, 6),
     (6144, 4096, 2): Fp8GemmConfig(64, 256, 1, 4, 4),
     (6144, 4096, 4): Fp8GemmConfig(64, 256, 1, 4, 4),
-    (6144, 4096, 8): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (6144, 4096, 8): Fp8GemmConfig(64, 128, 4, 4, 6),
     (6144, 4096, 16): Fp8GemmConfig(64, 256, 1, 4, 4),
     (6144, 4096, 32): Fp8GemmConfig(64, 256, 1, 4, 4),
     (6144, 4096, 64): Fp8GemmConfig(64, 256, 1, 4, 4),
-    (28672, 4096, 1): Fp8GemmConfig(128, 128, 1, 8, 4),
-    (28672, 4096, 2): Fp8GemmConfig(128, 128, 1, 8, 4),
-    (28672, 4096, 4): Fp8GemmConfig(128, 128, 1, 8, 4),
-    (28672, 4096, 8): Fp8GemmConfig(128, 128, 1, 8, 4),
-    (28672, 4096, 16): Fp8GemmConfig(128, 128, 1, 8, 4),
-    (28672, 4096, 32): Fp8GemmConfig(128, 128, 1, 8, 4),
+    (28672, 4096, 32): Fp8GemmConfig(64, 256, 1, 4, 4),
     (28672, 4096, 64): Fp8GemmConfig(128, 128, 1, 8, 4),
 }
 
