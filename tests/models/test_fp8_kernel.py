@@ -146,12 +146,13 @@ def test_a_swept_table_comes_before_the_shipped_ones(tmp_path, monkeypatch: pyte
     replaces its entries there, other shapes' entries stay, and shapes it lacks keep the shipped configs."""
     from benchmarks.bench_gemm import write_table
     from kiln.models.quant import fp8_kernel
-    from kiln.models.quant.fp8_kernel import TUNED_16BIT, swept_tables
+    # the module as it stands now (a test module that runs it under the interpreter loads it again)
+    pick_config, swept_tables, config_type = fp8_kernel.pick_config, fp8_kernel.swept_tables, fp8_kernel.Fp8GemmConfig
 
-    (n16, k16, _), shipped16 = next(iter(TUNED_16BIT.items()))
-    narrow, wide = Fp8GemmConfig(16, 64, 1, 2, 10), Fp8GemmConfig(128, 64, 2, 8, 3)
+    (n16, k16, _), shipped16 = next(iter(fp8_kernel.TUNED_16BIT.items()))
+    narrow, wide = config_type(16, 64, 1, 2, 10), config_type(128, 64, 2, 8, 3)
 
-    def entry(n: int, k: int, max_m: int, config: Fp8GemmConfig) -> dict:
+    def entry(n: int, k: int, max_m: int, config) -> dict:
         return dict(N=n, K=k, max_m=max_m, config=dict(block_n=config.block_n, block_k=config.block_k,
                                                         split_k=config.split_k, num_warps=config.num_warps,
                                                         num_stages=config.num_stages))
