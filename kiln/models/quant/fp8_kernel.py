@@ -51,7 +51,7 @@ class Fp8GemmConfig:
 # (N, K, largest M) -> config, measured on an H200 (benchmarks/bench_gemm.py --part small-m). The first
 # entry whose N, K match and whose largest M is >= M wins; shapes not listed fall back to the rule below.
 # H200, 2026-11-30 (docs/BENCHMARKS.md), before the kernel promoted its fp8 MMA accumulator to fp32 every 32
-# products; re-swept 2026-12-03 (`bench_gemm --part small-m`, benchmarks/results/2026-12-03-h200-baeb392) where the
+# products; re-swept 2026-12-03 (`bench_gemm --part small-m`, benchmarks/results/2026-12-03-h200-eb449ad) where the
 # winner moved: gate_up at M <= 32 (128x128, 8 warps -> 64x256: 41.8 -> 30.4 us at M = 1, 42.1 -> 31.1 at 8; M = 64
 # kept its tile), qkv at M = 1 and 8 (10.1 -> 9.1 us) and o at M = 8 (9.9 -> 6.9). The other entries were re-swept at
 # M = 1 and 8 only (qkv's M = 2 and 4 not at all) and kept.
