@@ -273,8 +273,11 @@ class CompilationConfig:
         if not background_supported:
             sizes, background = sizes | background, set()
         sizes, background = tuple(sorted(sizes)), tuple(sorted(background))
-        # an end point at or above the budget would make an empty range
-        ranges = tuple(sorted({int(p) for p in self.compile_ranges if int(p) < max_num_batched_tokens}))
+        enable_passes = level >= 1 and (self.enable_passes if self.enable_passes is not None else level >= 2)
+        # an end point at or above the budget would make an empty range; a post-grad pass bounded to N tokens
+        # ("name<=N") applies only to compile ranges within N, so N cuts a range of its own (decode sizes, say)
+        bounds = pass_bounds(self.passes, level) if enable_passes else ()
+        ranges = tuple(sorted({int(p) for p in (*self.compile_ranges, *bounds) if int(p) < max_num_batched_tokens}))
         options = dict(self.inductor_options)
         if on_gpu and level >= 2:
             # Inductor's kernels take part in programmatic dependent launch as kiln's do (kiln/models/pdl.py)
@@ -290,7 +293,7 @@ class CompilationConfig:
             cudagraph_capture_sizes=capture if mode != CUDAGraphMode.NONE else (),
             cudagraph_piecewise_sizes=piecewise,
             # -O0 compiles nothing, so passes and autotuning cannot apply whatever was asked for
-            enable_passes=level >= 1 and (self.enable_passes if self.enable_passes is not None else level >= 2),
+            enable_passes=enable_passes,
             max_autotune=level >= 1 and (self.max_autotune if self.max_autotune is not None else level >= 3),
         )
 
@@ -303,6 +306,14 @@ class CompilationConfig:
 # RoPE of q and of k and v's copy before attention), measured faster (docs/compiler.md); an explicit
 # inductor_options entry of the same name wins.
 GPU_INDUCTOR_OPTIONS = (("combo_kernels", True),)
+
+
+def pass_bounds(passes: tuple[str, ...] | None, level: int) -> tuple[int, ...]:
+    """The token bounds of the passes a config runs (its list, else the level's defaults, KILN_PASSES included)."""
+    from kiln.passes.config import PassConfig, level_defaults  # a leaf module (no torch)
+
+    names = passes if passes is not None else level_defaults(level)
+    return tuple(bound for _, bound in PassConfig.from_names(tuple(names)).max_tokens)
 
 
 def default_piecewise_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:

@@ -21,6 +21,9 @@ from typing import Any
 ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "gemm_add_rmsnorm",
                                "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "silu_mul")
 
+# Passes that rewrite only the captured graph, which serves every token count: a token bound cannot gate them.
+GRAPH_ONLY_PASSES: tuple[str, ...] = ("rope_kv", "qk_norm_rope", "qkv_rope")
+
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
 # residual add and norm at decode sizes (kiln/models/p2p_norm.py); 2x H200, benchmarks/bench_tp.py off vs
@@ -83,6 +86,9 @@ class PassConfig:
             if bound:
                 if not bound.strip().isdigit() or int(bound) < 1:
                     raise ValueError(f"pass bound must be a positive token count: {entry!r}")
+                if name in GRAPH_ONLY_PASSES:
+                    raise ValueError(f"{entry!r}: {name} rewrites the captured graph, which serves every token "
+                                     "count, so it takes no bound")
                 bounds[name] = int(bound)
         return cls(**flags, max_tokens=tuple(sorted(bounds.items())), **kwargs)
 

@@ -123,6 +123,23 @@ def test_passes_are_gated_by_the_compile_range(captured) -> None:
     assert small != large
 
 
+def test_a_bounded_pass_gets_a_compile_range_of_its_own(monkeypatch) -> None:
+    """A post-grad pass bounded to N tokens applies only to ranges within N, so resolving the config cuts the range
+    at N (the passes' list or the level's, KILN_PASSES included); a graph-only pass takes no bound."""
+    from kiln.config import CompilationConfig
+
+    cpu = torch.device("cpu")
+    bounded = CompilationConfig(level=2, passes=("gate_up_silu_mul<=16", "gemm_add_rmsnorm<=16", "silu_mul<=32"))
+    assert bounded.resolve(cpu, 8192).compile_ranges == (16, 32)
+    assert bounded.resolve(cpu, 24).compile_ranges == (16,)  # no empty range past the budget
+    off = CompilationConfig(level=2, passes=("silu_mul<=32",), enable_passes=False)
+    assert off.resolve(cpu, 8192).compile_ranges == ()
+    monkeypatch.setenv("KILN_PASSES", "silu_mul<=64")
+    assert CompilationConfig(level=2, compile_ranges=(256,)).resolve(cpu, 8192).compile_ranges == (64, 256)
+    with pytest.raises(ValueError, match="qkv_rope rewrites the captured graph"):
+        PassConfig.from_names(["qkv_rope<=16"])
+
+
 def test_each_pass_dumps_its_graph_before_and_after(captured, tmp_path: Path) -> None:
     pieces = split(captured("tiny-llama").gm)
     piece_hash, group = next(iter(pieces.distinct().items()))
