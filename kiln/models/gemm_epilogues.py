@@ -11,7 +11,9 @@ folding into the GEMM. Both kernels here run the small-M GEMM's K loop (kiln/mod
 
 - `gemm_add_rms_norm_triton`: a projection whose output joins the residual stream (o, down) -> the GEMM's fp32
   sums (split-K partials, or one whole-K "partial"), then one program per row sums them, adds the residual and
-  RMS-normalises the row for the next layer: the split-K reduce and the add + norm kernel after it become one.
+  RMS-normalises the row for the next layer: the split-K reduce and the add + norm kernel after it become one;
+- `fp8_gemm_add_rms_norm_quant_triton`: the same for an FP8 projection, the row kernel also applying the GEMM's
+  scales and quantizing the normalised row per token for the next FP8 projection.
 
 The work sits after the sums, so the GEMM's operands stay plain asynchronous loads (the activation computed in the
 down GEMM's operand loads instead cost Llama-3-8B 8% at batch 1: docs/passes.md). Values are rounded where
@@ -167,10 +169,13 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
 
 
 @triton.jit
-def _add_rms_norm_rows_kernel(p_ptr, res_ptr, w_ptr, normed_ptr, sum_ptr, N, s_p, s_res, eps, SPLIT_K: tl.constexpr,
+def _add_rms_norm_rows_kernel(p_ptr, xs_ptr, ws_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, sum_ptr, N, s_p, s_res, eps,
+                              fp8_max, min_scale, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, QUANT: tl.constexpr,
                               BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program m: h = round(sum over splits, in order, of partial[s, m]) + residual[m], rounded (the plain GEMM's
-    output, then the add, as the unfused graph rounds them); normed = w * round(h * rsqrt(mean(h^2) + eps))."""
+    """Program m: h = round(sum over splits, in order, of partial[s, m] [* x_scale[m] * w_scale]) + residual[m],
+    rounded (the plain GEMM's output, then the add, as the unfused graph rounds them); y = w * round(h * rsqrt(mean(h^2)
+    + eps)), written as it is or (QUANT) quantized per token as quantize_per_token does: scale = max(amax|y| / 448,
+    min_scale), e4m3(clamp(y / scale))."""
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -178,6 +183,8 @@ def _add_rms_norm_rows_kernel(p_ptr, res_ptr, w_ptr, normed_ptr, sum_ptr, N, s_p
     acc = tl.load(p_ptr + row * N + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptr + s * s_p + row * N + offs, mask=mask, other=0.0)
+    if SCALED:  # in the order the FP8 GEMM applies its scales
+        acc = acc * tl.load(xs_ptr + row) * tl.load(ws_ptr + offs, mask=mask, other=0.0)
     dtype = sum_ptr.dtype.element_ty
     res = tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
     h = (acc.to(dtype).to(tl.float32) + res).to(dtype)
@@ -185,14 +192,23 @@ def _add_rms_norm_rows_kernel(p_ptr, res_ptr, w_ptr, normed_ptr, sum_ptr, N, s_p
     hf = h.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(hf * hf, 0) / N + eps)  # Inductor's arithmetic for the unfused norm
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(normed_ptr + row * N + offs, (w * (hf * inv).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+    y = (w * (hf * inv).to(dtype).to(tl.float32)).to(dtype)
+    if QUANT:
+        yf = y.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(yf), 0) / fp8_max, min_scale)
+        tl.store(scale_ptr + row, scale)
+        q = tl.minimum(tl.maximum(yf / scale, -fp8_max), fp8_max)
+        tl.store(out_ptr + row * N + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * N + offs, y, mask=mask)
 
 
-def gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                             eps: float, config: Fp8GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] @ weight [N, K]^T + residual [M, N] -> (rms_norm(h) * norm_weight, h), both [M, N] in x's dtype.
-    The GEMM sums as kiln::dense_gemm's small-M kernel does for this shape (its config and split), so h is what the
-    unfused graph's GEMM and add give."""
+def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+                       residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, quant: bool,
+                       config: Fp8GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """-> (normed [M, N] in the residual's dtype, or its e4m3 values; their [M, 1] scale or None; h)."""
+    from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
     check_operands(x, weight)
     m, k = x.shape
     n = weight.shape[0]
@@ -200,19 +216,47 @@ def gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: to
         raise ValueError(f"residual {tuple(residual.shape)} / norm weight {tuple(norm_weight.shape)}: expected "
                          f"({m}, {n}) with unit last stride / ({n},)")
     config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
-    normed = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(normed)
+    summed = torch.empty((m, n), dtype=residual.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=FP8_DTYPE if quant else residual.dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device) if quant else None
     if m == 0:
-        return normed, summed
+        return out, scale, summed
     split, k_steps, even_k = split_k(k, config, config.split_k)
     partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    xs, ws = (scales[0].reshape(-1).float().contiguous(), scales[1].reshape(-1).float().contiguous()) if scales \
+        else (partials, partials)  # unread without scales
     block_m = block_m_for(m)
     pdl = pdl_launch(x.device)
     _fp8_gemm_kernel[(triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))](
-        x, weight, partials, partials, partials, m, n, k, k_steps, x.stride(0), weight.stride(0), n, m * n,
+        x, weight, xs, ws, partials, m, n, k, k_steps, x.stride(0), weight.stride(0), n, m * n,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=True, EVEN_K=even_k,
-        EVEN_N=n % config.block_n == 0, SCALED=False, num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
+        EVEN_N=n % config.block_n == 0, SCALED=scales is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl)
     block = triton.next_power_of_2(n)
-    _add_rms_norm_rows_kernel[(m,)](partials, residual, norm_weight, normed, summed, n, m * n, residual.stride(0), eps,
-                                    SPLIT_K=split, BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl)
+    _add_rms_norm_rows_kernel[(m,)](partials, xs, ws, residual, norm_weight, out, scale if quant else partials, summed,
+                                    n, m * n, residual.stride(0), eps, FP8_MAX, MIN_SCALE, SPLIT_K=split,
+                                    SCALED=scales is not None, QUANT=quant, BLOCK=block,
+                                    num_warps=min(16, max(1, block // 256)), **pdl)
+    return out, scale, summed
+
+
+def gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                             eps: float, config: Fp8GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] @ weight [N, K]^T + residual [M, N] -> (rms_norm(h) * norm_weight, h), both [M, N] in x's dtype.
+    The GEMM sums as kiln::dense_gemm's small-M kernel does for this shape (its config and split), so h is what the
+    unfused graph's GEMM and add give."""
+    normed, _, summed = _gemm_add_rms_norm(x, weight, None, residual, norm_weight, eps, False, config)
     return normed, summed
+
+
+def fp8_gemm_add_rms_norm_quant_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor,
+                                       weight_scale: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                                       eps: float, config: Fp8GemmConfig | None = None,
+                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 projection into the residual stream: q [M, K] e4m3 with x_scale [M, 1], weight [N, K] e4m3 with
+    weight_scale [N] -> (e4m3 [M, N] and its fp32 [M, 1] scale: quantize_per_token(rms_norm(h) * norm_weight), h in
+    the residual's dtype), summed as kiln::fp8_gemm's small-M kernel does for this shape."""
+    out, scale, summed = _gemm_add_rms_norm(q, weight, (x_scale, weight_scale), residual, norm_weight, eps, True,
+                                            config)
+    assert scale is not None
+    return out, scale, summed

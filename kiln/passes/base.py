@@ -103,18 +103,23 @@ def erase_if_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
                 changed = True
 
 
-def call_two_outputs(graph: fx.Graph, op: object, args: tuple) -> tuple[fx.Node, fx.Node]:
-    """A call of `op` (which returns two tensors) at the graph's insertion point, and the two outputs taken
-    right after it, each node carrying its fake value."""
+def call_outputs(graph: fx.Graph, op: object, args: tuple, count: int) -> list[fx.Node]:
+    """A call of `op` (which returns `count` tensors) at the graph's insertion point, and its outputs taken right
+    after it, each node carrying its fake value."""
     fused = graph.call_function(op, args)  # type: ignore[arg-type]
     set_fake_value(fused, op, *args)
     outs, after = [], fused
-    for i in range(2):
+    for i in range(count):
         with graph.inserting_after(after):
             after = graph.call_function(operator.getitem, (fused, i))
         after.meta["val"] = fused.meta["val"][i] if "val" in fused.meta else None
         outs.append(after)
-    return outs[0], outs[1]
+    return outs
+
+
+def call_two_outputs(graph: fx.Graph, op: object, args: tuple) -> tuple[fx.Node, fx.Node]:
+    first, second = call_outputs(graph, op, args, 2)
+    return first, second
 
 
 def set_fake_value(node: fx.Node, op: object, *args: object) -> None:

@@ -21,9 +21,9 @@ from kiln.passes.silu_mul import silu_mul_operand
 aten = torch.ops.aten
 
 
-def gemm_behind(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
-    """The `kiln::dense_gemm` call that produced `node` (itself, or through one view of the same shape: the
-    projection's reshape back to its input's leading dims) and feeds nothing else -> (gemm, the view if any)."""
+def gemm_behind(node: fx.Node, op: object = None) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The `kiln::dense_gemm` call (or `op`'s) that produced `node` (itself, or through one view of the same shape:
+    the projection's reshape back to its input's leading dims) and feeds nothing else -> (gemm, the view if any)."""
     views = []
     if is_call(node, aten.view.default, aten.reshape.default) and single_user(node):
         inner = node.args[0]
@@ -31,7 +31,7 @@ def gemm_behind(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
                 or tuple(inner.meta["val"].shape) != tuple(node.meta["val"].shape):
             return None
         node, views = inner, [node]
-    if is_call(node, torch.ops.kiln.dense_gemm.default) and single_user(node):
+    if is_call(node, op or torch.ops.kiln.dense_gemm.default) and single_user(node):
         return node, views
     return None
 

@@ -218,6 +218,35 @@ def _gemm_add_rms_norm_fake(x, weight, residual, norm_weight, eps):
     return out, torch.empty_like(out)
 
 
+@torch.library.custom_op("kiln::fp8_gemm_add_rms_norm_quant", mutates_args=())
+def fp8_gemm_add_rms_norm_quant(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor,
+                                weight_scale: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 projection (kiln::fp8_gemm, bf16 out) + residual -> (e4m3 values and [M, 1] scale of
+    quantize_per_token(rms_norm(h) * norm_weight), h). kiln::fp8_gemm's small-M kernel writes fp32 sums that one
+    kernel a row scales, adds, normalises and quantizes; otherwise the GEMM, then the add and norm, then the
+    quantization."""
+    from kiln.models.quant.fp8 import quantize_per_token
+    from kiln.models.quant.fp8_gemm import use_triton_kernel
+
+    if use_triton_kernel(q):
+        from kiln.models.gemm_epilogues import fp8_gemm_add_rms_norm_quant_triton
+
+        return fp8_gemm_add_rms_norm_quant_triton(q, weight, x_scale, weight_scale, residual, norm_weight, eps)
+    y = torch.ops.kiln.fp8_gemm(q, weight, x_scale, weight_scale, torch.bfloat16).to(residual.dtype)
+    normed, summed = _add_rms_norm(y, residual, norm_weight, eps)
+    return (*quantize_per_token(normed), summed)
+
+
+@fp8_gemm_add_rms_norm_quant.register_fake
+def _fp8_gemm_add_rms_norm_quant_fake(q, weight, x_scale, weight_scale, residual, norm_weight, eps):
+    from kiln.models.quant.fp8 import FP8_DTYPE
+
+    m, n = q.shape[0], weight.shape[0]
+    return (q.new_empty((m, n), dtype=FP8_DTYPE), q.new_empty((m, 1), dtype=torch.float32),
+            torch.empty_like(residual, memory_format=torch.contiguous_format))
+
+
 # -- the qkv GEMM with RoPE in its epilogue (16-bit weights, no q/k norm) --------------------------------------
 @torch.library.custom_op("kiln::qkv_rope", mutates_args=())
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

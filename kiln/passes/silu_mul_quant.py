@@ -47,6 +47,19 @@ def _per_token_quant(amax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.
     return strip_cast(x32), scale, q, [q, high, low, divided[0], amax.args[0], amax, div, x32]
 
 
+def quantization_of(node: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """The per-token quantization that is `node`'s only use (through its fp32 cast) -> (scale, q, its nodes)."""
+    x32 = next(iter(node.users), None) if single_user(node) else None
+    if not is_call(x32, prims.convert_element_type.default) or x32.args[1] != torch.float32:
+        return None
+    absolute = next((u for u in x32.users if is_call(u, aten.abs.default)), None)
+    amax = _only_user(absolute, aten.amax.default) if absolute is not None else None
+    quant = _per_token_quant(amax) if amax is not None else None
+    if quant is None or quant[0] is not node or len(x32.users) != 2:
+        return None
+    return quant[1], quant[2], quant[3]
+
+
 class SiluMulQuantPass(KilnPass):
     name = "silu_mul_quant"
 

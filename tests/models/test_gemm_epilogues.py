@@ -22,8 +22,14 @@ if DEVICE == "cpu":
     define_interpreted("kiln.models.quant.fp8_kernel", "kiln.models.gemm_epilogues")
 
 import kiln.passes.ops  # noqa: E402, F401 - registers the ops
-from kiln.models.gemm_epilogues import gate_up_silu_mul_triton, gemm_add_rms_norm_triton, qkv_rope_triton  # noqa: E402
-from kiln.models.quant.fp8_kernel import Fp8GemmConfig, bf16_gemm_triton  # noqa: E402
+from kiln.models.gemm_epilogues import (  # noqa: E402
+    fp8_gemm_add_rms_norm_quant_triton,
+    gate_up_silu_mul_triton,
+    gemm_add_rms_norm_triton,
+    qkv_rope_triton,
+)
+from kiln.models.quant.fp8 import quantize_per_token, quantize_weight  # noqa: E402
+from kiln.models.quant.fp8_kernel import Fp8GemmConfig, bf16_gemm_triton, fp8_gemm_triton  # noqa: E402
 from kiln.passes.ops import norm_rope_ref, rms_norm_ref  # noqa: E402
 from tests.models.test_fp8_kernel import sm90_ptx  # noqa: E402
 
@@ -106,6 +112,35 @@ def test_gemm_with_the_residual_add_and_norm_after_it(m: int, n: int, k: int, co
     torch.testing.assert_close(normed.double(), rms_norm_ref(want_sum, norm_weight, 1e-5).double(), **TOLERANCE)
     with pytest.raises(ValueError, match="residual"):
         gemm_add_rms_norm_triton(x, w, residual[:, :-1], norm_weight, 1e-5, config)
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 576, 256, Fp8GemmConfig(64, 128, 2, 4, 2)),  # split-K
+    (3, 100, 256, Fp8GemmConfig(32, 128, 1, 4, 2)),  # one whole-K partial; N off the tile
+])
+def test_fp8_gemm_with_the_add_norm_and_quantization_after_it(m: int, n: int, k: int, config: Fp8GemmConfig) -> None:
+    """The FP8 projection into the residual stream: h is exactly kiln's FP8 GEMM at the same config (scales applied
+    in its order, rounded to the model dtype) plus the residual; the next layer's input is quantize_per_token of the
+    model's RMSNorm of h: its scales (and, on a GPU, its e4m3 values; the interpreter's e4m3 stores are not
+    trusted) as the reference's."""
+    g = torch.Generator().manual_seed(m + n)
+    wq, ws = quantize_weight(torch.randn(n, k, generator=g) * 0.05)
+    xq, xs = quantize_per_token(torch.randn(m, k, generator=g))
+    xq, wq, xs, ws = (t.to(DEVICE) for t in (xq, wq, xs, ws))
+    residual = torch.randn(m, n, generator=g).to(DTYPE).to(DEVICE)
+    norm_weight = (1 + 0.1 * torch.randn(n, generator=g)).to(DTYPE).to(DEVICE)
+    q, scale, summed = fp8_gemm_add_rms_norm_quant_triton(xq, wq, xs, ws, residual, norm_weight, 1e-5, config)
+    want_sum = (fp8_gemm_triton(xq, wq, xs, ws, DTYPE, config).float() + residual.float()).to(DTYPE)
+    assert torch.equal(summed, want_sum)
+    want_q, want_scale = quantize_per_token(rms_norm_ref(want_sum, norm_weight, 1e-5))
+    assert q.dtype == want_q.dtype and q.shape == (m, n) and scale.shape == (m, 1)
+    torch.testing.assert_close(scale, want_scale, rtol=2 ** -7, atol=0)
+    if DEVICE == "cuda":
+        torch.testing.assert_close((q.float() * scale).double(), (want_q.float() * want_scale).double(),
+                                   rtol=2 ** -3, atol=2e-3)
+    # the op's fake (what Dynamo traces) agrees with it, on the side of M it takes here
+    torch.library.opcheck(torch.ops.kiln.fp8_gemm_add_rms_norm_quant.default,
+                          (xq, wq, xs, ws, residual, norm_weight, 1e-5), test_utils=("test_faketensor",))
 
 
 @pytest.mark.parametrize("m", [1, 16, 17])

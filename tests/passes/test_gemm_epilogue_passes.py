@@ -41,6 +41,7 @@ def mlp_head(x: torch.Tensor, w_gate_up: torch.Tensor, w_other: torch.Tensor) ->
 
 def run_pass(fn, *args: torch.Tensor, kind: type = GateUpSiluMulPass) -> tuple[torch.fx.GraphModule, int]:
     import kiln.models.dense_gemm  # noqa: F401 - registers kiln::dense_gemm
+    import kiln.models.quant.fp8_gemm  # noqa: F401 - registers kiln::fp8_gemm
 
     gm = make_fx(fn, tracing_mode="fake")(*args)
     count = kind(PassConfig(), PassEnv()).apply_post_grad(gm.graph)
@@ -88,6 +89,63 @@ def test_the_projection_takes_the_add_and_norm_after_it_and_numbers_stay() -> No
     assert code.count("kiln.gemm_add_rms_norm") == 1 and "kiln.dense_gemm" not in code and "rsqrt" not in code
     for got, want in zip(gm(*args), into_the_residual(*args)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class Fp8IntoTheResidual(torch.nn.Module):
+    """An FP8 projection (fp8_linear's CUDA form) joining the residual stream, the next norm and its quantization;
+    `twice`: the normalised row also feeds something else."""
+
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        from kiln.models.layers import RMSNorm
+        from kiln.models.quant.fp8 import quantize_weight
+
+        g = torch.Generator().manual_seed(4)
+        self.norm = RMSNorm(24, 1e-5).to(torch.bfloat16)
+        torch.nn.init.normal_(self.norm.weight, 1.0, 0.1)
+        self.wq, self.ws = quantize_weight(torch.randn(24, 32, generator=g) * 0.2)
+        self.twice = twice
+
+    def forward(self, xq: torch.Tensor, xs: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from kiln.models.quant.fp8 import quantize_per_token
+
+        y = torch.ops.kiln.fp8_gemm(xq, self.wq, xs, self.ws, torch.bfloat16)
+        normed, summed = self.norm(y, residual)
+        return (*quantize_per_token(normed), summed, *((normed.sum(),) if self.twice else ()))
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_an_fp8_projection_takes_the_add_norm_and_quantization_after_it(twice: bool) -> None:
+    """FP8 (post-grad, as Inductor normalises it): the GEMM, add, norm and per-token quantization become
+    kiln::fp8_gemm_add_rms_norm_quant, whose CPU path runs the same torch ops (the same values); a normalised row
+    with another user besides the quantization is left alone."""
+    import kiln.models.quant.fp8_gemm  # noqa: F401 - registers kiln::fp8_gemm
+    from kiln.models.quant.fp8 import quantize_per_token
+    from kiln.passes.gemm_add_rmsnorm import GemmAddRMSNormPass  # noqa: F401 - the pass the manager runs
+    from tests.passes.harness import post_grad
+
+    gm_box: dict = {}
+
+    def backend(gm, inputs):
+        gm_box["gm"], gm_box["inputs"] = gm, list(inputs)
+        return gm.forward
+
+    xq, xs = quantize_per_token(torch.randn(7, 32, generator=torch.Generator().manual_seed(5)))
+    residual = torch.randn(7, 24).bfloat16()
+    torch._dynamo.reset()
+    torch.compile(Fp8IntoTheResidual(twice), backend=backend, fullgraph=True)(xq, xs, residual)
+    torch._dynamo.reset()
+    manager = PassManager(PassConfig.from_names(["gemm_add_rmsnorm"]))
+    before, after = post_grad(gm_box["gm"], CompileKey.size(7), manager)
+    assert manager.matches["piece"].get("gemm_add_rmsnorm", 0) == (0 if twice else 1)
+    if twice:
+        return
+    code = after.code
+    assert code.count("kiln.fp8_gemm_add_rms_norm_quant") == 1 and "kiln.fp8_gemm." not in code
+    assert "amax" not in code and "rsqrt" not in code
+    with torch.inference_mode():
+        for got, want in zip(after(*gm_box["inputs"]), before(*gm_box["inputs"])):
+            assert torch.equal(got.float(), want.float())
 
 
 def test_a_sum_with_no_gemm_or_a_shared_gemm_is_left_alone() -> None:

@@ -59,16 +59,18 @@ def test_gemm_epilogue_passes_on_a_16_bit_model(tiny_checkpoint, passes: tuple[s
     assert outs["on"] == outs["off"]
 
 
-def test_gemm_add_rmsnorm_on_a_16_bit_model(tiny_checkpoint) -> None:
-    """gemm_add_rmsnorm hands the residual add and the next norm after o and down to the GEMM's second kernel. Its
-    sum of squares runs in another order than Inductor's reduction, so a normalised row may differ from the unfused
-    graph's by a bf16 rounding and greedy tokens may part at a near-tie: the logits of prompts of up to 16 tokens
-    (the small-M kernels) and of 30 (the torch.mm path) stay within bf16 noise of the unfused graph's, and every
-    norm but the first layer's matched."""
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_gemm_add_rmsnorm_on_a_gpu(tiny_checkpoint, quantization: str | None) -> None:
+    """gemm_add_rmsnorm hands the residual add and the next norm after o and down (FP8: and the next projection's
+    quantization) to the GEMM's second kernel. Its sum of squares runs in another order than Inductor's reduction,
+    so a normalised row may differ from the unfused graph's by a bf16 rounding and greedy tokens may part at a
+    near-tie: the logits of prompts of up to 16 tokens (the small-M kernels) and of 30 (the unfused path) stay within
+    bf16 noise of the unfused graph's, and the pass matched."""
     from tests.conftest import prompt_logits
 
     options = dict(level=2, device="cuda", dtype="bf16", max_num_batched_tokens=32, max_num_seqs=4,
-                   compile_sizes=(1, 4), cudagraph_capture_sizes=(1, 4), num_blocks=64)
+                   compile_sizes=(1, 4), cudagraph_capture_sizes=(1, 4), num_blocks=64,
+                   **({"quantization": quantization} if quantization else {}))
     path = str(tiny_checkpoint("tiny-llama")[0])
     prompts = random_prompts([1, 5, 16, 30], 256, seed=3)
     logits = {}
