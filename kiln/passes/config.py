@@ -57,7 +57,7 @@ class PassConfig:
     qk_norm_rope: bool = False
     qkv_rope: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
-    gemm_add_rmsnorm: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
+    gemm_add_rmsnorm: bool = False  # CUDA only: matches kiln::dense_gemm and kiln::fp8_gemm
     add_rmsnorm: bool = False
     silu_mul_quant: bool = False  # FP8 models only: matches nothing without the activation quantization
     gate_up_silu_mul: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm

@@ -4,7 +4,8 @@ Run as its own process by tests/models/test_fp8_kernel.py: Triton must be import
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
     python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1)
-    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope      the epilogue kernels (kiln/models/gemm_epilogues.py)
+    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8
+                                                 the epilogue kernels (kiln/models/gemm_epilogues.py)
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def epilogue(name: str) -> dict:
     from kiln.models import gemm_epilogues
 
     tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True}
+    if name in ("rows", "rows_fp8"):  # the add + norm row kernel after a split-K GEMM (4096 wide), FP8: quantizing
+        fp8 = name == "rows_fp8"
+        pointers = {**dict.fromkeys(("p_ptr", "xs_ptr", "ws_ptr", "scale_ptr"), "*fp32"),
+                    **dict.fromkeys(("res_ptr", "w_ptr", "sum_ptr"), "*bf16"),
+                    "out_ptr": "*fp8e4nv" if fp8 else "*bf16",
+                    **dict.fromkeys(("eps", "fp8_max", "min_scale"), "fp32")}
+        return compile_sm90(gemm_epilogues._add_rms_norm_rows_kernel, pointers,
+                            {"SPLIT_K": 4, "SCALED": fp8, "QUANT": fp8, "BLOCK": 4096}, True)
     if name == "gate_up":
         pointers = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr"), "*bf16")
         return compile_sm90(gemm_epilogues._gate_up_silu_mul_kernel, pointers, {**tile, "EVEN_N": True}, True)

@@ -195,3 +195,12 @@ def test_epilogue_kernels_compile_for_hopper_to_pipelined_wgmma(kernel: str) -> 
     assert ptx["wgmma"] and ptx["bf16"] and ptx["cp_async"], ptx
     assert ptx["shared"] >= 3 * (64 * 128 + 16 * 128) * 2, ptx  # several stages of a W and an X tile in flight
     assert ptx["gdc_wait"] and ptx["gdc_launch"] and ptx["launch_pdl"], ptx
+
+
+@pytest.mark.parametrize("kernel", ["rows", "rows_fp8"])
+def test_the_add_norm_row_kernel_compiles_for_hopper_with_pdl(kernel: str) -> None:
+    """Ahead-of-time compile for sm90 of the row kernel after the split-K GEMM (the FP8 form writing e4m3): it
+    compiles (the interpreter accepts code a GPU compile rejects) and takes part in PDL."""
+    ptx = sm90_ptx(kernel)
+    assert ptx["bf16"] and ptx["e4m3"] == (kernel == "rows_fp8"), ptx
+    assert ptx["gdc_wait"] and ptx["gdc_launch"] and ptx["launch_pdl"], ptx
