@@ -1,13 +1,15 @@
-"""Decode-sized 16-bit GEMMs that finish the element-wise step after them in their epilogue.
+"""Decode-sized GEMMs that finish the element-wise step after them.
 
 At batch 1 a decode step is a chain of kernels that each wait for the one before; after PDL (docs/cuda_graphs.md)
 SmolLM2-135M's 346 kernels a step still cost ~2 us each, so a kernel that only reshapes a GEMM's output is worth
-folding into the GEMM. Both kernels here run the small-M GEMM's K loop (kiln/models/quant/fp8_kernel.py,
+folding into the GEMM. Two 16-bit kernels here run the small-M GEMM's K loop (kiln/models/quant/fp8_kernel.py,
 `accumulate`) on a tile whose weight rows come in two halves that the epilogue pairs in registers:
 
 - `gate_up_silu_mul_triton`: BLOCK_N / 2 gate rows and the up rows N below them -> silu(gate) * up, [M, N];
 - `qkv_rope_triton`: inside one head, BLOCK_N / 2 rows of its first half and the rows HEAD_DIM / 2 below them ->
   the neox rotation of q and k by each token's cos/sin (v as it is), written as three contiguous tensors.
+
+Where the step after needs a whole row (a norm), the small-M GEMM writes fp32 sums and a kernel a row finishes:
 
 - `gemm_add_rms_norm_triton`: a projection whose output joins the residual stream (o, down) -> the GEMM's fp32
   sums (split-K partials, or one whole-K "partial"), then one program per row sums them, adds the residual and

@@ -25,8 +25,6 @@ from torch import fx
 from kiln.passes.add_rmsnorm import norms_of_sums, replace_norm_of_sum
 from kiln.passes.base import KilnPass, is_call
 
-aten = torch.ops.aten
-
 
 def _all_reduce_source(node: object) -> tuple[fx.Node, str, list[fx.Node]] | None:
     """(the all-reduced input, group name, the all-reduce's nodes) when `node` is an all-reduce's result

@@ -1,4 +1,4 @@
-"""The residual add and the next RMSNorm behind a projection's GEMM (kiln::gemm_add_rms_norm): 16-bit weights, CUDA.
+"""The residual add and the next RMSNorm behind a projection's GEMM (kiln::gemm_add_rms_norm), on CUDA.
 
 Twice a layer a projection (o, down) joins the residual stream and the next norm reads it: at decode sizes that is
 the GEMM, its split-K reduce, and Inductor's add + norm kernel, three kernels of which the last two only wait. The

@@ -196,7 +196,7 @@ def _gate_up_silu_mul_fake(x, weight):
     return x.new_empty((x.shape[0], weight.shape[0] // 2))
 
 
-# -- a projection into the residual stream, the add and the next norm (16-bit weights) ---------------------------
+# -- a projection into the residual stream, the add and the next norm (16-bit; FP8 with the next quantization) ----
 @torch.library.custom_op("kiln::gemm_add_rms_norm", mutates_args=())
 def gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
