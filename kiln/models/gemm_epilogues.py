@@ -33,10 +33,11 @@ import triton.language as tl
 from kiln.models.pdl import pdl_launch, pdl_start
 from kiln.models.quant.fp8_kernel import (
     Fp8GemmConfig,
-    _fp8_gemm_kernel,
     accumulate,
     block_m_for,
     check_operands,
+    flat_scales,
+    launch_gemm,
     num_sms,
     pick_config,
     split_k,
@@ -223,17 +224,13 @@ def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torc
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device) if quant else None
     if m == 0:
         return out, scale, summed
-    split, k_steps, even_k = split_k(k, config, config.split_k)
+    steps = split_k(k, config, config.split_k)
+    split = steps[0]
     partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    xs, ws = (scales[0].reshape(-1).float().contiguous(), scales[1].reshape(-1).float().contiguous()) if scales \
-        else (partials, partials)  # unread without scales
-    block_m = block_m_for(m)
+    scales = flat_scales(*scales) if scales is not None else None
     pdl = pdl_launch(x.device)
-    _fp8_gemm_kernel[(triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))](
-        x, weight, xs, ws, partials, m, n, k, k_steps, x.stride(0), weight.stride(0), n, m * n,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=True, EVEN_K=even_k,
-        EVEN_N=n % config.block_n == 0, SCALED=scales is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl)
+    launch_gemm(x, weight, scales, partials, config, steps, pdl)  # fp32 sums, even with one split
+    xs, ws = scales if scales is not None else (partials, partials)  # unread without scales
     block = triton.next_power_of_2(n)
     _add_rms_norm_rows_kernel[(m,)](partials, xs, ws, residual, norm_weight, out, scale if quant else partials, summed,
                                     n, m * n, residual.stride(0), eps, FP8_MAX, MIN_SCALE, SPLIT_K=split,

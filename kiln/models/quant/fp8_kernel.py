@@ -234,9 +234,12 @@ def _split_k_reduce_kernel(p_ptr, xs_ptr, ws_ptr, out_ptr, M, N, SPLIT_K: tl.con
 def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
                     out_dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """q [M, K] e4m3, weight [N, K] e4m3, x_scale [M, 1] (or [M]) fp32, weight_scale [N] fp32 -> [M, N]."""
-    x_scale = x_scale.reshape(-1).float().contiguous()
-    weight_scale = weight_scale.reshape(-1).float().contiguous()
-    return _small_m_gemm(q, weight, x_scale, weight_scale, out_dtype, config)
+    return _small_m_gemm(q, weight, *flat_scales(x_scale, weight_scale), out_dtype, config)
+
+
+def flat_scales(x_scale: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token and per-channel scales as the kernels read them: flat, contiguous fp32."""
+    return x_scale.reshape(-1).float().contiguous(), weight_scale.reshape(-1).float().contiguous()
 
 
 def bf16_gemm_triton(x: torch.Tensor, weight: torch.Tensor, config: Fp8GemmConfig | None = None) -> torch.Tensor:
@@ -261,6 +264,24 @@ def split_k(k: int, config: Fp8GemmConfig, splits: int) -> tuple[int, int, bool]
     return triton.cdiv(k, k_steps * config.block_k), k_steps, k % (k_steps * config.block_k) == 0
 
 
+def launch_gemm(q: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+                target: torch.Tensor, config: Fp8GemmConfig, steps: tuple[int, int, bool],
+                pdl: dict[str, bool]) -> None:
+    """One launch of the small-M kernel into `target`: out [M, N] in its dtype (scales applied), or fp32 partials
+    [splits, M, N] for a kernel after it to sum. `scales`: flat_scales' pair, None for 16-bit operands; `steps`:
+    split_k's for the config."""
+    m, k = q.shape
+    n = weight.shape[0]
+    split, k_steps, even_k = steps
+    block_m = block_m_for(m)
+    xs, ws = scales if scales is not None else (target, target)  # unread without scales
+    _fp8_gemm_kernel[(triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))](
+        q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=target.dim() == 3, EVEN_K=even_k,
+        EVEN_N=n % config.block_n == 0, SCALED=scales is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl)
+
+
 def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
                   weight_scale: torch.Tensor | None, out_dtype: torch.dtype,
                   config: Fp8GemmConfig | None) -> torch.Tensor:
@@ -268,23 +289,19 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     m, k = q.shape
     n = weight.shape[0]
     config = config or pick_config(m, n, k, num_sms(q.device), q.element_size())
-    scaled = x_scale is not None
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return out
-    block_m = block_m_for(m)
-    split, k_steps, even_k = split_k(k, config, config.split_k)
-    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
+    steps = split_k(k, config, config.split_k)
+    split = steps[0]
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
-    xs, ws = (x_scale, weight_scale) if scaled else (out, out)  # unread without scales
+    scales = (x_scale, weight_scale) if x_scale is not None and weight_scale is not None else None
     pdl = pdl_launch(q.device)
-    _fp8_gemm_kernel[grid](q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n,
-                           BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split > 1,
-                           EVEN_K=even_k, EVEN_N=n % config.block_n == 0, SCALED=scaled,
-                           num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
+    launch_gemm(q, weight, scales, target, config, steps, pdl)
     if split > 1:
         block = 1024
+        xs, ws = scales if scales is not None else (out, out)  # unread without scales
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
-                                                             SPLIT_K=split, BLOCK=block, SCALED=scaled, num_warps=4,
-                                                             **pdl)
+                                                             SPLIT_K=split, BLOCK=block, SCALED=scales is not None,
+                                                             num_warps=4, **pdl)
     return out
