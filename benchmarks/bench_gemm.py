@@ -197,27 +197,28 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def suggested_tuned(best: list[dict]) -> str:
-    """The sweep's winners as `TUNED` and `TUNED_16BIT` literals for kiln/models/quant/fp8_kernel.py. The 16-bit
-    table holds one config for every M <= 16 of a shape (greedy tokens must not depend on M there): M = 1's winner."""
-
-    def line(r: dict, c: dict, max_m: int) -> str:
-        return (f"    ({r['N']}, {r['K']}, {max_m}): Fp8GemmConfig({c['block_n']}, {c['block_k']}, {c['split_k']}, "
-                f"{c['num_warps']}, {c['num_stages']}),")
-
-    rows = sorted(best, key=lambda r: (r["N"], r["K"], r["M"]))
-    fp8 = [line(r, r["best_config"], r["M"]) for r in rows if r["best_config"]]
-    bf16 = [line(r, r["bf16_triton_best_config"], 16) for r in rows if r["bf16_triton_best_config"] and r["M"] == 1]
-    return ("TUNED = {\n" + "\n".join(fp8) + "\n}\nTUNED_16BIT = {\n" + "\n".join(bf16) + "\n}")
-
-
 def table_entries(best: list[dict]) -> dict[str, list[dict]]:
     """The sweep's winners as KILN_GEMM_CONFIGS entries (kiln/models/quant/fp8_kernel.py, `swept_tables`): FP8 per
-    swept M; 16-bit M = 1's winner for every M <= 16, as in suggested_tuned."""
+    swept M; 16-bit M = 1's winner for every M <= 16 (greedy tokens must not depend on M there)."""
     fp8 = [dict(N=r["N"], K=r["K"], max_m=r["M"], config=r["best_config"]) for r in best if r["best_config"]]
     bf16 = [dict(N=r["N"], K=r["K"], max_m=16, config=r["bf16_triton_best_config"])
             for r in best if r["bf16_triton_best_config"] and r["M"] == 1]
     return {"fp8": fp8, "16bit": bf16}
+
+
+def suggested_tuned(best: list[dict]) -> str:
+    """The sweep's winners (table_entries) as `TUNED` and `TUNED_16BIT` literals for kiln/models/quant/fp8_kernel.py."""
+
+    def lines(entries: list[dict]) -> str:
+        rows = []
+        for e in sorted(entries, key=lambda e: (e["N"], e["K"], e["max_m"])):
+            c = e["config"]
+            rows.append(f"    ({e['N']}, {e['K']}, {e['max_m']}): Fp8GemmConfig({c['block_n']}, {c['block_k']}, "
+                        f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}),")
+        return "\n".join(rows)
+
+    entries = table_entries(best)
+    return "TUNED = {\n" + lines(entries["fp8"]) + "\n}\nTUNED_16BIT = {\n" + lines(entries["16bit"]) + "\n}"
 
 
 def write_table(path: str, entries: dict[str, list[dict]]) -> None:
