@@ -276,7 +276,12 @@ class CompilationConfig:
         enable_passes = level >= 1 and (self.enable_passes if self.enable_passes is not None else level >= 2)
         # an end point at or above the budget would make an empty range; a post-grad pass bounded to N tokens
         # ("name<=N") applies only to compile ranges within N, so N cuts a range of its own (decode sizes, say)
-        bounds = pass_bounds(self.passes, level) if enable_passes else ()
+        passes = self.passes
+        if enable_passes and passes is None:  # the level's, for this device (CUDA-only passes off a GPU)
+            from kiln.passes.config import level_defaults  # a leaf module (no torch)
+
+            passes = level_defaults(level, on_gpu)
+        bounds = pass_bounds(passes) if enable_passes else ()
         ranges = tuple(sorted({int(p) for p in (*self.compile_ranges, *bounds) if int(p) < max_num_batched_tokens}))
         options = dict(self.inductor_options)
         if on_gpu and level >= 2:
@@ -294,6 +299,7 @@ class CompilationConfig:
             cudagraph_piecewise_sizes=piecewise,
             # -O0 compiles nothing, so passes and autotuning cannot apply whatever was asked for
             enable_passes=enable_passes,
+            passes=passes,
             max_autotune=level >= 1 and (self.max_autotune if self.max_autotune is not None else level >= 3),
         )
 
@@ -308,12 +314,11 @@ class CompilationConfig:
 GPU_INDUCTOR_OPTIONS = (("combo_kernels", True),)
 
 
-def pass_bounds(passes: tuple[str, ...] | None, level: int) -> tuple[int, ...]:
-    """The token bounds of the passes a config runs (its list, else the level's defaults, KILN_PASSES included)."""
-    from kiln.passes.config import PassConfig, level_defaults  # a leaf module (no torch)
+def pass_bounds(passes: tuple[str, ...]) -> tuple[int, ...]:
+    """The token bounds of the passes a config runs."""
+    from kiln.passes.config import PassConfig  # a leaf module (no torch)
 
-    names = passes if passes is not None else level_defaults(level)
-    return tuple(bound for _, bound in PassConfig.from_names(tuple(names)).max_tokens)
+    return tuple(bound for _, bound in PassConfig.from_names(tuple(passes)).max_tokens)
 
 
 def default_piecewise_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:

@@ -24,30 +24,41 @@ ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "a
 # Passes that rewrite only the captured graph, which serves every token count: a token bound cannot gate them.
 GRAPH_ONLY_PASSES: tuple[str, ...] = ("rope_kv", "qk_norm_rope", "qkv_rope")
 
+# Passes whose ops run on CUDA only (kiln's Triton GEMM epilogues): on a CPU they match nothing, and a token bound
+# of theirs would only cut the compile range, so the level defaults leave them out there.
+CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul")
+
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
 # residual add and norm at decode sizes (kiln/models/p2p_norm.py); 2x H200, benchmarks/bench_tp.py off vs
 # on: Llama-3-70B TP=2 20.5 -> 20.4 ms at batch 1, 24.14 -> 24.06 at batch 64. Its earlier form (torch's
-# all-reduce, then a Triton add + norm) gained nothing. silu_mul_quant (FP8 models, 8B on the H200): decode
-# 1.00x at batch 1 and 64, prefill 0.92x.
+# all-reduce, then a Triton add + norm) gained nothing. gemm_add_rmsnorm and gate_up_silu_mul at decode sizes
+# (<= 16 tokens: the range above keeps Inductor's kernels, which prefill needs): one H200, 2026-12-04, decode at
+# batch 1 / 8 / 64, SmolLM2-135M 0.680 / 0.703 / 1.096 -> 0.638 / 0.652 / 1.093 ms, Llama-3-8B 4.26 / 4.38 / 5.56
+# -> 4.21 / 4.30 / 5.57, FP8 8B 3.02 / 3.09 -> 2.99 / 3.06 (gemm_add_rmsnorm), prefill of 1024 tokens equal.
+# silu_mul_quant (FP8 models, 8B on the H200): decode 1.00x at batch 1 and 64, prefill 0.92x.
 # On the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
 # as it was, noop changes nothing; on CPU rope_kv and noop are slower. rope_kv's GPU measurement needs
 # the flashinfer backend (`bench_passes --backend flashinfer`, and `--kernels` for the kernel alone).
+_DECODE_EPILOGUES = ("gemm_add_rmsnorm<=16", "gate_up_silu_mul<=16")
 LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
     0: (),
     1: (),
-    2: ("allreduce_rmsnorm",),
-    3: ("allreduce_rmsnorm",),
+    2: ("allreduce_rmsnorm", *_DECODE_EPILOGUES),
+    3: ("allreduce_rmsnorm", *_DECODE_EPILOGUES),
 }
 
 
-def level_defaults(level: int) -> tuple[str, ...]:
+def level_defaults(level: int, on_gpu: bool = True) -> tuple[str, ...]:
     """The level's default passes, or those KILN_PASSES names (separated by "," or "+"; empty: none): an A/B of a
-    pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key."""
+    pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key.
+    Off a GPU, without the CUDA-only ones."""
     names = os.environ.get("KILN_PASSES")
     if names is None:
-        return LEVEL_DEFAULTS.get(level, ())
-    return tuple(n.strip() for n in re.split(r"[,+]", names) if n.strip())
+        chosen = LEVEL_DEFAULTS.get(level, ())
+    else:
+        chosen = tuple(n.strip() for n in re.split(r"[,+]", names) if n.strip())
+    return chosen if on_gpu else tuple(n for n in chosen if n.partition("<=")[0].strip() not in CUDA_ONLY_PASSES)
 
 
 @dataclass(frozen=True)

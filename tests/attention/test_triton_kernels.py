@@ -169,3 +169,18 @@ def test_page_indices() -> None:
     expected = torch.cat([common.block_tables[i, : -(-int(s) // 16)] for i, s in enumerate(common.seq_lens_cpu)])
     assert torch.equal(out[: len(expected)], expected)
     assert (out[len(expected):] == -1).all()
+
+
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_a_decode_reads_its_first_tile_before_the_pdl_wait(query_len: int) -> None:
+    """Ahead-of-time compile for sm90: a decode issues its first tile's block-table and K/V loads before waiting
+    for the kernel before it (its context was written by earlier steps), while a verify (several new tokens,
+    written to the cache by the kernel before) waits before any load."""
+    from tests.models.test_fp8_kernel import sm90_ptx
+
+    ptx = sm90_ptx("decode_attention", str(query_len))
+    assert ptx["gdc_wait"] and ptx["gdc_launch"] and ptx["launch_pdl"], ptx
+    if query_len == 1:
+        assert ptx["global_loads_before_wait"] > 0, ptx
+    else:
+        assert ptx["global_loads_before_wait"] == 0, ptx

@@ -62,17 +62,21 @@ def test_gpu_level_defaults() -> None:
 
 # Issue 14: -O2 compiled all 51 capture sizes exactly (3 pieces x 52 = 156 Inductor compiles, 170 s cold on an
 # 8B model); issue 14 kept 4 small decode sizes, compiled after ready, and issue 27 measured those no faster in
-# one process (benchmarks/bench_exact_sizes.py): -O2 on a GPU compiles the range alone.
+# one process (benchmarks/bench_exact_sizes.py): -O2 on a GPU compiles ranges alone, the decode sizes (<= 16
+# tokens, where its default GEMM-epilogue passes apply) apart from the rest; a CPU compiles one range.
 @pytest.mark.parametrize("budget", [64, 512, 2048, 8192])
-def test_o2_gpu_plan_compiles_the_range_alone(budget: int) -> None:
+def test_o2_gpu_plan_compiles_the_ranges_alone(budget: int) -> None:
     from kiln.compiler import build_dispatcher
 
+    ranges = [(1, 16), (17, budget)]
     c = resolve(GPU, budget=budget, level=2)
     assert c.compile_sizes == () and c.background_compile_sizes == () and len(c.cudagraph_capture_sizes) > 1
-    assert len(build_dispatcher(c, budget).keys) == 1  # one artifact per distinct piece
+    assert [(k.lo, k.hi) for k in build_dispatcher(c, budget).keys] == ranges  # artifacts per distinct piece
     # tensor parallelism (no background swap) compiles the same
     tp = CompilationConfig(level=2).resolve(GPU, budget, background_supported=False)
-    assert tp.compile_sizes == () and len(build_dispatcher(tp, budget).keys) == 1
+    assert tp.compile_sizes == () and [(k.lo, k.hi) for k in build_dispatcher(tp, budget).keys] == ranges
+    cpu = resolve(budget=budget, level=2)
+    assert cpu.compile_ranges == () and "gemm_add_rmsnorm<=16" not in cpu.passes
 
 
 def test_background_sizes_may_be_captured_sizes() -> None:

@@ -226,7 +226,7 @@ def test_kiln_passes_replaces_the_levels_defaults_for_an_ab(monkeypatch: pytest.
     from kiln.passes.config import LEVEL_DEFAULTS
 
     level_two = SimpleNamespace(enable_passes=True, passes=None, level=2)
-    assert PassConfig.from_compilation(level_two).enabled == LEVEL_DEFAULTS[2]
+    assert PassConfig.from_compilation(level_two) == PassConfig.from_names(LEVEL_DEFAULTS[2])
     monkeypatch.setenv("KILN_PASSES", "qkv_rope+gate_up_silu_mul")
     assert PassConfig.from_compilation(level_two).enabled == ("qkv_rope", "gate_up_silu_mul")
     assert PassConfig.from_compilation(SimpleNamespace(enable_passes=True, passes=("noop",), level=2)).enabled == \
