@@ -189,7 +189,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
                             IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1,
-                            PDL: tl.constexpr = False):
+                            PREWAIT: tl.constexpr = False, PDL: tl.constexpr = False):
     """QLEN new tokens per request (1: decode; more: a speculative verify); program (request, kv_head x QLEN
     + token, split).
 
@@ -201,8 +201,8 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     splits: the rest find no keys and their partials (o = 0, lse = -inf) weigh 0 in the merge.
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
-    With PDL a decode reads its split's first tile (and the block table and seq_len before it) ahead of its
-    wait: only q and the new key/value come from the kernels just before it.
+    PREWAIT (with PDL): a decode reads its split's first tile (and the block table and seq_len before it) ahead
+    of its wait: only q and the new key/value come from the kernels just before it.
 
     QLEN > 1: the caller has written the QLEN new keys/values to the cache (k, v and slot are unused), and
     token t of a request, seeing the keys up to its position seq_len - QLEN + t, gets programs of its own: the
@@ -213,7 +213,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     per split (every NUM_SPLITS x BLOCK_N keys). Packing several tokens into a program's rows read the context
     fewer times but changed a row's rounding with its place in the tile.
     """
-    if QLEN > 1:  # the new keys reach the cache through the kernel before this one
+    if QLEN > 1 or not PREWAIT:  # a verify's new keys reach the cache through the kernel before this one
         pdl_start(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // QLEN
@@ -230,15 +230,16 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     kv_base = kv_head * stride_ch
-    # The split's first tile is read before the wait for the kernel before (a decode's context was written by
-    # earlier steps, and seq_lens and block tables before the forward): its DRAM round trips overlap that
-    # kernel instead of following it. Zeros past `end`; an empty split's tile is all masked and weighs 0.
+    # The split's first tile, with PREWAIT read before the wait for the kernel before (a decode's context was
+    # written by earlier steps, seq_lens and block tables before the forward): its DRAM round trips then overlap
+    # that kernel instead of following it. Zeros past `end`; an empty split's tile is all masked and weighs 0.
     tok, n_mask = _tile_rows(bt_row, kv_base, start, end, stride_cb, stride_cs, PAGE, BLOCK_N)
     k_tile = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     v_tile = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
                      other=0.0)
     if QLEN == 1:
-        pdl_start(PDL)
+        if PREWAIT:
+            pdl_start(PDL)
         k_new = tl.load(k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh + d, mask=d_mask, other=0.0)
         v_new = tl.load(v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + d, mask=d_mask, other=0.0)
         if KV_FP8:  # to e4m3: the values the cache holds, in units of the scales

@@ -10,8 +10,8 @@ completed and its writes are visible. Inductor emits the same pair in the kernel
 The rule every kernel here keeps: `gdc_wait` comes before its first access to memory the kernel just before it may
 have written (or may still be reading), in every program, and before its `gdc_launch_dependents`. So a kernel's
 completion implies its predecessors', and once a kernel's programs run, every kernel but the one just before it
-has completed: what they wrote may be read before the wait (Inductor's kernels do the same; kiln's decode
-attention reads its context so, kiln/attention/triton_kernels.py). Kernels
+has completed: what they wrote may be read before the wait (Inductor's kernels do the same, and kiln's decode
+attention can read its context so: KILN_DECODE_PREWAIT, kiln/attention/triton_kernels.py). Kernels
 that do not take part (cuBLAS, copies) launch plainly and wait for their predecessor in full, as before.
 `KILN_PDL=0` (kiln.config.PDL) launches everything plainly.
 

@@ -6,7 +6,7 @@ may have imported it under the interpreter.
     python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1)
     python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py)
-    python -m tests.models.fp8_kernel_sm90 decode_attention QLEN
+    python -m tests.models.fp8_kernel_sm90 decode_attention QLEN PREWAIT(0|1)
                                                  the Triton decode attention (kiln/attention/triton_kernels.py)
 """
 
@@ -71,7 +71,7 @@ def epilogue(name: str) -> dict:
                         {**tile, "NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128}, True)
 
 
-def decode_attention(qlen: int) -> dict:
+def decode_attention(qlen: int, prewait: bool) -> dict:
     """The decode kernel at Llama-3-8B's heads (GROUP 4, head_dim 128), 32 splits, a bf16 cache, with PDL."""
     from kiln.attention.triton_kernels import decode_attention_kernel
 
@@ -80,12 +80,13 @@ def decode_attention(qlen: int) -> dict:
                 "slot_ptr": "*i64", **dict.fromkeys(("qk_scale", "k_scale", "v_scale"), "fp32")}
     return compile_sm90(decode_attention_kernel, pointers,
                         {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE": 16,
-                         "NUM_SPLITS": 32, "MIN_TILES": 1, "IEEE": False, "KV_FP8": False, "QLEN": qlen}, True)
+                         "NUM_SPLITS": 32, "MIN_TILES": 1, "IEEE": False, "KV_FP8": False, "QLEN": qlen,
+                         "PREWAIT": prewait}, True)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "decode_attention":
-        print(json.dumps(decode_attention(int(sys.argv[2]))))
+        print(json.dumps(decode_attention(int(sys.argv[2]), bool(int(sys.argv[3])))))
     elif sys.argv[1].isdigit():
         print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])))))
     else:
