@@ -15,7 +15,7 @@ from tests.conftest import define_interpreted  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     define_interpreted("kiln.models.fused_moe.align_triton", "kiln.models.fused_moe.kernels",
-                       "kiln.models.fused_moe.routing_triton")
+                       "kiln.models.fused_moe.routing_triton", "kiln.models.quant.fp8_kernel")
 
 from kiln.models.fused_moe.align import align_by_expert, max_padded_pairs  # noqa: E402
 from kiln.models.fused_moe.align_triton import align_by_expert_triton  # noqa: E402
@@ -23,7 +23,7 @@ from kiln.models.fused_moe.configs import MoeKernelConfig, heuristic, pick_confi
 from kiln.models.fused_moe.kernels import fused_moe_triton  # noqa: E402
 from kiln.models.fused_moe.reference import fused_moe_reference  # noqa: E402
 from kiln.models.fused_moe.routing import moe_topk_reference  # noqa: E402
-from kiln.models.fused_moe.routing_triton import moe_topk_triton  # noqa: E402
+from kiln.models.fused_moe.routing_triton import moe_route_triton, moe_topk_triton  # noqa: E402
 from kiln.models.quant.fp8 import quantize_weight  # noqa: E402
 
 
@@ -157,6 +157,23 @@ def test_routing_kernel_matches_torch(tokens: int, experts: int, top_k: int, ren
     got = moe_topk_triton(logits.to(DEVICE), top_k, renormalize)
     assert got[1].dtype == torch.int32 and got[0].dtype == torch.float32
     same_routing(got, moe_topk_reference(logits, top_k, renormalize))
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden", [(1, 128, 8, 2048), (5, 8, 2, 96), (16, 60, 4, 1024)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_from_the_gemms_sums_is_routing_its_output(tokens: int, experts: int, top_k: int, hidden: int,
+                                                           renormalize: bool) -> None:
+    """At decode sizes the top-k kernel adds the router GEMM's split-K partials itself: the same experts and the
+    same weights, bit for bit, as the small-M GEMM's output through the plain top-k kernel (split K or not)."""
+    from kiln.models.quant.fp8_kernel import bf16_gemm_triton
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter mis-loads bf16
+    g = torch.Generator().manual_seed(tokens * experts)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    weight = (torch.randn(experts, hidden, generator=g) * 0.1).to(dtype).to(DEVICE)
+    got = moe_route_triton(x, weight, top_k, renormalize)
+    want = moe_topk_triton(bf16_gemm_triton(x, weight), top_k, renormalize)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
 def same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:

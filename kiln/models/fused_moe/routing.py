@@ -4,7 +4,8 @@ In plain torch the router after its GEMM is a cast of the logits to fp32, `torch
 cannot fuse) and a softmax over the k winners: three kernels a layer, each a few microseconds inside a CUDA
 graph whatever the batch, 48 times a Qwen3-30B-A3B decode step. On CUDA the GEMM's output goes to one Triton
 program per token, which picks the top k of the E logits with k passes of max-and-mask in registers and computes
-their weights (routing_triton.py); elsewhere the torch formula, also the tests' oracle.
+their weights (routing_triton.py; at decode sizes it takes the GEMM's split-K partials and adds them itself, in
+place of the GEMM's reduce kernel); elsewhere the torch formula, also the tests' oracle.
 
 `renormalize` (Qwen3's norm_topk_prob, always for Mixtral): the weights are the softmax of the k winning logits,
 which equals the full softmax renormalised over them. Otherwise they are the full softmax's values at the
@@ -42,12 +43,13 @@ def moe_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> t
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], the router's weight [E, H] -> (weights fp32 [T, K], expert ids int32 [T, K])."""
-    logits = router_logits(x, gate_weight)
     if x.is_cuda:
-        from kiln.models.fused_moe.routing_triton import moe_topk_triton
+        from kiln.models.fused_moe.routing_triton import moe_route_triton, moe_topk_triton
 
-        return moe_topk_triton(logits, top_k, renormalize)
-    return moe_topk_reference(logits, top_k, renormalize)
+        if dense_gemm.applies(x, None) and x.shape[0] <= dense_gemm.TRITON_MAX_M:  # the small-M kernel's sums
+            return moe_route_triton(x, gate_weight, top_k, renormalize)
+        return moe_topk_triton(router_logits(x, gate_weight), top_k, renormalize)
+    return moe_topk_reference(router_logits(x, gate_weight), top_k, renormalize)
 
 
 @moe_route.register_fake
