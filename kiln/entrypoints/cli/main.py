@@ -73,7 +73,8 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, model_positional: bool 
     parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
                         help="processes for Inductor compiles (default: half the cores, at most 16; 1: serial)")
     parser.add_argument("--passes", nargs="*", default=None, metavar="PASS",
-                        help=f"kiln fusion passes to enable ({', '.join(ALL_PASSES)}); none given: all off")
+                        help=f"kiln fusion passes to enable ({', '.join(ALL_PASSES)}; NAME<=N: up to N tokens); "
+                             "omitted: the level's defaults; given with no name: none")
     parser.add_argument("--compile-dump", default=None, metavar="DIR",
                         help="write Dynamo/depyf, split-graph and Inductor output code here")
     parser.add_argument("--quantization", default=None, choices=["fp8"],
