@@ -53,7 +53,7 @@ set_passes() {  # compiler passes off vs on, decode and the prefill of a 1024-to
   local preset
   for preset in ${PASSES_PRESETS:-smollm2-135m llama3-8b}; do
     step "passes_$preset" 240 python3 -m benchmarks.bench_passes --preset "$preset" \
-      --configs ${PASSES_CONFIGS:-off gate_up_silu_mul<=16+gemm_add_rmsnorm<=16} --batches 1 8 64 --prefill 1024 \
+      --configs ${PASSES_CONFIGS:-off default} --batches 1 8 64 --prefill 1024 \
       --json "$R/passes_${preset//[^A-Za-z0-9_]/_}.json"
   done
 }
