@@ -11,9 +11,14 @@
 # the GPUs the caller makes visible; `tp` needs two. These are the commands docs/BENCHMARKS.md cites. The
 # sourced gpu_call.sh sets the multicast-off variables and installs the wheels carried in .whl/.
 set -u
-set_decode() {  # Llama-3-8B and SmolLM2-135M decode at default settings, floors and transformers beside
+set_decode() {  # Llama-3-8B and SmolLM2-135M decode at default settings, floors and transformers beside, then the
+  # gpt-fast-style anchor (a plain Llama-3-8B compiled whole) at batch 1 and 8
   step decode 360 python3 -m benchmarks.bench_gpu decode --defaults --backend triton --models llama3-8b smollm2-135m \
     --async-scheduling on --hf --json "$R/decode.json"
+  set_anchor
+}
+set_anchor() {  # the gpt-fast-style anchor alone
+  step anchor 200 python3 -m benchmarks.bench_anchor --preset llama3-8b --batches 1 8 --json "$R/anchor.json"
 }
 set_offline() {  # 256 requests, lengths U(100, 1024), default settings; transformers on the first 64
   step offline 420 python3 -m benchmarks.bench_gpu throughput --defaults --backend triton --repeats 2 --hf \
