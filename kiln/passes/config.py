@@ -22,7 +22,7 @@ ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "a
                                "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "silu_mul")
 
 # Passes that rewrite only the captured graph, which serves every token count: a token bound cannot gate them.
-GRAPH_ONLY_PASSES: tuple[str, ...] = ("rope_kv", "qk_norm_rope", "qkv_rope")
+GRAPH_ONLY_PASSES: tuple[str, ...] = ("rope_kv", "qk_norm_rope")
 
 # Passes whose ops run on CUDA only (kiln's Triton GEMM epilogues): on a CPU they match nothing, and a token bound
 # of theirs would only cut the compile range, so the level defaults leave them out there.
@@ -66,7 +66,7 @@ class PassConfig:
     noop: bool = False
     rope_kv: bool = False
     qk_norm_rope: bool = False
-    qkv_rope: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
+    qkv_rope: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm (post-grad since 2026-12-04)
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
     gemm_add_rmsnorm: bool = False  # CUDA only: matches kiln::dense_gemm and kiln::fp8_gemm
     add_rmsnorm: bool = False

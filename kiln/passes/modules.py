@@ -1,10 +1,10 @@
-"""Find calls of kiln's model modules (RotaryEmbedding, RMSNorm) in a Dynamo-captured graph.
+"""Find calls of kiln's model modules (RotaryEmbedding, RMSNorm) in a Dynamo-captured or a post-grad graph.
 
-Dynamo records, per node, the stack of modules it was traced in (`nn_module_stack`). Matching a module
-call by that record, rather than by the exact torch-level ops inside it, keeps graph-level passes immune
-to how Dynamo happens to spell the arithmetic (methods vs functions, dtype casts) across torch versions;
-the fused op then computes exactly what the module computes (kiln/passes/ops.py), and the tests check
-the numbers.
+Dynamo records, per node, the stack of modules it was traced in (`nn_module_stack`), and AOTAutograd carries the
+record to the ATen nodes of the post-grad graph. Matching a module call by that record, rather than by the exact
+torch-level ops inside it, keeps passes immune to how the arithmetic is spelled (methods vs functions, dtype
+casts, decompositions) across torch versions; the fused op then computes exactly what the module computes
+(kiln/passes/ops.py), and the tests check the numbers.
 """
 
 from __future__ import annotations
@@ -102,14 +102,30 @@ class RopeCall:
         return [n for c in (self.call, *self.norms) for n in c.nodes]
 
 
+def _cache_rows(call: ModuleCall) -> tuple[object, object] | None:
+    """(cos_sin_cache, positions) of the call's one row lookup: `index_select(cache, 0, positions)` as Dynamo
+    records it, `aten.index(cache, [positions])` (or aten.index_select) in a post-grad graph."""
+    lookups = call.find("index_select", torch.index_select) + [
+        n for n in call.nodes if n.op == "call_function"
+        and n.target in (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default)]
+    if len(lookups) != 1:
+        return None
+    args = lookups[0].args
+    if len(args) == 3 and args[1] == 0:
+        return args[0], args[2]
+    if len(args) == 2 and isinstance(args[1], (list, tuple)) and len(args[1]) == 1:
+        return args[0], args[1][0]
+    return None
+
+
 def match_rope(q_rot: fx.Node, k_rot: fx.Node, with_norms: bool) -> RopeCall | None:
     call = module_call(q_rot, ROTARY)
     if call is None or set(call.outputs) != {q_rot, k_rot} or k_rot not in call.nodes:
         return None
-    selects = call.find("index_select", torch.index_select)
-    if len(selects) != 1 or len(selects[0].args) != 3 or selects[0].args[1] != 0:
+    rows = _cache_rows(call)
+    if rows is None:
         return None
-    cache, positions = selects[0].args[0], selects[0].args[2]
+    cache, positions = rows
     q_src = call.sources(q_rot) - {cache, positions}
     k_src = call.sources(k_rot) - {cache, positions}
     if len(q_src) != 1 or len(k_src) != 1 or q_src == k_src:

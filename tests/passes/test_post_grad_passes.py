@@ -136,8 +136,8 @@ def test_a_bounded_pass_gets_a_compile_range_of_its_own(monkeypatch) -> None:
     assert off.resolve(cpu, 8192).compile_ranges == ()
     monkeypatch.setenv("KILN_PASSES", "silu_mul<=64")
     assert CompilationConfig(level=2, compile_ranges=(256,)).resolve(cpu, 8192).compile_ranges == (64, 256)
-    with pytest.raises(ValueError, match="qkv_rope rewrites the captured graph"):
-        PassConfig.from_names(["qkv_rope<=16"])
+    with pytest.raises(ValueError, match="rope_kv rewrites the captured graph"):
+        PassConfig.from_names(["rope_kv<=16"])
 
 
 def test_each_pass_dumps_its_graph_before_and_after(captured, tmp_path: Path) -> None:

@@ -22,14 +22,14 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = random_prompts([1, 6, 21, 40, 3], 256, seed=5)  # budget 32: chunked prefills mixed with decodes
 OPTIONS = dict(level=2, device="cpu", dtype="fp32", max_num_batched_tokens=32, max_num_seqs=4, num_blocks=64,
                compile_sizes=())
-# qk norms go into rope_kv, and so do the rotations qkv_rope would take (on a GPU, from kiln::dense_gemm)
-GRAPH_COUNTS = {"noop": NUM_LAYERS, "rope_kv": NUM_LAYERS, "qk_norm_rope": 0, "qkv_rope": 0}
+# qk norms go into rope_kv, and so do the rotations qkv_rope (post-grad, on a GPU's kiln::dense_gemm) would take
+GRAPH_COUNTS = {"noop": NUM_LAYERS, "rope_kv": NUM_LAYERS, "qk_norm_rope": 0}
 # one rank: the model has no all-reduce, so allreduce_rmsnorm has nothing to match (its TP=2 counts are in
 # tests/passes/test_allreduce_rmsnorm.py)
 # no FP8 quantization in these models, and no kiln::dense_gemm on the CPU: silu_mul_quant, gate_up_silu_mul and
 # gemm_add_rmsnorm have nothing to match
 PIECE_COUNTS = {"add_rmsnorm": 2 * NUM_LAYERS + 1, "silu_mul": NUM_LAYERS, "noop": 0, "allreduce_rmsnorm": 0,
-                "silu_mul_quant": 0, "gate_up_silu_mul": 0, "gemm_add_rmsnorm": 0}
+                "silu_mul_quant": 0, "gate_up_silu_mul": 0, "gemm_add_rmsnorm": 0, "qkv_rope": 0}
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,7 @@ def test_each_pass_alone_on_qwen3(runtime, name: str) -> None:
     assert greedy(on) == greedy(off)
     manager = pass_manager_of(on.engine.worker.compiled)
     total = manager.matches[GRAPH_SCOPE][name] + model_total(on, name)
-    assert total == {**PIECE_COUNTS, "noop": NUM_LAYERS, "rope_kv": NUM_LAYERS, "qk_norm_rope": NUM_LAYERS,
-                     "qkv_rope": 0}[name]
+    assert total == {**PIECE_COUNTS, "noop": NUM_LAYERS, "rope_kv": NUM_LAYERS, "qk_norm_rope": NUM_LAYERS}[name]
 
 
 def test_level_two_defaults(runtime) -> None:
