@@ -2,6 +2,8 @@
 
     python -m benchmarks.bench_tp --json tp.json                        # 2 GPUs (H200 x2): ~12 min cold
     python -m benchmarks.bench_tp --parts decode --configs llama3-8b:1 llama3-8b:2 --json tp.json
+    python -m benchmarks.bench_tp --parts decode --configs qwen3-30b-a3b:1 qwen3-30b-a3b:2 qwen3-30b-a3b:2:ep \
+        --batches 1 64 --json tp_moe.json                                # a mixture of experts, :ep expert-parallel
     python -m benchmarks.bench_tp --device cpu --configs tiny-llama:1 tiny-llama:2 --batches 1 2 \
         --json /tmp/tp.json                                              # CPU dry run (gloo)
 
@@ -11,7 +13,8 @@ graph, with ratios against NCCL; every variant's sum is checked against NCCL's. 
 residual add + RMSNorm op against NCCL + Inductor's add + norm at decode shapes. The table ends with the
 thresholds it suggests for AllReducePolicy.
 
-Part `decode`: one process per MODEL:TP configuration (fresh NCCL state; a hang or crash costs one row), random
+Part `decode`: one process per MODEL:TP[:ep] configuration (fresh NCCL state; a hang or crash costs one row; ":ep":
+`enable_expert_parallel`, whole experts per GPU), random
 weights at default settings with CUDA graphs at the capture sizes given; decode step time at each batch, sync
 then async on the same runtime, next to the per-GPU floor (this rank's weight + KV bytes at the copy bandwidth
 measured in the same process) and the speed-up over TP=1 of the same model; then start-up and shutdown times.
@@ -82,11 +85,13 @@ def decode_child(args: argparse.Namespace) -> dict[str, Any]:
     """One MODEL:TP configuration: build the runtime, measure each batch sync then async, time the shutdown."""
     from kiln import Runtime
 
-    model, tp = args.config.split(":")
-    out: dict[str, Any] = dict(model=model, tp=int(tp), rows=[], errors=[])
+    model, tp, *mode = args.config.split(":")
+    if mode not in ([], ["ep"]):
+        raise ValueError(f"config {args.config!r}: MODEL:TP or MODEL:TP:ep")
+    out: dict[str, Any] = dict(model=model, tp=int(tp), expert_parallel=bool(mode), rows=[], errors=[])
     on_gpu = args.device == "cuda"
     kwargs: dict[str, Any] = dict(device=args.device, load_format="dummy", tensor_parallel_size=int(tp),
-                                  max_num_seqs=max(args.batches))
+                                  enable_expert_parallel=bool(mode), max_num_seqs=max(args.batches))
     if on_gpu:
         kwargs.update(attention_backend="triton", cudagraph_capture_sizes=tuple(args.capture_sizes))
     ceil = measure_ceilings() if on_gpu else None
@@ -111,7 +116,7 @@ def decode_child(args: argparse.Namespace) -> dict[str, Any]:
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        procs = list(engine.tp.procs)
+        procs = list(engine.tp.procs) if engine.tp is not None else []  # one rank: no workers
         start = time.perf_counter()
         engine.shutdown()
         out["shutdown_s"] = time.perf_counter() - start
@@ -126,7 +131,8 @@ def print_decode(results: list[dict]) -> None:
     for r in results:
         for row in r.get("rows", []):
             ref = base.get((r["model"], row["batch"], row["mode"]))
-            rows.append([r["model"], r["tp"], r.get("cudagraph_mode"), row["batch"], row["mode"], row["step_ms"],
+            tp = f"{r['tp']} ep" if r.get("expert_parallel") else r["tp"]
+            rows.append([r["model"], tp, r.get("cudagraph_mode"), row["batch"], row["mode"], row["step_ms"],
                          row["tokens_per_s"], row.get("floor_ms", "-"), row.get("x_floor", "-"),
                          ref / row["step_ms"] if ref else "-"])
     print(table(["model", "TP", "graphs", "batch", "sched", "step ms", "tok/s", "floor ms/GPU", "x floor",

@@ -100,6 +100,10 @@ set_smollm2_kernels() {  # SmolLM2-135M's decode kernels at batch 1 / 8: its fou
 set_tp() {  # two GPUs: all-reduce kernels, then 8B TP=1/TP=2 and 70B TP=2 decode, sync and async
   step tp 570 python3 -m benchmarks.bench_tp --json "$R/tp.json"
 }
+set_tp_moe() {  # two GPUs: Qwen3-30B-A3B decode on one GPU, over two with experts split, and expert-parallel
+  step tp_moe 570 python3 -m benchmarks.bench_tp --parts decode --configs qwen3-30b-a3b:1 qwen3-30b-a3b:2 \
+    qwen3-30b-a3b:2:ep --batches 1 8 64 --json "$R/tp_moe.json"
+}
 set_exact_sizes() {  # -O2's exact-size artifacts against the range artifact, one process, arms alternated
   step exact_sizes 300 python3 -m benchmarks.bench_exact_sizes --rounds 2 --budget-s 270 --json "$R/exact_sizes.json"
 }

@@ -1,6 +1,7 @@
 """Tensor parallelism over NCCL on 2 GPUs: greedy tokens equal TP=1 on a tiny fp32 model, eager, compiled with
-CUDA graphs at default settings (the all-reduces are captured in the graphs), and with async scheduling; and
-every TP=2 runtime shuts down inside the test, its worker leaving by itself (the old hang was at shutdown)."""
+CUDA graphs at default settings (the all-reduces are captured in the graphs), and with async scheduling, and on a
+tiny mixture of experts with its experts split or placed whole per GPU; and every TP=2 runtime shuts down inside
+the test, its worker leaving by itself (the old hang was at shutdown)."""
 
 from __future__ import annotations
 
@@ -57,5 +58,24 @@ def test_tp2_matches_tp1_on_gpus(reference, level: int, extra: dict) -> None:
             assert replays["FULL"] > 0, replays  # decode steps replayed graphs holding the all-reduces
         if extra.get("async_scheduling"):
             assert runtime.engine.stats.overlapped_steps > 0
+    finally:
+        shut_down(runtime)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-split", "expert-parallel"])
+def test_a_mixture_of_experts_over_two_gpus_matches_one(expert_parallel: bool) -> None:
+    """Qwen3-MoE at -O2 with CUDA graphs over two GPUs, each expert's intermediate dim split (the default) or whole
+    experts per GPU (`enable_expert_parallel`): the fused MoE kernels on each rank and one all-reduce give one
+    GPU's greedy tokens."""
+    single = Runtime("tiny-qwen3-moe", level=0, **COMMON)
+    try:
+        want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, PARAMS)]
+    finally:
+        single.engine.shutdown()
+    runtime = Runtime("tiny-qwen3-moe", level=2, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+                      **COMMON)
+    try:
+        assert [o.outputs[0].token_ids for o in runtime.generate(PROMPTS, PARAMS)] == want
+        assert runtime.engine.graph_replays["FULL"] > 0
     finally:
         shut_down(runtime)
