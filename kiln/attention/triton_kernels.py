@@ -50,13 +50,10 @@ def reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, strid
 
 
 @triton.jit
-def _tile_rows(bt_row_ptr, kv_base, n0, kv_end, stride_cb, stride_cs, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Where keys [n0, n0 + BLOCK_N) of a request sit in the cache (offsets of their rows), and which are below
-    kv_end."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < kv_end
+def _tile_rows(bt_row_ptr, kv_base, offs_n, n_mask, stride_cb, stride_cs, PAGE: tl.constexpr):
+    """Where a request's keys at positions offs_n (those in n_mask) sit in the cache: offsets of their rows."""
     block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    return kv_base + block * stride_cb + (offs_n % PAGE) * stride_cs, n_mask
+    return kv_base + block * stride_cb + (offs_n % PAGE) * stride_cs
 
 
 @triton.jit
@@ -77,7 +74,7 @@ def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q
     if LOADED:
         k = k_tile
     else:
-        tok, n_mask = _tile_rows(bt_row_ptr, kv_base, n0, kv_end, stride_cb, stride_cs, PAGE, BLOCK_N)
+        tok = _tile_rows(bt_row_ptr, kv_base, offs_n, n_mask, stride_cb, stride_cs, PAGE)
         k = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     if NEW:
         k = tl.where(offs_n[None, :] == new_pos, k_new[:, None], k)
@@ -233,7 +230,9 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     # The split's first tile, with PREWAIT read before the wait for the kernel before (a decode's context was
     # written by earlier steps, seq_lens and block tables before the forward): its DRAM round trips then overlap
     # that kernel instead of following it. Zeros past `end`; an empty split's tile is all masked and weighs 0.
-    tok, n_mask = _tile_rows(bt_row, kv_base, start, end, stride_cb, stride_cs, PAGE, BLOCK_N)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    tok = _tile_rows(bt_row, kv_base, offs_n, n_mask, stride_cb, stride_cs, PAGE)
     k_tile = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     v_tile = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
                      other=0.0)

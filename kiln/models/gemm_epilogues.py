@@ -37,7 +37,7 @@ from kiln.models.quant.fp8_kernel import (
     block_m_for,
     check_operands,
     flat_scales,
-    launch_gemm,
+    gemm_partials,
     num_sms,
     pick_config,
     split_k,
@@ -213,29 +213,24 @@ def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torc
     from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
     check_operands(x, weight)
-    m, k = x.shape
-    n = weight.shape[0]
+    m, n = x.shape[0], weight.shape[0]
     if residual.shape != (m, n) or residual.stride(-1) != 1 or norm_weight.shape != (n,):
         raise ValueError(f"residual {tuple(residual.shape)} / norm weight {tuple(norm_weight.shape)}: expected "
                          f"({m}, {n}) with unit last stride / ({n},)")
-    config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
     summed = torch.empty((m, n), dtype=residual.dtype, device=x.device)
     out = torch.empty((m, n), dtype=FP8_DTYPE if quant else residual.dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device) if quant else None
     if m == 0:
         return out, scale, summed
-    steps = split_k(k, config, config.split_k)
-    split = steps[0]
-    partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     scales = flat_scales(*scales) if scales is not None else None
-    pdl = pdl_launch(x.device)
-    launch_gemm(x, weight, scales, partials, config, steps, pdl)  # fp32 sums, even with one split
+    partials = gemm_partials(x, weight, scales, config)  # fp32 sums, even with one split
+    split = partials.shape[0]
     xs, ws = scales if scales is not None else (partials, partials)  # unread without scales
     block = triton.next_power_of_2(n)
     _add_rms_norm_rows_kernel[(m,)](partials, xs, ws, residual, norm_weight, out, scale if quant else partials, summed,
                                     n, m * n, residual.stride(0), eps, FP8_MAX, MIN_SCALE, SPLIT_K=split,
                                     SCALED=scales is not None, QUANT=quant, BLOCK=block,
-                                    num_warps=min(16, max(1, block // 256)), **pdl)
+                                    num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device))
     return out, scale, summed
 
 

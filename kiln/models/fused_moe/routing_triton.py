@@ -72,16 +72,11 @@ def moe_route_triton(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
     """x [T, H] (T within the small-M kernel's reach), the router's weight [E, H] -> (weights fp32 [T, K], ids int32
     [T, K]): the GEMM's fp32 sums go straight to the top-k kernel. The GEMM runs kiln::dense_gemm's config for the
     shape, so the logits are the ones its output would hold."""
-    from kiln.models.quant.fp8_kernel import check_operands, launch_gemm, num_sms, pick_config, split_k
+    from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
 
     check_operands(x, gate_weight)
-    (m, k), num_experts = x.shape, gate_weight.shape[0]
-    config = pick_config(m, num_experts, k, num_sms(x.device), x.element_size())
-    steps = split_k(k, config, config.split_k)
-    partials = torch.empty((steps[0], m, num_experts), dtype=torch.float32, device=x.device)
-    if m > 0:
-        launch_gemm(x, gate_weight, None, partials, config, steps, pdl_launch(x.device))
-    return _top_k(partials, steps[0], x.dtype, top_k, renormalize)
+    partials = gemm_partials(x, gate_weight)
+    return _top_k(partials, partials.shape[0], x.dtype, top_k, renormalize)
 
 
 def _top_k(source: torch.Tensor, splits: int, logit_dtype: torch.dtype, top_k: int,

@@ -282,6 +282,20 @@ def launch_gemm(q: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tenso
         num_stages=config.num_stages, **pdl)
 
 
+def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  config: Fp8GemmConfig | None = None) -> torch.Tensor:
+    """The small-M GEMM's fp32 sums for a kernel after it to finish: [splits, M, N] (one whole-K partial when the
+    shape's config does not split K), unscaled; the config is the one `_small_m_gemm` would pick, so the sums are
+    the ones its output rounds. `scales`: flat_scales' pair for FP8 operands, None for 16-bit ones."""
+    (m, k), n = x.shape, weight.shape[0]
+    config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
+    steps = split_k(k, config, config.split_k)
+    partials = torch.empty((steps[0], m, n), dtype=torch.float32, device=x.device)
+    if m > 0:
+        launch_gemm(x, weight, scales, partials, config, steps, pdl_launch(x.device))
+    return partials
+
+
 def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
                   weight_scale: torch.Tensor | None, out_dtype: torch.dtype,
                   config: Fp8GemmConfig | None) -> torch.Tensor:
