@@ -36,6 +36,10 @@ CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_si
 # (<= 16 tokens: the range above keeps Inductor's kernels, which prefill needs): one H200, 2026-12-04, decode at
 # batch 1 / 8 / 64, SmolLM2-135M 0.680 / 0.703 / 1.096 -> 0.638 / 0.652 / 1.093 ms, Llama-3-8B 4.26 / 4.38 / 5.56
 # -> 4.21 / 4.30 / 5.57, FP8 8B 3.02 / 3.09 -> 2.99 / 3.06 (gemm_add_rmsnorm), prefill of 1024 tokens equal.
+# A mixture of experts keeps one range and Inductor's kernels: Qwen3-30B-A3B at batch 1 / 8 / 64 took 3.09 / 8.00 /
+# 16.73 ms without them, 3.15 / 8.85 / 16.74 with gemm_add_rmsnorm<=16 (the o projection's; Inductor's kernel
+# summing the experts' rows into the residual then took ~20 us a layer at batch 8), 3.13 / 9.00 / 16.89 with both
+# (one H200, 2026-12-04, `007735e`).
 # silu_mul_quant (FP8 models, 8B on the H200): decode 1.00x at batch 1 and 64, prefill 0.92x.
 # On the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
 # as it was, noop changes nothing; on CPU rope_kv and noop are slower. rope_kv's GPU measurement needs
@@ -49,13 +53,15 @@ LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
 }
 
 
-def level_defaults(level: int, on_gpu: bool = True) -> tuple[str, ...]:
+def level_defaults(level: int, on_gpu: bool = True, mixture_of_experts: bool = False) -> tuple[str, ...]:
     """The level's default passes, or those KILN_PASSES names (separated by "," or "+"; empty: none): an A/B of a
     pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key.
-    Off a GPU, without the CUDA-only ones."""
+    Off a GPU, without the CUDA-only ones; for a mixture of experts, without the decode-size epilogues."""
     names = os.environ.get("KILN_PASSES")
     if names is None:
         chosen = LEVEL_DEFAULTS.get(level, ())
+        if mixture_of_experts:
+            chosen = tuple(n for n in chosen if n not in _DECODE_EPILOGUES)
     else:
         chosen = tuple(n.strip() for n in re.split(r"[,+]", names) if n.strip())
     return chosen if on_gpu else tuple(n for n in chosen if n.partition("<=")[0].strip() not in CUDA_ONLY_PASSES)

@@ -77,6 +77,10 @@ def test_o2_gpu_plan_compiles_the_ranges_alone(budget: int) -> None:
     assert tp.compile_sizes == () and [(k.lo, k.hi) for k in build_dispatcher(tp, budget).keys] == ranges
     cpu = resolve(budget=budget, level=2)
     assert cpu.compile_ranges == () and "gemm_add_rmsnorm<=16" not in cpu.passes
+    # a mixture of experts keeps one range on a GPU too: the decode-size epilogues slowed it down
+    moe = CompilationConfig(level=2).resolve(GPU, budget, mixture_of_experts=True)
+    assert moe.compile_ranges == () and moe.passes == ("allreduce_rmsnorm",)
+    assert [(k.lo, k.hi) for k in build_dispatcher(moe, budget).keys] == [(1, budget)]
 
 
 def test_background_sizes_may_be_captured_sizes() -> None:
