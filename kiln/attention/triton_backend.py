@@ -168,9 +168,6 @@ class TritonAttentionBackend(AttentionBackend):
         # alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
                                waves=2, min_tiles=1)
-        # a decode reads its first tile of context before its PDL wait (docs/attention.md); off until an H200
-        # A/B (`DECODE_AB_ARMS="new KILN_DECODE_PREWAIT=1" run.sh decode-ab`) shows it pays
-        self.prewait = os.environ.get("KILN_DECODE_PREWAIT", "0") == "1"
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -284,7 +281,7 @@ class TritonAttentionBackend(AttentionBackend):
             HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
             MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
-            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, PREWAIT=self.prewait, num_warps=cfg["num_warps"],
+            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"], **pdl_launch(q.device))
         if splits > 1:
             K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads)](

@@ -50,32 +50,21 @@ def reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, strid
 
 
 @triton.jit
-def _tile_rows(bt_row_ptr, kv_base, offs_n, n_mask, stride_cb, stride_cs, PAGE: tl.constexpr):
-    """Where a request's keys at positions offs_n (those in n_mask) sit in the cache: offsets of their rows."""
-    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    return kv_base + block * stride_cb + (offs_n % PAGE) * stride_cs
-
-
-@triton.jit
 def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q_pos, d, d_mask, stride_cb,
                  stride_cs, stride_ckv, qk_scale, MASK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  IEEE: tl.constexpr, KV_FP8: tl.constexpr, new_pos=0, k_new=None, v_new=None,
-                 NEW: tl.constexpr = False, k_tile=None, v_tile=None, LOADED: tl.constexpr = False):
+                 NEW: tl.constexpr = False):
     """One online-softmax step over keys [n0, n0 + BLOCK_N) gathered through the block table.
 
     MASK applies the end bound and causality (key position <= query position); interior tiles skip it.
     KV_FP8: the tiles are e4m3, converted to q's dtype; qk_scale carries k_scale, the caller applies v_scale.
     NEW: the key/value at new_pos are k_new/v_new (in the cache's dtype), not what the cache holds there yet.
-    LOADED: the tile's keys [BLOCK_D, BLOCK_N] and values [BLOCK_N, BLOCK_D] are k_tile / v_tile, loaded by the
-    caller (masked as here: zeros at and past kv_end).
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
-    if LOADED:
-        k = k_tile
-    else:
-        tok = _tile_rows(bt_row_ptr, kv_base, offs_n, n_mask, stride_cb, stride_cs, PAGE)
-        k = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    tok = kv_base + block * stride_cb + (offs_n % PAGE) * stride_cs  # [BLOCK_N]
+    k = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     if NEW:
         k = tl.where(offs_n[None, :] == new_pos, k_new[:, None], k)
     if KV_FP8:
@@ -93,11 +82,8 @@ def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    if LOADED:
-        v = v_tile
-    else:
-        v = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                    other=0.0)
+    v = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0)
     if NEW:
         v = tl.where(offs_n[:, None] == new_pos, v_new[None, :], v)
     if KV_FP8:
@@ -186,7 +172,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
                             IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1,
-                            PREWAIT: tl.constexpr = False, PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False):
     """QLEN new tokens per request (1: decode; more: a speculative verify); program (request, kv_head x QLEN
     + token, split).
 
@@ -198,8 +184,6 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     splits: the rest find no keys and their partials (o = 0, lse = -inf) weigh 0 in the merge.
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
-    PREWAIT (with PDL): a decode reads its split's first tile (and the block table and seq_len before it) ahead
-    of its wait: only q and the new key/value come from the kernels just before it.
 
     QLEN > 1: the caller has written the QLEN new keys/values to the cache (k, v and slot are unused), and
     token t of a request, seeing the keys up to its position seq_len - QLEN + t, gets programs of its own: the
@@ -210,8 +194,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     per split (every NUM_SPLITS x BLOCK_N keys). Packing several tokens into a program's rows read the context
     fewer times but changed a row's rounding with its place in the tile.
     """
-    if QLEN > 1 or not PREWAIT:  # a verify's new keys reach the cache through the kernel before this one
-        pdl_start(PDL)
+    pdl_start(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // QLEN
     t = tl.program_id(1) % QLEN  # this program's token of the request
@@ -221,24 +204,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     new_pos = seq_len - 1
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-    kv_base = kv_head * stride_ch
-    # The split's first tile, with PREWAIT read before the wait for the kernel before (a decode's context was
-    # written by earlier steps, seq_lens and block tables before the forward): its DRAM round trips then overlap
-    # that kernel instead of following it. Zeros past `end`; an empty split's tile is all masked and weighs 0.
-    offs_n = start + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < end
-    tok = _tile_rows(bt_row, kv_base, offs_n, n_mask, stride_cb, stride_cs, PAGE)
-    k_tile = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-    v_tile = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                     other=0.0)
     if QLEN == 1:
-        if PREWAIT:
-            pdl_start(PDL)
         k_new = tl.load(k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh + d, mask=d_mask, other=0.0)
         v_new = tl.load(v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + d, mask=d_mask, other=0.0)
         if KV_FP8:  # to e4m3: the values the cache holds, in units of the scales
@@ -256,6 +222,10 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
         k_new = tl.zeros([BLOCK_D], dtype=cache_ptr.dtype.element_ty)
         v_new = k_new
 
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
     h_mask = h < GROUP
@@ -265,20 +235,17 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     q_pos = (seq_len - QLEN + t + tl.zeros([BLOCK_H], dtype=tl.int32)).to(tl.int32)  # the context up to itself
-    # The first tile takes the mask whatever it holds (on a tile of visible keys it changes nothing). After it,
+    kv_base = kv_head * stride_ch
     # tiles before the first new token are unmasked; from its tile on, the mask applies (a decode's new key
-    # comes from k/v in that tile, since split 0 may still be writing it to the cache).
-    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, start, end, bt_row, q_pos, d, d_mask,
-                                 stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE, KV_FP8,
-                                 new_pos, k_new, v_new, QLEN == 1, k_tile, v_tile, True)
-    second = start + BLOCK_N
+    # comes from k/v in that tile, since split 0 may still be writing it to the cache)
     plain_end = start + tl.maximum(tl.minimum(end, seq_len - QLEN) - start, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(second, plain_end, BLOCK_N):
+    for n0 in range(start, plain_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, end, bt_row, q_pos, d, d_mask,
                                      stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE,
                                      KV_FP8)
-    for n0 in range(tl.maximum(plain_end, second), end, BLOCK_N):
+    for n0 in range(plain_end, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, end, bt_row, q_pos, d, d_mask,
                                      stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE,
                                      KV_FP8, new_pos, k_new, v_new, QLEN == 1)

@@ -38,7 +38,6 @@ from kiln.models.quant.fp8_kernel import (
     check_operands,
     flat_scales,
     gemm_partials,
-    gemm_preload,
     num_sms,
     pick_config,
     split_k,
@@ -56,15 +55,16 @@ def _halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constex
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_silu_mul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                             EVEN_N: tl.constexpr, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                             EVEN_N: tl.constexpr, PDL: tl.constexpr = False):
     """Program (tile, m tile): out[m, c] = silu(gate[c]) * up[c] for its BLOCK_N / 2 columns c."""
+    pdl_start(PDL)
     rows = tl.arange(0, BLOCK_N)
     cols = tl.program_id(0) * (BLOCK_N // 2) + rows % (BLOCK_N // 2)  # the output column each weight row feeds
     n_mask = cols < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = accumulate(x_ptr, w_ptr, cols + (rows // (BLOCK_N // 2)) * N, n_mask, offs_m, m_mask, K, 0, k_steps,
-                     s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, False, PDL, PRELOAD)
+                     s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, False)
     dtype = out_ptr.dtype.element_ty
     gate, up = _halves(acc, dtype, BLOCK_N, BLOCK_M)
     act = gate * tl.sigmoid(gate)  # in fp32 to the product, as Inductor compiles silu(gate) * up
@@ -77,8 +77,9 @@ def _gate_up_silu_mul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn
 def _qkv_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, M, K, k_steps, s_xm, s_wn, s_cs,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                     PDL: tl.constexpr = False):
     """Program (tile, m tile): head `head`'s dims d (BLOCK_N / 2 of its first half) and d + HEAD_DIM / 2."""
+    pdl_start(PDL)
     tiles = HEAD_DIM // BLOCK_N  # tiles per head
     head = tl.program_id(0) // tiles
     d = (tl.program_id(0) % tiles) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -88,7 +89,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, M, K, k
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = accumulate(x_ptr, w_ptr, offs_n, offs_n >= 0, offs_m, m_mask, K, 0, k_steps, s_xm, s_wn, BLOCK_M,
-                     BLOCK_N, BLOCK_K, EVEN_K, True, False, PDL, PRELOAD)
+                     BLOCK_N, BLOCK_K, EVEN_K, True, False)
     dtype = q_ptr.dtype.element_ty
     x1, x2 = _halves(acc, dtype, BLOCK_N, BLOCK_M)
     rows_m = offs_m[None, :].to(tl.int64)
@@ -136,7 +137,7 @@ def gate_up_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
     _gate_up_silu_mul_kernel[grid](x, weight, out, m, n, k, k_steps, x.stride(0), weight.stride(0), out.stride(0),
                                    BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
                                    EVEN_N=n % (config.block_n // 2) == 0, num_warps=config.num_warps,
-                                   num_stages=config.num_stages, PRELOAD=gemm_preload(), **pdl_launch(x.device))
+                                   num_stages=config.num_stages, **pdl_launch(x.device))
     return out
 
 
@@ -166,7 +167,7 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
         x, weight, positions, cos_sin_cache, q, k_out, v, m, k, k_steps, x.stride(0), weight.stride(0),
         cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=config.block_k, EVEN_K=even_k, num_warps=config.num_warps,
-        num_stages=config.num_stages, PRELOAD=gemm_preload(), **pdl_launch(x.device))
+        num_stages=config.num_stages, **pdl_launch(x.device))
     return q, k_out, v
 
 

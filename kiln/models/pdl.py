@@ -10,8 +10,7 @@ completed and its writes are visible. Inductor emits the same pair in the kernel
 The rule every kernel here keeps: `gdc_wait` comes before its first access to memory the kernel just before it may
 have written (or may still be reading), in every program, and before its `gdc_launch_dependents`. So a kernel's
 completion implies its predecessors', and once a kernel's programs run, every kernel but the one just before it
-has completed: what they wrote may be read before the wait (Inductor's kernels do the same, and kiln's decode
-attention can read its context so: KILN_DECODE_PREWAIT, kiln/attention/triton_kernels.py). Kernels
+has completed: what they wrote may be read before the wait (Inductor's kernels do the same). Kernels
 that do not take part (cuBLAS, copies) launch plainly and wait for their predecessor in full, as before.
 `KILN_PDL=0` (kiln.config.PDL) launches everything plainly.
 
@@ -20,7 +19,13 @@ row) before its wait, so that the wait would overlap the first DRAM reads. The w
 against 4.32 ms at batch 1, SmolLM2-135M 0.84 against 0.70 (one H200, 2026-12-03, `32c8378`). Bounded to the first
 64 KB of each program's slice (~17 MB a GEMM, inside L2): 8B 4.53 / 4.66 against 4.29 / 4.42 ms at batch 1 / 8,
 SmolLM2 0.77 against 0.73 at batch 1, Qwen3-30B-A3B equal (one H200, 2026-12-03, `c61fcd4`, `KILN_GEMM_PREFETCH_KB`
-as a decode-ab arm; benchmarks/results/2026-12-03-h200-c61fcd4).
+as a decode-ab arm; benchmarks/results/2026-12-03-h200-c61fcd4). Loads before the wait into registers (one H200,
+2026-12-04, one process per arm, benchmarks/results/2026-12-04-h200-007735e): the small-M GEMMs' first weight tile
+(`KILN_GEMM_PRELOAD`, `337a7c5`) left SmolLM2-135M at batch 1 0.669 / 0.669 / 0.682 ms against 0.631 / 0.646 /
+0.632 without, Llama-3-8B 4.250 against 4.255 / 4.264, Qwen3-30B-A3B 3.10 / 7.88 / 16.47 against 3.16 / 7.97 /
+16.45 at batch 1 / 8 / 64; the decode attention's first tile of context (`KILN_DECODE_PREWAIT`, `e9ebb59`): 8B
+4.311 against 4.317, SmolLM2 0.628 against 0.695 (the call's first process) and 0.632 (with qkv_rope<=16), inside
+the 0.63-0.74 ms that identical SmolLM2 processes read that day. Neither kept.
 """
 
 from __future__ import annotations

@@ -169,28 +169,3 @@ def test_page_indices() -> None:
     expected = torch.cat([common.block_tables[i, : -(-int(s) // 16)] for i, s in enumerate(common.seq_lens_cpu)])
     assert torch.equal(out[: len(expected)], expected)
     assert (out[len(expected):] == -1).all()
-
-
-@pytest.mark.parametrize("query_len,prewait", [(1, True), (1, False), (4, True)])
-def test_a_decode_reads_its_first_tile_before_the_pdl_wait(query_len: int, prewait: bool) -> None:
-    """Ahead-of-time compile for sm90: with PREWAIT a decode issues its first tile's block-table and K/V loads
-    before waiting for the kernel before it (its context was written by earlier steps); without it, or for a
-    verify (several new tokens, written to the cache by the kernel before), it waits before any load."""
-    from tests.models.test_fp8_kernel import sm90_ptx
-
-    ptx = sm90_ptx("decode_attention", str(query_len), str(int(prewait)))
-    assert ptx["gdc_wait"] and ptx["gdc_launch"] and ptx["launch_pdl"], ptx
-    assert (ptx["global_loads_before_wait"] > 0) == (query_len == 1 and prewait), ptx
-
-
-def test_the_prewait_switch_leaves_the_bits_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KILN_DECODE_PREWAIT only moves loads: decodes with an empty, a one-tile and a many-tile context (empty
-    splits, several tiles a split) give the same output and cache either way, and the reference's."""
-    batch = make_batch([1, 1, 1], [0, 40, 700], HEADS, HEADS // 4, 64, torch.float16, DEVICE, seed=21)
-    runs = []
-    for prewait in ("0", "1"):
-        monkeypatch.setenv("KILN_DECODE_PREWAIT", prewait)
-        runs.append(run_backend(TritonAttentionBackend(batch.layout, torch.device(DEVICE)), batch))
-    (out, cache), (out_prewait, cache_prewait) = runs
-    assert torch.equal(out, out_prewait) and torch.equal(cache.nan_to_num(), cache_prewait.nan_to_num())
-    assert rel_err(out, reference(batch)[0]) <= 1e-2

@@ -3,11 +3,9 @@
 Run as its own process by tests/models/test_fp8_kernel.py: Triton must be imported with TRITON_INTERPRET
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
-    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1) [PRELOAD(0|1)]
+    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1)
     python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py)
-    python -m tests.models.fp8_kernel_sm90 decode_attention QLEN PREWAIT(0|1)
-                                                 the Triton decode attention (kiln/attention/triton_kernels.py)
 """
 
 from __future__ import annotations
@@ -32,21 +30,19 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool) 
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "num_stages": 4, "launch_pdl": pdl})
     ptx = compiled.asm["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    return {"global_loads_before_wait": ptx[:wait].count("ld.global") if wait >= 0 else None,
-            "wgmma": "wgmma" in ptx, "e4m3": "e4m3" in ptx, "bf16": "bf16" in ptx, "cp_async": "cp.async" in ptx,
+    return {"wgmma": "wgmma" in ptx, "e4m3": "e4m3" in ptx, "bf16": "bf16" in ptx, "cp_async": "cp.async" in ptx,
             "shared": compiled.metadata.shared, "gdc_wait": "griddepcontrol.wait" in ptx,
             "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl)}
 
 
-def fp8_gemm(block_m: int, split: bool, pdl: bool, preload: bool = False) -> dict:
+def fp8_gemm(block_m: int, split: bool, pdl: bool) -> dict:
     from kiln.models.quant.fp8_kernel import _fp8_gemm_kernel
 
     pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
                 "out_ptr": "*fp32" if split else "*bf16"}
     return compile_sm90(_fp8_gemm_kernel, pointers, {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256,
-                                                     "SPLIT": split, "EVEN_K": True, "EVEN_N": True, "SCALED": True,
-                                                     "PRELOAD": preload}, pdl)
+                                                     "SPLIT": split, "EVEN_K": True, "EVEN_N": True, "SCALED": True},
+                        pdl)
 
 
 def epilogue(name: str) -> dict:
@@ -71,23 +67,8 @@ def epilogue(name: str) -> dict:
                         {**tile, "NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128}, True)
 
 
-def decode_attention(qlen: int, prewait: bool) -> dict:
-    """The decode kernel at Llama-3-8B's heads (GROUP 4, head_dim 128), 32 splits, a bf16 cache, with PDL."""
-    from kiln.attention.triton_kernels import decode_attention_kernel
-
-    pointers = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cache_ptr"), "*bf16"),
-                **dict.fromkeys(("part_o_ptr", "part_lse_ptr"), "*fp32"), "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "slot_ptr": "*i64", **dict.fromkeys(("qk_scale", "k_scale", "v_scale"), "fp32")}
-    return compile_sm90(decode_attention_kernel, pointers,
-                        {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE": 16,
-                         "NUM_SPLITS": 32, "MIN_TILES": 1, "IEEE": False, "KV_FP8": False, "QLEN": qlen,
-                         "PREWAIT": prewait}, True)
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "decode_attention":
-        print(json.dumps(decode_attention(int(sys.argv[2]), bool(int(sys.argv[3])))))
-    elif sys.argv[1].isdigit():
-        print(json.dumps(fp8_gemm(*(int(a) for a in sys.argv[1:]))))
+    if sys.argv[1].isdigit():
+        print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])))))
     else:
         print(json.dumps(epilogue(sys.argv[1])))

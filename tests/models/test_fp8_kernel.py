@@ -211,23 +211,6 @@ def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: 
     assert ptx["gdc_wait"] == ptx["gdc_launch"] == ptx["launch_pdl"] == pdl, ptx
 
 
-def test_preloaded_first_weight_tile_reads_before_the_wait_and_sums_the_same(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """KILN_GEMM_PRELOAD=1: the first weight tile is loaded ahead of the PDL wait (sm90 PTX: global loads before
-    griddepcontrol.wait, none without it), and every output bit is the one the plain loop gives: split and whole
-    K, K off the tile, several K steps."""
-    plain, early = sm90_ptx("16", "1", "1", "0"), sm90_ptx("16", "1", "1", "1")
-    assert plain["global_loads_before_wait"] == 0 and early["global_loads_before_wait"] > 0, (plain, early)
-    assert early["wgmma"] and early["cp_async"] and early["gdc_launch"], early
-    for m, n, k, config in CASES[:5]:
-        xq, wq, xs, ws = operands(m, n, k, seed=m + n)
-        outs = []
-        for flag in ("0", "1"):
-            monkeypatch.setenv("KILN_GEMM_PRELOAD", flag)
-            outs.append(fp8_gemm_triton(xq, wq, xs, ws, torch.float32, config))
-        assert torch.equal(*outs), (m, n, k)
-
-
 @pytest.mark.parametrize("m,n,k,config", [
     (1, 96, 200, Fp8GemmConfig(32, 64, 1, 4, 2)),
     (5, 70, 256, Fp8GemmConfig(64, 64, 2, 4, 2)),

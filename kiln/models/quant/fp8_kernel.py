@@ -151,67 +151,32 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def gemm_preload() -> bool:
-    """KILN_GEMM_PRELOAD=1: the small-M kernels read their first weight tile before the PDL wait (`accumulate`);
-    off until an H200 A/B shows it pays."""
-    return os.environ.get("KILN_GEMM_PRELOAD", "0") == "1"
-
-
-@triton.jit
-def _weight_tile(w_ptrs, n_mask, k_left, offs_k, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """One step's [BLOCK_N, BLOCK_K] weight tile; `k_left`: K past the step's start (masks a ragged K)."""
-    if EVEN_K:
-        if EVEN_N:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    else:
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_left)[None, :], other=0.0)
-    return w
-
-
-@triton.jit
-def _mma_step(w, x_ptrs, m_mask, k_left, offs_k, acc, EVEN_K: tl.constexpr, SCALED: tl.constexpr):
-    """acc += w @ x^T for one step's activation tile."""
-    if EVEN_K:
-        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-    else:
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < k_left)[None, :], other=0.0)
-    if SCALED:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; promote to fp32 every 32 products
-        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=32)
-    else:
-        acc = tl.dot(w, tl.trans(x), acc)
-    return acc
-
-
 @triton.jit
 def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s_xm, s_wn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
+               EVEN_N: tl.constexpr, SCALED: tl.constexpr):
     """acc[BLOCK_N, BLOCK_M] = sum over [k_lo, k_lo + k_steps * BLOCK_K) of W[offs_n, k] * X[offs_m, k]: the
-    weight rows a program streams (any rows: the epilogue kernels pair them) against its tokens, past K masked.
-
-    The kernel's PDL wait is here, before the first activation load. PRELOAD: the first weight tile is read
-    before it (weights are never written by a kernel of the step), so its DRAM round trip overlaps the kernel
-    before; the sums are the same, step by step."""
+    weight rows a program streams (any rows: the epilogue kernels pair them) against its tokens, past K masked."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * s_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PRELOAD:
-        w = _weight_tile(w_ptrs, n_mask, K - k_lo, offs_k, EVEN_K, EVEN_N)
-        pdl_start(PDL)
-        acc = _mma_step(w, x_ptrs, m_mask, K - k_lo, offs_k, acc, EVEN_K, SCALED)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        first = 1
-    else:
-        pdl_start(PDL)
-        first = 0
-    for step in range(first, k_steps):
-        k_left = K - k_lo - step * BLOCK_K
-        w = _weight_tile(w_ptrs, n_mask, k_left, offs_k, EVEN_K, EVEN_N)
-        acc = _mma_step(w, x_ptrs, m_mask, k_left, offs_k, acc, EVEN_K, SCALED)
+    for step in range(0, k_steps):
+        if EVEN_K:
+            x_mask = m_mask[:, None]
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = (k_lo + step * BLOCK_K + offs_k) < K
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SCALED:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; promote to fp32 every 32 products
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=32)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return acc
@@ -222,10 +187,10 @@ def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False,
-                     PRELOAD: tl.constexpr = False):
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
     are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -235,7 +200,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
     m_mask = offs_m < M
     # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
     acc = accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, pid_k * k_steps * BLOCK_K, k_steps, s_xm,
-                     s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED, PDL, PRELOAD)
+                     s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED)
     out_mask = n_mask[:, None] & m_mask[None, :]
     out_offs = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     if SPLIT:
@@ -314,7 +279,7 @@ def launch_gemm(q: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tenso
         q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n, BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=target.dim() == 3, EVEN_K=even_k,
         EVEN_N=n % config.block_n == 0, SCALED=scales is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages, PRELOAD=gemm_preload(), **pdl)
+        num_stages=config.num_stages, **pdl)
 
 
 def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
