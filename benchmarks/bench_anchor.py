@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import PROMPT_LEN, measure_ceilings, stamp, table
+from benchmarks.common import PROMPT_LEN, decode_step_bytes, measure_ceilings, stamp, table
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,6 @@ def main() -> None:
     print(stamp())
     ceilings = measure_ceilings()
     shape = Shape.of(preset_config(args.preset))
-    kv_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2  # bytes of a token's keys and values
     max_len = PROMPT_LEN + args.steps + 16  # the context of kiln's decode rows, and room for the timed steps
     rows = []
     for batch in args.batches:
@@ -176,8 +175,9 @@ def main() -> None:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
         ms = decode_ms(model, batch, PROMPT_LEN, args.steps, compiled)
-        # kiln's decode floor: the weights once and each request's context (benchmarks/common.py)
-        floor_ms = (weights + batch * (PROMPT_LEN + 16) * kv_token) / ceilings.copy_bytes_per_s * 1e3
+        # kiln's decode floor (its bytes at the copy bandwidth)
+        step_bytes = decode_step_bytes(weights, batch, shape.layers, shape.kv_heads, shape.head_dim)
+        floor_ms = step_bytes / ceilings.copy_bytes_per_s * 1e3
         rows.append(dict(preset=args.preset, batch=batch, step_ms=ms, tokens_per_s=batch / ms * 1e3,
                          floor_ms=floor_ms, x_floor=ms / floor_ms))
         del model, compiled

@@ -104,16 +104,22 @@ def weight_bytes(rt: Any) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def decode_step_bytes(weights: int, batch: int, layers: int, kv_heads: int, head_dim: int,
+                      prompt_len: int = PROMPT_LEN) -> int:
+    """Bytes one decode step reads on one GPU: its weights once + each request's keys and values (16-bit) over
+    its prompt and 16 tokens more."""
+    return weights + batch * (prompt_len + 16) * 2 * layers * kv_heads * head_dim * 2
+
+
 def decode_floor_seconds(rt: Any, batch: int, ceil: Ceilings, prompt_len: int = PROMPT_LEN) -> tuple[float, float]:
-    """(bytes floor, compute floor) of one decode step on one GPU: its weights once + each request's KV, vs
-    2*params FLOPs. Under tensor parallelism every GPU reads only its shard, so the floor is per shard."""
+    """(bytes floor, compute floor) of one decode step on one GPU: decode_step_bytes vs 2*params FLOPs. Under
+    tensor parallelism every GPU reads only its shard, so the floor is per shard."""
     wbytes = weight_bytes(rt)
     spec = rt.engine.loaded.spec
     kv_heads = rt.engine.kv_cache.shape[-2]  # KV heads held by this rank
-    kv_token = 2 * spec.num_layers * kv_heads * spec.head_dim * 2
-    kv = batch * (prompt_len + 16) * kv_token
+    step_bytes = decode_step_bytes(wbytes, batch, spec.num_layers, kv_heads, spec.head_dim, prompt_len)
     flops = 2 * (wbytes / 2) * batch
-    return (wbytes + kv) / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
+    return step_bytes / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
 
 
 # -- decode steps -------------------------------------------------------------------------------------------

@@ -146,9 +146,9 @@ def run_moe(shapes: Iterable[MoeShape], sizes: Iterable[int], device: torch.devi
     launches = 0
     for experts, inter, hidden, top_k, dtype, act_dtype, scaled, router_experts, renormalize in shapes:
         moe_topk_triton(torch.zeros(1, router_experts, dtype=act_dtype, device=device), top_k, renormalize)
-        if act_dtype in (torch.bfloat16, torch.float16):  # decode sizes: the router GEMM's sums into the top-k
-            moe_route_triton(torch.zeros(1, hidden, dtype=act_dtype, device=device),
-                             torch.zeros(router_experts, hidden, dtype=act_dtype, device=device), top_k, renormalize)
+        x = torch.zeros(1, hidden, dtype=act_dtype, device=device)
+        if dense_gemm.applies(x, None):  # decode sizes route as kiln::moe_route does: the GEMM's sums into the top-k
+            moe_route_triton(x, torch.zeros(router_experts, hidden, dtype=act_dtype, device=device), top_k, renormalize)
         w13 = torch.zeros(experts, 2 * inter, hidden, dtype=dtype, device=device)
         w2 = torch.zeros(experts, hidden, inter, dtype=dtype, device=device)
         scales = (torch.ones(experts, 2 * inter, device=device), torch.ones(experts, hidden, device=device)) \
