@@ -9,9 +9,10 @@
 
 Part `allreduce` (2 ranks): for bf16 messages of 8 KB .. 1 MB, NCCL (torch's functional all-reduce) against
 one-shot and two-shot over torch symmetric memory (P2P, no multicast), each eagerly and replayed from a CUDA
-graph, with ratios against NCCL; every variant's sum is checked against NCCL's. Then the fused all-reduce +
-residual add + RMSNorm op against NCCL + Inductor's add + norm at decode shapes. The table ends with the
-thresholds it suggests for AllReducePolicy.
+graph, with ratios against NCCL; every variant's sum is checked against NCCL's. Then the all-reduce +
+residual add + RMSNorm at decode shapes: NCCL or kiln's all-reduce followed by Inductor's add + norm, against
+the one kernel at every shape (its bound, AllReducePolicy.fused_norm_max_bytes, is what that row decides).
+The table ends with the thresholds it suggests for AllReducePolicy.
 
 Part `decode`: one process per MODEL:TP[:ep] configuration (fresh NCCL state; a hang or crash costs one row; ":ep":
 `enable_expert_parallel`, whole experts per GPU), random
@@ -197,7 +198,8 @@ def _rank(rank: int, port: int, device_kind: str, out_path: str) -> None:
                             device_id=device if on_gpu else None)
     name = dist.group.WORLD.group_name
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    comm = P2PAllReduce(dist.group.WORLD, AllReducePolicy("one_shot", max(SIZES_BYTES), max(SIZES_BYTES)),
+    largest = max(max(SIZES_BYTES), max(t * h for t, h in FUSED_SHAPES) * torch.tensor([], dtype=dtype).element_size())
+    comm = P2PAllReduce(dist.group.WORLD, AllReducePolicy("one_shot", largest, largest, largest),
                         device) if on_gpu else None
     smoke = slice(None) if on_gpu else slice(2)  # CPU: a smoke run of the first sizes only
     rows = [_size_row(nbytes, rank, device, dtype, name, comm) for nbytes in SIZES_BYTES[smoke]]
@@ -206,7 +208,7 @@ def _rank(rank: int, port: int, device_kind: str, out_path: str) -> None:
         from kiln.models import allreduce
 
         policy_comm = allreduce.setup_p2p_all_reduce(dist.group.WORLD, device)  # the default policy
-    fused_rows = [_fused_row(tokens, hidden, rank, device, dtype, name) for tokens, hidden in FUSED_SHAPES[smoke]]
+    fused_rows = [_fused_row(tokens, hidden, rank, device, dtype, name, comm) for tokens, hidden in FUSED_SHAPES[smoke]]
     if rank == 0:
         name_ = torch.cuda.get_device_name() if on_gpu else "cpu"
         with open(out_path, "w") as f:
@@ -240,8 +242,12 @@ def _size_row(nbytes: int, rank: int, device: torch.device, dtype: torch.dtype, 
     return row
 
 
-def _fused_row(tokens: int, hidden: int, rank: int, device: torch.device, dtype: torch.dtype, name: str) -> dict:
-    from kiln.models.allreduce import nccl_all_reduce
+def _fused_row(tokens: int, hidden: int, rank: int, device: torch.device, dtype: torch.dtype, name: str,
+               fused_comm: Any) -> dict:
+    """The all-reduce + add + RMSNorm three ways: NCCL then Inductor's add + norm, kiln's all-reduce (the
+    default policy's kind for the size) then the same, and the one kernel (p2p_norm.py, from `fused_comm`,
+    whose fused bound covers every shape)."""
+    from kiln.models.allreduce import all_reduce_impl, nccl_all_reduce
     from kiln.passes.ops import all_reduce_add_rms_norm, rms_norm_ref
 
     on_gpu = device.type == "cuda"
@@ -254,17 +260,19 @@ def _fused_row(tokens: int, hidden: int, rank: int, device: torch.device, dtype:
         return rms_norm_ref(s + r, weight, 1e-5), s + r
 
     compiled = torch.compile(add_norm, dynamic=False) if on_gpu else add_norm
-
-    def unfused() -> tuple[torch.Tensor, torch.Tensor]:
-        return compiled(nccl_all_reduce(partial, name), residual)
-
-    def fused() -> tuple[torch.Tensor, torch.Tensor]:
-        return all_reduce_add_rms_norm(partial, residual, weight, 1e-5, name)
-
+    arms: dict[str, Callable[[], Any]] = {
+        "nccl": lambda: compiled(nccl_all_reduce(partial, name), residual),
+        "kiln": lambda: compiled(all_reduce_impl(partial, name), residual),
+        "fused": (lambda: fused_comm.add_rms_norm(partial, residual, weight, 1e-5)) if fused_comm is not None
+        else (lambda: all_reduce_add_rms_norm(partial, residual, weight, 1e-5, name)),
+    }
     row: dict[str, Any] = {"tokens": tokens, "hidden": hidden, "bytes": tokens * hidden * partial.element_size()}
     try:
-        row["max_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused(), unfused()))
-        for label, fn in (("unfused", unfused), ("fused", fused)):
+        fused = arms["fused"]()
+        if fused is None:
+            raise ValueError("the fused kernel does not take this shape")
+        row["max_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused, arms["nccl"]()))
+        for label, fn in arms.items():
             dist.barrier()
             row[f"{label}_{'graph' if on_gpu else 'eager'}_us"] = \
                 (_timed_graph(fn) if on_gpu else _timed_eager(fn, device.type)) * 1e6
@@ -321,11 +329,13 @@ def print_allreduce(result: dict) -> None:
     fused = result.get("fused", [])
     if fused:
         key = "graph" if any("fused_graph_us" in r for r in fused) else "eager"
-        print(f"\nall-reduce + add + RMSNorm: NCCL + Inductor add/norm vs kiln::all_reduce_add_rms_norm ({key})\n")
-        print(table(["tokens", "hidden", "KB", "unfused us", "fused us", "x", "max diff"],
-                    [[r["tokens"], r["hidden"], r["bytes"] >> 10, r.get(f"unfused_{key}_us", r.get("error", "-")),
-                      r.get(f"fused_{key}_us", "-"),
-                      r[f"unfused_{key}_us"] / r[f"fused_{key}_us"] if f"fused_{key}_us" in r else float("nan"),
+        print(f"\nall-reduce + add + RMSNorm ({key}): NCCL or kiln's all-reduce (the default policy's kind), then "
+              "Inductor's add + norm, against the one kernel (p2p_norm.py); x = kiln's two steps / the kernel\n")
+        print(table(["tokens", "hidden", "KB", "NCCL + add/norm us", "kiln + add/norm us", "one kernel us", "x",
+                     "max diff"],
+                    [[r["tokens"], r["hidden"], r["bytes"] >> 10, r.get(f"nccl_{key}_us", r.get("error", "-")),
+                      r.get(f"kiln_{key}_us", "-"), r.get(f"fused_{key}_us", "-"),
+                      r[f"kiln_{key}_us"] / r[f"fused_{key}_us"] if f"fused_{key}_us" in r else float("nan"),
                       r.get("max_diff", "-")] for r in fused]))
 
 
@@ -352,10 +362,17 @@ def main() -> None:
     print(stamp(), flush=True)
     start = time.perf_counter()
     report: dict[str, Any] = {"stamp": stamp(), "env": MULTICAST_OFF, "allreduce": None, "decode": []}
+
+    def save() -> None:  # after every part: a caller's time limit that ends this process keeps what ran
+        report["total_s"] = round(time.perf_counter() - start, 1)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
     if "allreduce" in args.parts:
         report["allreduce"] = run_part(["--child", "allreduce", "--device", args.device],
                                        timeout_s=120 if args.device == "cuda" else 300)
         print_allreduce(report["allreduce"])
+        save()
     if "decode" in args.parts:
         common = ["--device", args.device, "--steps", str(args.steps), "--batches", *map(str, args.batches),
                   "--capture-sizes", *map(str, args.capture_sizes)]
@@ -368,10 +385,10 @@ def main() -> None:
             result = run_part(["--child", config, *common], timeout_s=min(left, args.config_timeout))
             result.setdefault("config", config)
             report["decode"].append(result)
+            save()
         print_decode(report["decode"])
-    report["total_s"] = round(time.perf_counter() - start, 1)
+    save()
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json} ({report['total_s']} s)")
 
 

@@ -46,11 +46,18 @@ set_fp8() {  # FP8 weights against bf16 at default settings: decode and offline 
   step fp8 420 python3 -m benchmarks.bench_fp8 --defaults --parts ${FP8_PARTS:-decode throughput} --json "$R/fp8.json"
 }
 set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64 (PROFILE_CONFIGS, PROFILE_BATCHES); a
-  # process per config: in one process the configs after the first got a KV budget of 0 bytes (2026-12-03)
-  local config
-  for config in ${PROFILE_CONFIGS:-llama3-8b:1:bf16 llama3-8b:1:fp8}; do
-    step "profile_${config//[^A-Za-z0-9_]/_}" 200 python3 -m benchmarks.bench_profile --configs "$config" \
-      --batches ${PROFILE_BATCHES:-1 64} --json "$R/profile_${config//[^A-Za-z0-9_]/_}.json"
+  # process per config: in one process the configs after the first got a KV budget of 0 bytes (2026-12-03).
+  # PROFILE_ARMS: "default" and/or NAME=VALUE[,NAME=VALUE] (those environment variables), one process each
+  local config arm tag vars
+  for arm in ${PROFILE_ARMS:-default}; do
+    for config in ${PROFILE_CONFIGS:-llama3-8b:1:bf16 llama3-8b:1:fp8}; do
+      tag=profile_${config//[^A-Za-z0-9_]/_}; [ "$arm" = default ] || tag=${tag}_${arm//[^A-Za-z0-9_]/_}
+      (
+        case $arm in *=*) IFS=, read -ra vars <<< "$arm"; export "${vars[@]}";; esac
+        step "$tag" 200 python3 -m benchmarks.bench_profile --configs "$config" \
+          --batches ${PROFILE_BATCHES:-1 64} --json "$R/$tag.json"
+      )
+    done
   done
 }
 set_passes() {  # compiler passes off vs on, decode and the prefill of a 1024-token prompt, one process per preset
@@ -98,11 +105,18 @@ set_smollm2_kernels() {  # SmolLM2-135M's decode kernels at batch 1 / 8: its fou
     --head-dim 64 --batches 1 8 --contexts 128 1024 --json "$R/smollm2_attention.json"
 }
 set_tp() {  # two GPUs: all-reduce kernels, then 8B TP=1/TP=2 and 70B TP=2 decode, sync and async
-  step tp 570 python3 -m benchmarks.bench_tp --json "$R/tp.json"
+  set_tp_allreduce
+  set_tp_decode
+}
+set_tp_allreduce() {  # two GPUs: the all-reduce kinds per message size, the all-reduce + add + norm per decode shape
+  step tp_allreduce 150 python3 -m benchmarks.bench_tp --parts allreduce --json "$R/tp_allreduce.json"
+}
+set_tp_decode() {  # two GPUs: 8B TP=1/TP=2 and 70B TP=2 decode at batch 1/8/64, sync and async, beside the floors
+  step tp_decode 570 python3 -m benchmarks.bench_tp --parts decode --budget-s 540 --json "$R/tp_decode.json"
 }
 set_tp_moe() {  # two GPUs: Qwen3-30B-A3B decode on one GPU, over two with experts split, and expert-parallel
-  step tp_moe 570 python3 -m benchmarks.bench_tp --parts decode --configs qwen3-30b-a3b:1 qwen3-30b-a3b:2 \
-    qwen3-30b-a3b:2:ep --batches 1 8 64 --json "$R/tp_moe.json"
+  step tp_moe 570 python3 -m benchmarks.bench_tp --parts decode --budget-s 540 --configs qwen3-30b-a3b:1 \
+    qwen3-30b-a3b:2 qwen3-30b-a3b:2:ep --batches 1 8 64 --json "$R/tp_moe.json"
 }
 set_exact_sizes() {  # -O2's exact-size artifacts against the range artifact, one process, arms alternated
   step exact_sizes 300 python3 -m benchmarks.bench_exact_sizes --rounds 2 --budget-s 270 --json "$R/exact_sizes.json"

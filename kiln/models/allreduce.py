@@ -35,7 +35,9 @@ MODES = ("auto", "nccl", "one_shot", "two_shot")
 @dataclass(frozen=True)
 class AllReducePolicy:
     """Which all-reduce serves a message of n bytes. `auto`: one-shot up to `one_shot_max_bytes`, then
-    two-shot up to `two_shot_max_bytes`, NCCL above.
+    two-shot up to `two_shot_max_bytes`, NCCL above. Where the all-reduce feeds a residual add + RMSNorm
+    (the allreduce_rmsnorm pass), messages up to `fused_norm_max_bytes` take the one-kernel form instead
+    (kiln/models/p2p_norm.py), whatever the plain all-reduce would have been.
 
     Thresholds from benchmarks/bench_tp.py on 2 H200s (NVLink, torch 2.11, bf16, per call replayed from a
     CUDA graph): NCCL 11.3 / 11.9 / 12.3 / 14.9 / 19.0 us at 8 / 32 / 128 / 512 / 1024 KB, one-shot
@@ -44,21 +46,23 @@ class AllReducePolicy:
     mode: str = "auto"
     one_shot_max_bytes: int = 256 << 10
     two_shot_max_bytes: int = 1 << 20
+    fused_norm_max_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"KILN_TP_ALLREDUCE must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.one_shot_max_bytes < 0 or self.two_shot_max_bytes < 0:
+        if min(self.one_shot_max_bytes, self.two_shot_max_bytes, self.fused_norm_max_bytes) < 0:
             raise ValueError("all-reduce byte thresholds must be >= 0")
 
     @classmethod
     def from_env(cls) -> AllReducePolicy:
         """KILN_TP_ALLREDUCE (auto|nccl|one_shot|two_shot), KILN_TP_ONE_SHOT_MAX_BYTES,
-        KILN_TP_TWO_SHOT_MAX_BYTES."""
+        KILN_TP_TWO_SHOT_MAX_BYTES, KILN_TP_FUSED_NORM_MAX_BYTES."""
         default = cls()
         return cls(os.environ.get("KILN_TP_ALLREDUCE", default.mode),
                    int(os.environ.get("KILN_TP_ONE_SHOT_MAX_BYTES", default.one_shot_max_bytes)),
-                   int(os.environ.get("KILN_TP_TWO_SHOT_MAX_BYTES", default.two_shot_max_bytes)))
+                   int(os.environ.get("KILN_TP_TWO_SHOT_MAX_BYTES", default.two_shot_max_bytes)),
+                   int(os.environ.get("KILN_TP_FUSED_NORM_MAX_BYTES", default.fused_norm_max_bytes)))
 
     @property
     def buffer_bytes(self) -> int:
@@ -93,9 +97,9 @@ class P2PAllReduce:
             warnings.simplefilter("ignore")
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 symm_mem.enable_symm_mem_for_group(self.group_name)
-        # after the bytes torch's kernels use, two halves of a one-shot message each for the fused add + norm
-        # kernel (p2p_norm.py), which alternates between them and no other kernel touches
-        self.norm_half_bytes = policy.one_shot_max_bytes if policy.mode in ("auto", "one_shot") else 0
+        # after the bytes torch's kernels use, two halves of the largest fused message each for the fused add +
+        # norm kernel (p2p_norm.py), which alternates between them and no other kernel touches
+        self.norm_half_bytes = policy.fused_norm_max_bytes if policy.mode in ("auto", "one_shot") else 0
         self.buffer = symm_mem.empty(policy.buffer_bytes + 2 * self.norm_half_bytes, dtype=torch.uint8,
                                      device=device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
@@ -124,9 +128,9 @@ class P2PAllReduce:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(all_reduce(x) + residual), all_reduce(x) + residual) in one kernel (p2p_norm.py) for a
-        one-shot-sized [T, N] message of at most `norm_max_rows` rows; None elsewhere (two steps then)."""
+        [T, N] message of at most `norm_half_bytes` and `norm_max_rows` rows; None elsewhere (two steps then)."""
         if (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or x.shape[1] % 16
-                or self.kind_for(x) != "one_shot" or x.shape[0] > self.norm_max_rows
+                or self.kind_for(x) == "nccl" or x.shape[0] > self.norm_max_rows
                 or x.numel() * x.element_size() > self.norm_half_bytes):
             return None
         from kiln.models.p2p_norm import p2p_add_rms_norm

@@ -43,7 +43,7 @@ def _rank(rank: int, port: int, results: dict) -> None:
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
         name = dist.group.WORLD.group_name
-        comm = P2PAllReduce(dist.group.WORLD, AllReducePolicy("one_shot", 1 << 20, 1 << 20), device)
+        comm = P2PAllReduce(dist.group.WORLD, AllReducePolicy("one_shot", 1 << 20, 1 << 20, 1 << 20), device)
         for dtype in (torch.bfloat16, torch.float32):
             for numel in (8, 4096, 64 * 4096, 256 * 1024):
                 if numel * dtype.itemsize > 1 << 20:
@@ -110,7 +110,7 @@ def _check_chain(outs: list[tuple[torch.Tensor, torch.Tensor]], xs: list[torch.T
 def _check_fused_kernel(comm, name: str, device: torch.device) -> None:
     """The one-kernel all-reduce + add + norm (kiln/models/p2p_norm.py), eagerly and replayed from a CUDA
     graph with new inputs: sums exact, norms as the reference's."""
-    for rows, n in ((1, 8192), (8, 4096), (32, 4096)):
+    for rows, n in ((1, 8192), (8, 4096), (32, 4096), (64, 4096), (64, 8192)):  # up to 1 MB, the bound given
         xs = [torch.randn(rows, n, device=device, dtype=torch.bfloat16) for _ in range(3)]
         start = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
         weight = torch.rand(n, device=device, dtype=torch.bfloat16) + 0.5
