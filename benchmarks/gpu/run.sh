@@ -226,10 +226,10 @@ set_spec_tests() {  # the speculative-decoding GPU tests (greedy equality with g
   step spec_tests 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_spec_decode_gpu.py
 }
 set_tests() {  # the GPU tests (GPU_TESTS: a subset, pytest's arguments split at spaces; in a -k expression write " or " as
-  # "_or_", e.g. -k residual_or_dispatch)
+  # "_or_", e.g. -k residual_or_dispatch; GPU_TESTS_S: the step's bound, default 500 s)
   local args=() word
   for word in ${GPU_TESTS:-tests/gpu}; do args+=("${word//_or_/ or }"); done
-  step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfE "${args[@]}"
+  step gpu_tests "${GPU_TESTS_S:-500}" python3 -m pytest -q -p no:cacheprovider -rfE "${args[@]}"
 }
 
 BUDGET=570
