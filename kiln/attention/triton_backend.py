@@ -164,10 +164,11 @@ class TritonAttentionBackend(AttentionBackend):
         # fewer than ~32 do not pay for the extra launch, bench_attention.py --mixed)
         self.mixed_decode_min = int(os.environ.get("KILN_MIXED_DECODE_MIN", "32"))
         # decode launch: BLOCK_N keys per tile, warps, pipeline stages, the program waves the split count
-        # aims for and the fewest tiles a split takes (benchmarks/bench_attention.py --sweep measures the
-        # alternatives)
+        # aims for, the waves of (request, KV head) programs from which a decode takes one split (no merge),
+        # and the fewest tiles a split takes (benchmarks/bench_attention.py --sweep measures the alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
-                               waves=2, min_tiles=1)
+                               waves=2, one_split_waves=int(os.environ.get("KILN_DECODE_ONE_SPLIT_WAVES", "2")),
+                               min_tiles=1)
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -187,9 +188,11 @@ class TritonAttentionBackend(AttentionBackend):
                     num_stages=stages)
 
     def num_splits(self, num_reqs: int) -> int:
-        """Enough (request, kv_head, split) programs for the configured waves; a function of the request
-        count only."""
+        """Enough (request, kv_head, split) programs for the configured waves, one split once the requests'
+        programs alone fill `one_split_waves` waves; a function of the request count only."""
         programs = max(1, num_reqs * self.layout.num_kv_heads)
+        if programs >= self.decode_cfg["one_split_waves"] * self.num_sms:
+            return 1
         return max(1, min(_MAX_SPLITS, triton.cdiv(self.decode_cfg["waves"] * self.num_sms, programs)))
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
