@@ -82,7 +82,7 @@ def time_step(backend: AttentionBackend, tensors: tuple[torch.Tensor, ...], comm
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(2, 8), one_split_waves=(1, 2),
+SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(2, 8), one_split_waves=(1, 1.5, 2),
              min_tiles=(1, 2, 4))
 
 

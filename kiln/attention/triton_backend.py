@@ -167,7 +167,7 @@ class TritonAttentionBackend(AttentionBackend):
         # aims for, the waves of (request, KV head) programs from which a decode takes one split (no merge),
         # and the fewest tiles a split takes (benchmarks/bench_attention.py --sweep measures the alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
-                               waves=2, one_split_waves=int(os.environ.get("KILN_DECODE_ONE_SPLIT_WAVES", "2")),
+                               waves=2, one_split_waves=float(os.environ.get("KILN_DECODE_ONE_SPLIT_WAVES", "1.5")),
                                min_tiles=1)
 
     def _prefill_config(self) -> dict[str, int]:
@@ -189,7 +189,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def num_splits(self, num_reqs: int) -> int:
         """Enough (request, kv_head, split) programs for the configured waves, one split once the requests'
-        programs alone fill `one_split_waves` waves; a function of the request count only."""
+        programs alone fill `one_split_waves` waves; a function of the request count only.
+
+        Why 1.5: at 256 programs on 132 SMs (Llama-3-8B's 8 KV heads at batch 32, a 4-KV-head layout at 64)
+        one split ran 6-21% faster than two at 160-4096 keys, with no merge kernel; at 132-136 programs it was
+        up to 3% slower at 1024 keys and at 192 even (bench_attention --sweep --vary one_split_waves, H200,
+        2026-12-04): past ~1.5 waves a second split no longer shortens the programs' last wave."""
         programs = max(1, num_reqs * self.layout.num_kv_heads)
         if programs >= self.decode_cfg["one_split_waves"] * self.num_sms:
             return 1

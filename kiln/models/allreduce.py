@@ -41,12 +41,15 @@ class AllReducePolicy:
 
     Thresholds from benchmarks/bench_tp.py on 2 H200s (NVLink, torch 2.11, bf16, per call replayed from a
     CUDA graph): NCCL 11.3 / 11.9 / 12.3 / 14.9 / 19.0 us at 8 / 32 / 128 / 512 / 1024 KB, one-shot
-    6.8 / 6.9 / 8.0 / 11.1 / 14.8, two-shot 8.8 / 9.7 / 9.9 / 10.5 / 13.2; every sum equal to NCCL's."""
+    6.8 / 6.9 / 8.0 / 11.1 / 14.8, two-shot 8.8 / 9.7 / 9.9 / 10.5 / 13.2; every sum equal to NCCL's. The one
+    kernel for all-reduce + add + RMSNorm against kiln's all-reduce then the add + norm (2 H200s, 2026-12-04,
+    `bench_tp.py --parts allreduce`): 5.1 / 5.4 / 6.9 / 9.0 us against 8.8 / 9.0 / 12.9 / 16.2 at 8 / 64 / 512 /
+    1024 KB, hence its bound of 1 MB (Llama-3-8B at batch 64, 70B at 64 over two ranks)."""
 
     mode: str = "auto"
     one_shot_max_bytes: int = 256 << 10
     two_shot_max_bytes: int = 1 << 20
-    fused_norm_max_bytes: int = 256 << 10
+    fused_norm_max_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -142,8 +142,8 @@ def test_decode_without_splits_and_odd_shapes() -> None:
     batch = make_batch(batch_q, ctx, 6, 2, 80, torch.float32, DEVICE, seed=3)
     backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
     assert backend.num_splits(40) == 4 and backend.num_splits(200) == 1
-    # one split once the requests' programs fill `one_split_waves` waves of the (here 132) SMs
-    assert [backend.num_splits(n) for n in (65, 66, 131, 132)] == [3, 2, 2, 1]
+    # one split once the requests' programs fill `one_split_waves` (1.5) waves of the (here 132) SMs
+    assert [backend.num_splits(n) for n in (65, 66, 98, 99, 132)] == [3, 2, 2, 1, 1]
     backend.decode_cfg["one_split_waves"] = 1
     assert [backend.num_splits(n) for n in (40, 65, 66)] == [4, 3, 1]
     backend.num_splits = lambda n: 1  # type: ignore[method-assign]

@@ -24,9 +24,9 @@ def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KILN_TP_ALLREDUCE", "auto")
     monkeypatch.setenv("KILN_TP_ONE_SHOT_MAX_BYTES", "4096")
     monkeypatch.setenv("KILN_TP_TWO_SHOT_MAX_BYTES", "0")
-    assert AllReducePolicy.from_env() == AllReducePolicy("auto", 4096, 0, 256 << 10)
-    monkeypatch.setenv("KILN_TP_FUSED_NORM_MAX_BYTES", str(1 << 20))
-    assert AllReducePolicy.from_env().fused_norm_max_bytes == 1 << 20
+    assert AllReducePolicy.from_env() == AllReducePolicy("auto", 4096, 0, 1 << 20)
+    monkeypatch.setenv("KILN_TP_FUSED_NORM_MAX_BYTES", str(256 << 10))
+    assert AllReducePolicy.from_env().fused_norm_max_bytes == 256 << 10
     monkeypatch.setenv("KILN_TP_ALLREDUCE", "multimem")
     with pytest.raises(ValueError, match="KILN_TP_ALLREDUCE"):
         AllReducePolicy.from_env()
