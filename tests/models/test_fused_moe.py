@@ -188,5 +188,11 @@ def same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tenso
 def test_config_table_and_rule() -> None:
     assert heuristic(128, 8, 1).block_m == 1 and heuristic(128, 8, 64).block_m == 16
     assert heuristic(128, 8, 4096).block_m == 64
-    # a shape the table does not hold takes the rule
+    # a shape the table does not hold takes its nearest tuned shape (same K, top-k, dtype), else the rule
     assert pick_config(7, 24, 40, 2, 3, torch.float32) == heuristic(7, 2, 3)
+    for tokens in (1, 8, 64, 3000):  # expert parallel over 2 ranks: Qwen3-30B-A3B's 128 experts' entry
+        assert pick_config(64, 768, 2048, 8, tokens, torch.bfloat16) == \
+            pick_config(128, 768, 2048, 8, tokens, torch.bfloat16)
+    assert pick_config(64, 768, 2048, 8, 1, torch.bfloat16).block_m > 1  # the grouped kernels, not the rule's
+    # the nearest N wins over the nearest E: split over 2 ranks and expert parallel over 2 more
+    assert pick_config(64, 384, 2048, 8, 8, torch.bfloat16) == pick_config(128, 384, 2048, 8, 8, torch.bfloat16)
