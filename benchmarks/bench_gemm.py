@@ -348,7 +348,7 @@ def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
 
 
 def mid_m(args: argparse.Namespace) -> dict[str, Any]:
-    shapes = projection_shapes(args.preset)
+    shapes = projection_shapes(args.preset, args.tp)
     shapes["lm_head"] = (PRESETS[args.preset]["hidden_size"], PRESETS[args.preset]["vocab_size"])
     layers = PRESETS[args.preset]["num_hidden_layers"]
     peak = measure_ceilings().matmul_flops_per_s if args.device == "cuda" else None
@@ -394,7 +394,7 @@ def host_cost(args: argparse.Namespace) -> dict[str, Any]:
 
     device = args.device
     ms = args.m or list(default_capture_sizes(256))
-    shapes = projection_shapes(args.preset)
+    shapes = projection_shapes(args.preset, args.tp)
     ws = {proj: torch.randn(n, k, dtype=torch.bfloat16, device=device) / k ** 0.5 for proj, (n, k) in shapes.items()}
     xs = {m: {proj: torch.randn(m, k, dtype=torch.bfloat16, device=device) for proj, (_, k) in shapes.items()}
           for m in ms}
@@ -436,7 +436,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--m", type=int, nargs="+", default=None,
                         help="token counts (default: 1..64 for small-m, 256 128 192 64 for mid-m)")
-    parser.add_argument("--tp", type=int, default=1, help="small-m: also one rank's shards at this TP (bf16 only)")
+    parser.add_argument("--tp", type=int, default=1, help="also one rank's shards at this TP (small-m: bf16 only)")
     parser.add_argument("--projections", nargs="+", choices=["qkv", "o", "gate_up", "down"], default=None,
                         help="small-m: only these projections")
     parser.add_argument("--budget-s", type=float, default=300.0, help="no new shape or autotune after this")
