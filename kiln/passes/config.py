@@ -111,12 +111,13 @@ class PassConfig:
 
     @classmethod
     def from_compilation(cls, config: Any) -> PassConfig:
-        """From a resolved CompilationConfig: nothing unless passes are enabled, else the explicit list or
-        the level's defaults."""
+        """From a resolved CompilationConfig: nothing unless passes are enabled, else its list (resolve() has
+        put the level's defaults for the device and model kind there)."""
         if not getattr(config, "enable_passes", False):
             return cls()
-        names = config.passes if config.passes is not None else level_defaults(config.level)
-        return cls.from_names(tuple(names))
+        if config.passes is None:
+            raise ValueError("PassConfig.from_compilation needs a resolved CompilationConfig (passes is None)")
+        return cls.from_names(tuple(config.passes))
 
     @property
     def enabled(self) -> tuple[str, ...]:

@@ -224,19 +224,26 @@ def test_kiln_passes_replaces_the_levels_defaults_for_an_ab(monkeypatch: pytest.
     """KILN_PASSES (an A/B at default settings) stands in for the level's set; an explicit `passes=` still wins."""
     from types import SimpleNamespace
 
+    from kiln import config as kiln_config
     from kiln.passes.config import LEVEL_DEFAULTS
 
-    level_two = SimpleNamespace(enable_passes=True, passes=None, level=2)
-    assert PassConfig.from_compilation(level_two) == PassConfig.from_names(LEVEL_DEFAULTS[2])
+    monkeypatch.setattr(kiln_config, "pdl_enabled", lambda device: False)  # no CUDA query on a CPU machine
+
+    def level_two(**kwargs) -> PassConfig:  # a GPU's -O2, resolved as the worker resolves it
+        resolved = kiln_config.CompilationConfig(level=2, **kwargs).resolve(torch.device("cuda"), 8192)
+        return PassConfig.from_compilation(resolved)
+
+    assert level_two() == PassConfig.from_names(LEVEL_DEFAULTS[2])
     monkeypatch.setenv("KILN_PASSES", "qkv_rope+gate_up_silu_mul")
-    assert PassConfig.from_compilation(level_two).enabled == ("qkv_rope", "gate_up_silu_mul")
-    assert PassConfig.from_compilation(SimpleNamespace(enable_passes=True, passes=("noop",), level=2)).enabled == \
-        ("noop",)
+    assert level_two().enabled == ("qkv_rope", "gate_up_silu_mul")
+    assert level_two(passes=("noop",)).enabled == ("noop",)
     monkeypatch.setenv("KILN_PASSES", "")
-    assert PassConfig.from_compilation(level_two).enabled == ()
+    assert level_two().enabled == ()
     monkeypatch.setenv("KILN_PASSES", "qkv_rope,fast")
     with pytest.raises(ValueError, match="unknown compiler pass 'fast'"):
-        PassConfig.from_compilation(level_two)
+        level_two()
+    with pytest.raises(ValueError, match="resolved"):  # an unresolved config names no list
+        PassConfig.from_compilation(SimpleNamespace(enable_passes=True, passes=None, level=2))
 
 
 @pytest.mark.slow
