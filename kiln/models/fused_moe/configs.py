@@ -1,13 +1,13 @@
 """Launch configurations of the fused MoE kernels: a table tuned on the H200, its nearest shape, else a rule.
 
 The table (configs/h200.json, written by benchmarks/tune_fused_moe.py) maps a layer shape, "E=..,N=..,K=..,
-top_k=..,dtype=..", with N the per-rank expert intermediate size and K the hidden size, to configs per token
-count bucket; the smallest bucket >= the step's token count serves it (the largest where none is). A shape the
-table does not hold takes the nearest one it does of the same hidden size, top-k and dtype (the nearest N, then
-the nearest E): expert parallelism's 64 experts a rank at Qwen3-30B-A3B's layer took the rule instead, whose pair
-kernels the sweep had timed at 68.7 us a layer against 29.6 for the table's grouped config at one token, and
-decoded at 5.23 ms a step against 2.71 with each expert split (2x H200, 2026-12-04). Only a shape with no such
-neighbour takes the rule. A config with block_m == 1 selects the pair kernels (no sorting; decode). Chosen per
+top_k=..,dtype=..", with N the per-rank expert intermediate size and K the hidden size, to configs per token count
+bucket; the smallest bucket >= the step's token count serves it (the largest where none is). A shape the table does
+not hold takes the nearest one it does of the same hidden size, top-k and dtype (the nearest N, then the nearest E):
+expert parallelism's 64 experts a rank at Qwen3-30B-A3B's layer took the rule instead, whose pair kernels the sweep
+had timed at 68.7 us a layer against 29.6 for the table's grouped config at one token, and decoded at 5.23 ms a step
+against 2.71 with each expert split (2x H200, 2026-12-04; the step itself not yet profiled). Only a shape with no
+such neighbour takes the rule. A config with block_m == 1 selects the pair kernels (no sorting; decode). Chosen per
 call from the real token count, never autotuned at run time: the op runs inside CUDA graphs and compiled pieces,
 where a first-call benchmark would be captured or would cost start-up time.
 """
