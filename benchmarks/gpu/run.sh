@@ -90,6 +90,9 @@ set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and
       --json "$R/gemm_${preset//[^A-Za-z0-9_]/_}.json"
   done
 }
+set_argmax() {  # the greedy argmax: ATen's against kiln's split-row kernel per row count and vocabulary
+  step argmax 120 python3 -m benchmarks.bench_argmax --json "$R/argmax.json"
+}
 set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS and kiln's small-M kernel, every tile config
   step gemm_moe 200 python3 -m benchmarks.bench_gemm --part small-m --preset qwen3-30b-a3b --projections qkv o \
     --m 1 8 --json "$R/gemm_moe.json"

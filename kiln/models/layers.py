@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.models import dense_gemm
+from kiln.models.greedy_argmax import row_max
 from kiln.models.parallel import all_reduce, tp_rank, tp_size
 from kiln.models.quant.fp8 import FP8_DTYPE, Fp8Scheme, fp8_linear, quantize_weight
 
@@ -218,7 +219,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight)
         if self.start + self.per_rank > self.vocab_size:  # padding rows of the last rank never win
             logits[..., max(self.vocab_size - self.start, 0):] = float("-inf")
-        value, index = logits.max(dim=-1)
+        value, index = row_max(logits)
         if tp_size() == 1:
             return index
         from kiln.models.parallel import argmax_across_ranks

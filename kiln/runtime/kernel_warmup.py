@@ -190,9 +190,10 @@ def run_attention(backend: Any, decode_sizes: Iterable[int], block_table_width: 
     return launches
 
 
-def run_unpack(device: torch.device) -> int:
-    """The kernel a step runs before the model: the inputs' unpacking, with and without pending tokens. ->
-    launches."""
+def run_step_kernels(device: torch.device, logits_dtype: torch.dtype) -> int:
+    """The kernels a step runs around the model: the inputs' unpacking, with and without pending tokens, and the
+    greedy rows' argmax (one compiled kernel for every vocabulary up to 256K). -> launches."""
+    from kiln.models.greedy_argmax_triton import row_max_triton
     from kiln.runtime.input_upload import ORDER, Counts, device_dtype
     from kiln.runtime.input_upload_triton import unpack_triton
 
@@ -202,7 +203,8 @@ def run_unpack(device: torch.device) -> int:
     staged = torch.zeros(counts.total, dtype=torch.int32, device=device)
     for sampled in (None, torch.zeros(1, dtype=torch.int64, device=device)):
         unpack_triton(staged, arrays, counts, sampled)
-    return 2
+    row_max_triton(torch.zeros(1, 8, dtype=logits_dtype, device=device))
+    return 3
 
 
 @dataclass(frozen=True)
@@ -218,12 +220,12 @@ class WarmupPlan:
     device: str
     moe: tuple[MoeShape, ...] = ()  # expert layers, run at `sizes` tokens
     epilogues: tuple[EpilogueShape, ...] = ()  # GEMMs with an epilogue, run at `sizes` tokens
-    unpack: bool = False  # on CUDA: the kernel that unpacks a step's inputs (run_unpack)
+    step_kernels: bool = False  # on CUDA: the kernels a step runs around the model (run_step_kernels)
 
     @property
     def empty(self) -> bool:
         return (not self.gemms and self.attention is None and not self.moe and not self.epilogues
-                and not self.unpack)
+                and not self.step_kernels)
 
 
 def run_plan(plan: WarmupPlan) -> int:
@@ -239,8 +241,8 @@ def run_plan(plan: WarmupPlan) -> int:
         if plan.attention is not None:
             launches += run_attention(plan.attention(plan.layout, device), plan.decode_sizes,
                                       plan.block_table_width)
-        if plan.unpack:
-            launches += run_unpack(device)
+        if plan.step_kernels:
+            launches += run_step_kernels(device, plan.layout.dtype)
     return launches
 
 

@@ -19,13 +19,14 @@ from kiln.runtime.kernel_warmup import (
     run_epilogues,
     run_gemms,
     run_moe,
-    run_unpack,
+    run_step_kernels,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-# the plan runs the unpacking of a step's inputs (run_unpack: with and without pending tokens) on CUDA only
-UNPACKS = 2 if DEVICE.type == "cuda" else 0
+# the plan runs the kernels around a step's model (run_step_kernels: the inputs' unpacking with and without pending
+# tokens, the greedy argmax) on CUDA only
+STEP_KERNELS = 3 if DEVICE.type == "cuda" else 0
 
 
 def test_attention_warmup_runs_one_batch_per_split_count_and_one_prefill() -> None:
@@ -110,7 +111,7 @@ def test_the_warmup_process_runs_the_plan() -> None:
     warmup = KernelWarmup(model, backend, sizes, sizes, 16)
     assert warmup.plan.attention is TritonAttentionBackend and warmup._future is not None
     warmup.join()
-    expected = len({backend.num_splits(n) for n in sizes}) + 1 + run_gemms(gemm_shapes(model), sizes) + UNPACKS
+    expected = len({backend.num_splits(n) for n in sizes}) + 1 + run_gemms(gemm_shapes(model), sizes) + STEP_KERNELS
     assert warmup.launches == expected
     processes = warmup._pool.processes
     assert len(processes) == 1 and processes[0].exitcode == 0  # it ran there and exited once told to
@@ -128,9 +129,10 @@ def test_a_tensor_parallel_worker_warms_up_on_a_thread(monkeypatch) -> None:
     warmup = KernelWarmup(model, backend, [1, 2, 8], [1, 2, 8], 16)
     assert isinstance(warmup._pool, ThreadPoolExecutor)
     warmup.join()
-    assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1 + UNPACKS
+    assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1 + STEP_KERNELS
 
 
-def test_the_unpacking_compiles_with_and_without_pending_tokens() -> None:
-    """The inputs' unpacking with and without pending tokens, once each (the interpreter on the CPU)."""
-    assert run_unpack(DEVICE) == 2
+def test_the_step_kernels_compile() -> None:
+    """The inputs' unpacking with and without pending tokens, then the argmax, once each (the interpreter on the
+    CPU)."""
+    assert run_step_kernels(DEVICE, torch.float32) == 3
