@@ -1,7 +1,6 @@
 """Regenerates kiln/models/fused_moe/configs/h200.json: the fused MoE kernels' launch configuration per layer
 shape and token-count bucket, the fastest of a small candidate set on this GPU (the op's Triton path on random
-routing, timed inside a CUDA graph as kiln runs it, weight copies rotated so that none is served from L2): first one
-config shared by both kernels, then the down kernel's own tiles beside the best of those.
+routing, timed inside a CUDA graph as kiln runs it, weight copies rotated so that none is served from L2).
 
     python -m benchmarks.tune_fused_moe --out kiln/models/fused_moe/configs/h200.json   # Qwen3-30B-A3B shape
     python -m benchmarks.tune_fused_moe --shape 8,14336,4096,2 --out mixtral.json        # E,N,K,top_k
@@ -16,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,11 +30,6 @@ GROUPED_CANDIDATES = [MoeKernelConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                       ((16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
                        (32, 64, 64, 4, 4), (32, 128, 64, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3),
                        (64, 128, 64, 4, 4), (128, 128, 64, 8, 3))]
-
-
-# the down kernel's own (block_n, block_k, warps, stages), tried once the pair of kernels has its best shared config
-DOWN_CANDIDATES = ((32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3),
-                   (128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3))
 
 
 def candidates(tokens: int, top_k: int, num_experts: int) -> list[MoeKernelConfig]:
@@ -90,21 +83,12 @@ def main() -> None:
                 print(f"  {bucket} {config}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         if not timings:
             continue
-        shared = best = min(timings, key=timings.get)
-        for down in DOWN_CANDIDATES:
-            config = replace(shared, down=down)
-            try:
-                timings[config] = time_config(x, weights, tw, ids, config)
-            except Exception as exc:  # noqa: BLE001 - as above
-                print(f"  {bucket} down {down}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         best = min(timings, key=timings.get)
         rule = heuristic(num_experts, top_k, bucket)
         rule_us = timings.get(rule) or time_config(x, weights, tw, ids, rule)
         chosen[str(bucket)] = best.to_json()
-        rows.append([bucket, str(tuple(best.to_json().values())), timings[best], timings[shared], rule_us,
-                     rule_us / timings[best]])
-        print(f"tokens {bucket}: best {best} {timings[best]:.1f} us (one shared config {timings[shared]:.1f} us, "
-              f"rule {rule_us:.1f} us)", flush=True)
+        rows.append([bucket, str(tuple(best.to_json().values())), timings[best], rule_us, rule_us / timings[best]])
+        print(f"tokens {bucket}: best {best} {timings[best]:.1f} us (rule {rule_us:.1f} us)", flush=True)
     out = Path(args.out)
     table_json = json.loads(out.read_text()) if out.is_file() else {}
     configs = table_json.setdefault("configs", {})
@@ -115,8 +99,7 @@ def main() -> None:
     table_json["source"] = f"{source}; other buckets: {previous}" if previous and len(chosen) < len(BUCKETS) else source
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table_json, indent=1) + "\n")
-    print(table(["tokens", "best (bm, bn, bk, warps, stages[, down])", "best us", "shared config us", "rule us",
-                 "rule / best"], rows))
+    print(table(["tokens", "best (bm, bn, bk, warps, stages)", "best us", "rule us", "rule / best"], rows))
 
 
 main()

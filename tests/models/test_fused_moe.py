@@ -65,8 +65,6 @@ def test_reference_is_the_dense_formula() -> None:
     (37, 8, 2, MoeKernelConfig(16, 32, 32), True),
     (37, 6, 4, MoeKernelConfig(32, 16, 16), False),
     (1000, 8, 5, MoeKernelConfig(64, 32, 32), True),  # 5000 pairs: the torch layout (align.py)
-    (1, 8, 2, MoeKernelConfig(1, 16, 32, down=(32, 16, 4, 2)), True),  # the down kernel's own tiles
-    (37, 8, 2, MoeKernelConfig(16, 32, 32, down=(16, 64, 4, 2)), True),
 ])
 def test_kernels_match_reference(tokens: int, experts: int, top_k: int, config: MoeKernelConfig,
                                  remote: bool) -> None:

@@ -34,21 +34,9 @@ class MoeKernelConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # the down kernel's (block_n, block_k, num_warps, num_stages) where they differ from the gate/up kernel's: its
-    # K is the intermediate size and its N the hidden size, so the two GEMMs' best tiles differ (block_m is shared:
-    # both kernels walk the same layout)
-    down: tuple[int, int, int, int] | None = None
 
-    def __post_init__(self) -> None:
-        if self.down is not None:  # a JSON list, hashable like the rest
-            object.__setattr__(self, "down", tuple(self.down))
-
-    def down_kernel(self) -> MoeKernelConfig:
-        """The down kernel's launch configuration."""
-        return self if self.down is None else MoeKernelConfig(self.block_m, *self.down)
-
-    def to_json(self) -> dict[str, int | list[int]]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
 
 
 def shape_key(num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype) -> str:

@@ -220,17 +220,15 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if num_tokens == 0:
         return x.new_empty((0, top_k, hidden))
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    down = config.down_kernel()
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
-    down_launch = dict(launch, num_warps=down.num_warps, num_stages=down.num_stages)
     if config.block_m == 1:
         y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # every row written, zeros included
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, config.block_n))](
             x, w13, ws13, ids, h, hidden, inter, num_experts, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
             TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
-        _pair_down_kernel[(num_pairs, triton.cdiv(hidden, down.block_n))](
+        _pair_down_kernel[(num_pairs, triton.cdiv(hidden, config.block_n))](
             h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
-            y.stride(0), BLOCK_N=down.block_n, BLOCK_K=down.block_k, SCALED=scaled, **down_launch)
+            y.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
         return y.view(num_tokens, top_k, hidden)
     pair_blocks = num_tokens <= PAIR_BLOCK_TOKENS
     if pair_blocks:  # block j = pair j, its expert from the ids
@@ -247,8 +245,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         BLOCK_K=config.block_k, SCALED=scaled, **layout, **launch)
     # both layouts leave out pairs routed to another rank's experts: only then must their rows be zeroed
     y = (torch.zeros if remote_experts else torch.empty)((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _grouped_down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
+    _grouped_down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
         h, w2, ws2, tw, sorted_pairs, block_expert, ids, y, num_pairs, hidden, inter, num_experts, h.stride(0),
-        w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=config.block_m, BLOCK_N=down.block_n,
-        BLOCK_K=down.block_k, SCALED=scaled, **layout, **down_launch)
+        w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, SCALED=scaled, **layout, **launch)
     return y.view(num_tokens, top_k, hidden)
