@@ -2,7 +2,8 @@
 
 Each reproduces the model's casts: in bf16/fp16 a norm's `x.to(dtype)` and `weight * x` round to the
 model dtype before RoPE reads the value back in fp32, exactly as the unfused graph does. Last-dim stride
-1 is required of every tensor (the ops' callers guarantee it or copy); other strides are passed in.
+1 is required of every tensor (the ops' callers guarantee it or copy); other strides are passed in. Each takes
+part in programmatic dependent launch (kiln/models/pdl.py) like the step's other Triton kernels.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kiln.models.pdl import pdl_launch, pdl_start
 
 
 @triton.jit
@@ -23,12 +26,14 @@ def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_ou
                       cache_ptr, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kot, s_koh, s_vot, s_voh, s_cs,
                       s_cb, s_ckv, s_cp, s_ch, num_q_heads, eps, k_scale, v_scale,
                       HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-                      NORM: tl.constexpr, TO_CACHE: tl.constexpr, KV_FP8: tl.constexpr, V_OUT: tl.constexpr = False):
+                      NORM: tl.constexpr, TO_CACHE: tl.constexpr, KV_FP8: tl.constexpr, V_OUT: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     """One program per (token, head) over q heads then k heads: [norm,] rotate, store q' / (k', v) -> cache.
 
     KV_FP8: the cache is e4m3; k' (rounded to the model dtype first, as the unfused path does) and v are
     stored as clamp(x / scale, +-448) (kiln/models/kv_quant.py). V_OUT (without the cache): a k head's program
     also copies the token's v head to v_out (a contiguous v, as the model's v.contiguous() makes)."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -125,14 +130,16 @@ def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
         cos_sin_cache.stride(0), *kv_strides,
         num_q_heads, eps, float(k_scale), float(v_scale), HEAD_DIM=head_dim, HALF=half,
         BLOCK=triton.next_power_of_2(half), PAGE=cache.shape[2] if to_cache else 1, NORM=norm, TO_CACHE=to_cache,
-        KV_FP8=to_cache and cache.dtype == torch.float8_e4m3fn, V_OUT=vo is not q_out, num_warps=1)
+        KV_FP8=to_cache and cache.dtype == torch.float8_e4m3fn, V_OUT=vo is not q_out, num_warps=1,
+        **pdl_launch(q.device))
     return q_out, k_out
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, s_x, s_r, s_o, s_s, n, eps,
-                         BLOCK: tl.constexpr, ADD: tl.constexpr):
+                         BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False):
     """One program per row, the whole row in registers: one read of x (and r), one write of each output."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -163,12 +170,14 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(rows,)](x, r, weight, out, s, x.stride(0), r.stride(0), out.stride(0), s.stride(0), n, eps,
                                   BLOCK=block, ADD=residual is not None,
-                                  num_warps=min(16, max(1, block // 256)))
+                                  num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device))
     return out, summed
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, ROUND_ACT: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, ROUND_ACT: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < n
@@ -191,14 +200,16 @@ def silu_and_mul_triton(x: torch.Tensor, round_act: bool = True) -> torch.Tensor
     if rows:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
-                                                        ROUND_ACT=round_act, num_warps=4)
+                                                        ROUND_ACT=round_act, num_warps=4, **pdl_launch(x.device))
     return out.reshape(*lead, n)
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, s_x, s_q, n, fp8_max, min_scale, BLOCK: tl.constexpr):
+def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, s_x, s_q, n, fp8_max, min_scale, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """One program per row, the whole row in registers: gate and up read once, the e4m3 row and its scale
     written once (the unfused graph reads the SiLU-mul's inputs twice: once for the amax, once to quantize)."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -224,5 +235,5 @@ def silu_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         block = triton.next_power_of_2(n)
         _silu_mul_quant_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE, BLOCK=block,
-                                        num_warps=min(16, max(4, block // 512)))
+                                        num_warps=min(16, max(4, block // 512)), **pdl_launch(x.device))
     return q, scale

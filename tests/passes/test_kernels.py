@@ -114,7 +114,8 @@ def compile_rope_for_hopper(kv_fp8: bool) -> None:
 
     from kiln.passes import kernels as K
 
-    const = {"HEAD_DIM": 128, "HALF": 64, "BLOCK": 64, "PAGE": 16, "NORM": True, "TO_CACHE": True, "KV_FP8": kv_fp8}
+    const = {"HEAD_DIM": 128, "HALF": 64, "BLOCK": 64, "PAGE": 16, "NORM": True, "TO_CACHE": True, "KV_FP8": kv_fp8,
+             "PDL": True}
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": "*fp32",
                 "cache_ptr": "*fp8e4nv" if kv_fp8 else "*bf16"}
     signature = {}
