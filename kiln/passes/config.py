@@ -40,11 +40,15 @@ CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_si
 # 16.73 ms without them, 3.15 / 8.85 / 16.74 with gemm_add_rmsnorm<=16 (the o projection's; Inductor's kernel
 # summing the experts' rows into the residual then took ~20 us a layer at batch 8), 3.13 / 9.00 / 16.89 with both
 # (one H200, 2026-12-04, `007735e`).
-# silu_mul_quant (FP8 models, 8B on the H200): decode 1.00x at batch 1 and 64, prefill 0.92x.
+# silu_mul_quant (FP8 models only: the SiLU-mul and the down projection's activation quantization as one Triton
+# program a row, where Inductor made three kernels at decode sizes) at decode sizes: one H200, 2026-12-04, FP8 8B
+# two rounds of one process per arm, 2.933 / 2.922 -> 2.895 / 2.894 ms at batch 1, 3.000 / 3.004 -> 2.968 / 2.973 at
+# batch 8 (its kernel in programmatic dependent launch; before PDL it measured 1.00x, and 0.92x at prefill, so it
+# stays out of the range above 16).
 # On the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
 # as it was, noop changes nothing; on CPU rope_kv and noop are slower. rope_kv's GPU measurement needs
 # the flashinfer backend (`bench_passes --backend flashinfer`, and `--kernels` for the kernel alone).
-_DECODE_EPILOGUES = ("gemm_add_rmsnorm<=16", "gate_up_silu_mul<=16")
+_DECODE_EPILOGUES = ("gemm_add_rmsnorm<=16", "gate_up_silu_mul<=16", "silu_mul_quant<=16")
 LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
     0: (),
     1: (),
@@ -56,11 +60,12 @@ LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
 def level_defaults(level: int, on_gpu: bool = True, mixture_of_experts: bool = False) -> tuple[str, ...]:
     """The level's default passes, or those KILN_PASSES names (separated by "," or "+"; empty: none): an A/B of a
     pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key.
-    Off a GPU, without the CUDA-only ones; for a mixture of experts, without the decode-size epilogues."""
+    Off a GPU, without the CUDA-only ones; off a GPU and for a mixture of experts, without the decode-size epilogues
+    (whose bound would cut a CPU's one compile range in two)."""
     names = os.environ.get("KILN_PASSES")
     if names is None:
         chosen = LEVEL_DEFAULTS.get(level, ())
-        if mixture_of_experts:
+        if mixture_of_experts or not on_gpu:
             chosen = tuple(n for n in chosen if n not in _DECODE_EPILOGUES)
     else:
         chosen = tuple(n.strip() for n in re.split(r"[,+]", names) if n.strip())
