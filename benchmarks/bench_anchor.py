@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import PROMPT_LEN, decode_step_bytes, measure_ceilings, stamp, table
+from benchmarks.common import PROMPT_LEN, decode_step_bytes, eager_seconds, measure_ceilings, stamp, table
 
 
 @dataclass(frozen=True)
@@ -144,14 +143,7 @@ def decode_ms(model: AnchorLlama, batch: int, start: int, steps: int, compiled: 
         tokens = compiled(tokens, positions).argmax(-1)
         positions.add_(1)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e3
+    return eager_seconds(step, steps, warmup=3) * 1e3
 
 
 def main() -> None:

@@ -9,24 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
-from benchmarks.common import graphed_microseconds, stamp, table
+from benchmarks.common import eager_seconds, graphed_microseconds, stamp, table
 from kiln.models.greedy_argmax_triton import row_max_triton
 
 VOCABS = {"smollm2-135m": 49152, "llama3-8b": 128256, "qwen3-30b-a3b": 151936}
-
-
-def eager_microseconds(fn, calls: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def measure(model: str, vocab: int, rows: int) -> dict:
@@ -35,8 +24,8 @@ def measure(model: str, vocab: int, rows: int) -> dict:
     return {"model": model, "vocab": vocab, "rows": rows,
             "aten_us": graphed_microseconds(lambda i: logits.argmax(dim=-1)),
             "kiln_us": graphed_microseconds(lambda i: row_max_triton(logits)),
-            "aten_eager_us": eager_microseconds(lambda: logits.argmax(dim=-1)),
-            "kiln_eager_us": eager_microseconds(lambda: row_max_triton(logits))}
+            "aten_eager_us": eager_seconds(lambda: logits.argmax(dim=-1), 200) * 1e6,
+            "kiln_eager_us": eager_seconds(lambda: row_max_triton(logits), 200) * 1e6}
 
 
 def main() -> None:

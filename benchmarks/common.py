@@ -329,6 +329,19 @@ class StackSampler:
         return "\n".join(lines)
 
 
+def eager_seconds(fn: Callable[[], object], calls: int, warmup: int = 1) -> float:
+    """Wall time of one fn() call launched eagerly, back to back (the host's launch cost included), after `warmup`
+    untimed calls; the device is synchronized before and after."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
 def graphed_microseconds(fn: Callable[[int], object], calls: int = 10, replays: int = 3) -> float:
     """GPU time of one fn(i) call, i = 0..calls-1 captured into one CUDA graph and replayed: what the call costs
     inside kiln's graphed steps, without the host's launch overhead. fn(0) runs first (compiles, allocations)."""

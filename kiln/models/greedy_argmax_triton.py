@@ -13,7 +13,9 @@ CHUNK = 4096  # logits a program reads: ~32 programs for a 128K vocabulary (wide
 SLICES = 64  # slices a row's last program compares: one compiled kernel for every vocabulary up to 256K
 _NO_ID = 2**31 - 1
 
-_tickets: dict[torch.device, torch.Tensor] = {}  # per device, a zeroed int32 counter per row, reset by its user
+# per device, a zeroed int32 counter per row, reset by the row's last program: launches on one device must not run
+# at once (kiln runs a step's kernels on one stream)
+_tickets: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
