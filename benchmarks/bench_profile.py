@@ -58,17 +58,25 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def critical_us(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
-    """The busy time each kernel adds to one stream's chain. With programmatic dependent launch a kernel's span
-    starts before its predecessor ends (its programs wait on the device), so spans overlap and their sum exceeds
-    the busy time. Here every busy instant is charged to the next kernel to complete: in completion order, a kernel
-    gets the busy time between the previous completion and its own. The charges sum to the busy time."""
+    """The busy time each kernel adds to one stream's chain, summed by name (`charges`)."""
+    charged: dict[str, float] = {}
+    for name, busy in charges(kernels):
+        charged[name] = charged.get(name, 0.0) + busy
+    return charged
+
+
+def charges(kernels: list[tuple[float, float, str]]) -> list[tuple[str, float]]:
+    """(name, us) of each kernel in completion order: the busy time it adds to one stream's chain. With programmatic
+    dependent launch a kernel's span starts before its predecessor ends (its programs wait on the device), so spans
+    overlap and their sum exceeds the busy time. Here every busy instant is charged to the next kernel to complete:
+    a kernel gets the busy time between the previous completion and its own. The charges sum to the busy time."""
     merged: list[list[float]] = []
     for start, stop in sorted((k[0], k[1]) for k in kernels):
         if merged and start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], stop)
         else:
             merged.append([start, stop])
-    charged: dict[str, float] = {}
+    charged: list[tuple[str, float]] = []
     end, j = float("-inf"), 0
     for _, stop, name in sorted(kernels, key=lambda k: k[1]):
         busy = 0.0
@@ -78,9 +86,26 @@ def critical_us(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
             if merged[j][1] > stop:
                 break
             j += 1
-        charged[name] = charged.get(name, 0.0) + busy
+        charged.append((name, busy))
         end = max(end, stop)
     return charged
+
+
+def layer_chain(charged: list[tuple[str, float]], repeats: int = 3, longest: int = 64) -> list[dict[str, Any]]:
+    """One decoder layer's kernels in completion order (from wherever the layer pattern is first met after the
+    profile's middle), each with its charge averaged over `repeats` layers: the shortest period of kernel names that
+    repeats `repeats` times. Empty when no period up to `longest` kernels repeats."""
+    names = [name for name, _ in charged]
+    mid = len(names) // 2
+    for period in range(2, longest + 1):
+        for start in range(mid, mid + longest):
+            window = names[start: start + repeats * period]
+            if len(window) == repeats * period and all(window[i] == window[i + period]
+                                                       for i in range(len(window) - period)):
+                return [{"kernel": names[start + i][:70],
+                         "us": sum(charged[start + i + r * period][1] for r in range(repeats)) / repeats}
+                        for i in range(period)]
+    return []
 
 
 def gaps(kernels: list[tuple[float, float, str]], steps: int, min_us: float = 2.0) -> dict[str, Any]:
@@ -170,7 +195,7 @@ def profile_steps(engine: Any, steps: int, sync: Any, trace_path: str | None, ho
             shutil.copyfileobj(src, dst)
         os.remove(trace_path)
     return {"step_ms": step_ms, "gpu_busy_ms": busy, "idle_ms": step_ms - busy, "host": host_rows,
-            "kernels_per_step": len(kernels) / steps, "gaps": idle,
+            "kernels_per_step": len(kernels) / steps, "gaps": idle, "layer_chain": layer_chain(charges(spans)),
             "by_kind_ms": {k: v / steps / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "critical_by_kind_ms": {k: v / steps / 1e3 for k, v in sorted(critical_by_kind.items(),
                                                                            key=lambda kv: -kv[1])},
@@ -267,6 +292,10 @@ def main() -> None:
              *(row["critical_by_kind_ms"].get(k, 0.0) for k, _ in KINDS), row["critical_by_kind_ms"].get("other", 0.0)]
             for r in results if "rows" in r for row in r["rows"]]
     print(table(["config", "batch", "step ms", "GPU busy", "idle", *(k for k, _ in KINDS), "other"], rows))
+    for r in results:  # one layer's kernels in order, each with the busy time it adds (us)
+        for row in r.get("rows", []):
+            chain = " -> ".join(f"{k['kernel'][:40]} {k['us']:.1f}" for k in row.get("layer_chain", []))
+            print(f"{r['model']} tp{r['tp']} {r['quant']} batch {row['batch']} layer: {chain or '(no repeat found)'}")
 
 
 if __name__ == "__main__":

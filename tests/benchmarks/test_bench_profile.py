@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_profile import busy_us, critical_us
+from benchmarks.bench_profile import busy_us, charges, critical_us, layer_chain
 
 
 def test_overlapping_spans_are_charged_from_the_previous_completion() -> None:
@@ -22,3 +22,15 @@ def test_repeated_kernels_add_up_by_name_and_nested_spans_cost_nothing() -> None
     # copy ends inside gemm's span, before it: the busy time up to its completion (0-3) is its; gemm's from 3
     assert critical_us(spans) == {"copy": 3.0, "gemm": 2.0 + 4.0, "norm": 3.0}
     assert sum(critical_us(spans).values()) == pytest.approx(busy_us([(s, e) for s, e, _ in spans]))
+
+
+def test_a_layer_chain_is_the_repeating_period_of_kernel_names() -> None:
+    # a step: embed, then 6 layers of (norm, gemm, attn), then the head; charges 1, 2 + layer, 3 per kind
+    names = ["embed"] + [n for _ in range(6) for n in ("norm", "gemm", "attn")] + ["head"]
+    charged = [(name, {"norm": 1.0, "gemm": 2.0, "attn": 3.0}.get(name, 9.0)) for name in names]
+    chain = layer_chain(charged * 2)  # two steps: the middle is the second step's embed, its layers follow
+    assert [k["kernel"] for k in chain] in (["norm", "gemm", "attn"], ["gemm", "attn", "norm"],
+                                            ["attn", "norm", "gemm"])
+    assert {k["kernel"]: k["us"] for k in chain} == {"norm": 1.0, "gemm": 2.0, "attn": 3.0}
+    assert layer_chain([("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 1.0)]) == []  # nothing repeats
+    assert [n for n, _ in charges([(0.0, 2.0, "x"), (1.0, 5.0, "y")])] == ["x", "y"]
