@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from benchmarks.common import decode_floor_seconds, decode_step_seconds, measure_ceilings, stamp, table
+from benchmarks.common import decode_floor_seconds, decode_step_seconds, eager_seconds, measure_ceilings, stamp, table
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(MULTICAST_OFF)
@@ -151,14 +151,7 @@ CALLS_PER_GRAPH = 10
 
 
 def _timed_eager(fn: Callable[[], Any], device: str) -> float:
-    repeats = 50 if device == "cuda" else 3
-    fn()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - start) / repeats
+    return eager_seconds(fn, 50 if device == "cuda" else 3, device=device)
 
 
 def _timed_graph(fn: Callable[[], Any], repeats: int = 30) -> float:
@@ -179,11 +172,6 @@ def _timed_graph(fn: Callable[[], Any], repeats: int = 30) -> float:
         graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats / CALLS_PER_GRAPH
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _rank(rank: int, port: int, device_kind: str, out_path: str) -> None:

@@ -329,16 +329,18 @@ class StackSampler:
         return "\n".join(lines)
 
 
-def eager_seconds(fn: Callable[[], object], calls: int, warmup: int = 1) -> float:
+def eager_seconds(fn: Callable[[], object], calls: int, warmup: int = 1, device: str = "cuda") -> float:
     """Wall time of one fn() call launched eagerly, back to back (the host's launch cost included), after `warmup`
-    untimed calls; the device is synchronized before and after."""
+    untimed calls; a CUDA device is synchronized before and after."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls
 
 
