@@ -35,6 +35,7 @@ from benchmarks.common import (
     Ceilings,
     decode_floor_seconds,
     decode_step_seconds,
+    decode_step_timing,
     measure_ceilings,
     no_ceilings,
     offline_requests,
@@ -97,7 +98,7 @@ def cmd_decode(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
         steps = {}
         for overlap in ASYNC_MODES[args.async_scheduling]:
             rt.engine.async_scheduling = overlap  # switchable between steps: an A/B on one compiled runtime
-            steps.update({(batch, overlap): decode_step_seconds(rt.engine, batch) for batch in args.batches})
+            steps.update({(batch, overlap): decode_step_timing(rt.engine, batch) for batch in args.batches})
         floors = {batch: decode_floor_seconds(rt, batch, ceil) for batch in args.batches}
         del rt
         torch.cuda.empty_cache()
@@ -106,17 +107,19 @@ def cmd_decode(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
             bytes_floor, compute_floor = floors[batch]
             hf = hf_decode_tokens_per_s(hf_net, batch) if hf_net is not None else float("nan")
             for overlap in ASYNC_MODES[args.async_scheduling]:
-                step = steps[batch, overlap]
+                step, host = steps[batch, overlap]
                 rows.append(dict(model=model, batch=batch, backend=args.backend, async_scheduling=overlap,
-                                 step_ms=step * 1e3, tokens_per_s=batch / step,
+                                 step_ms=step * 1e3, host_ms=host * 1e3, tokens_per_s=batch / step,
                                  floor_ms=max(bytes_floor, compute_floor) * 1e3,
                                  x_floor=step / max(bytes_floor, compute_floor), hf_tokens_per_s=hf,
                                  x_hf=(batch / step) / hf if hf == hf else float("nan")))
                 print(rows[-1], flush=True)
         del hf_net
         torch.cuda.empty_cache()
-    print(table(["model", "batch", "backend", "async", "step ms", "tok/s", "floor ms", "x floor", "HF tok/s", "x HF"],
-                [[r["model"], r["batch"], r["backend"], r["async_scheduling"], r["step_ms"], r["tokens_per_s"],
+    print(table(["model", "batch", "backend", "async", "step ms", "host ms", "tok/s", "floor ms", "x floor", "HF tok/s",
+                 "x HF"],
+                [[r["model"], r["batch"], r["backend"], r["async_scheduling"], r["step_ms"], r["host_ms"],
+                  r["tokens_per_s"],
                   r["floor_ms"], r["x_floor"], r["hf_tokens_per_s"], r["x_hf"]] for r in rows]))
     return rows
 

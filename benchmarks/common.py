@@ -8,6 +8,7 @@ Every entry point imports from here (and from kiln); nothing here imports an ent
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import platform
 import random
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -136,20 +137,50 @@ def start_decoding(engine: Any, batch: int, prompt_len: int, max_tokens: int) ->
 
 def decode_step_seconds(engine: Any, batch: int, prompt_len: int = PROMPT_LEN, steps: int = 32) -> float:
     """Mean time of one engine step while `batch` requests decode (random prompts of `prompt_len` tokens)."""
+    return decode_step_timing(engine, batch, prompt_len, steps)[0]
+
+
+def decode_step_timing(engine: Any, batch: int, prompt_len: int = PROMPT_LEN, steps: int = 32) -> tuple[float, float]:
+    """(mean step, mean host time a step not spent waiting for the device's tokens), seconds, while `batch`
+    requests decode. With overlapped scheduling a step is device-bound while the second is below the first; where
+    they meet, the host's own work sets the step."""
     start_decoding(engine, batch, prompt_len, max_tokens=steps + 12)
     # Mean over back-to-back steps, synchronised only around the whole run: a sync before every step would
     # hide what overlapped scheduling overlaps (the host work of one step with the GPU work of the last).
     for _ in range(2):
         engine.step()
     sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    elapsed = time.perf_counter() - start
+    with device_waits() as waits:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        host_end = time.perf_counter()
+        sync()
+        elapsed = time.perf_counter() - start
     while engine.has_unfinished():
         engine.step()
-    return elapsed / steps
+    return elapsed / steps, (host_end - start - sum(waits)) / steps
+
+
+@contextlib.contextmanager
+def device_waits() -> Iterator[list[float]]:
+    """The seconds each wait of the engine for a step's tokens (kiln.runtime.async_step.DeviceEvent) took while
+    inside: the host's idle time on the device."""
+    from kiln.runtime.async_step import DeviceEvent
+
+    waits: list[float] = []
+    untimed = DeviceEvent.synchronize
+
+    def timed(event: DeviceEvent) -> None:
+        start = time.perf_counter()
+        untimed(event)
+        waits.append(time.perf_counter() - start)
+
+    DeviceEvent.synchronize = timed  # type: ignore[method-assign]
+    try:
+        yield waits
+    finally:
+        DeviceEvent.synchronize = untimed  # type: ignore[method-assign]
 
 
 def sync() -> None:
