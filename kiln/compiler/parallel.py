@@ -3,7 +3,8 @@
 Each compile depends only on the piece's graph, its CompileKey and the Inductor options (fakes.py gives
 it fake inputs of its own), so compiles can run anywhere: a worker receives the pickled piece (FX graph
 modules pickle as their code), its inputs' layouts as `fakes.input_specs`, the key and the config patches
-(the post-grad hook pickles as its pass configuration, kiln/passes/manager.py), compiles with
+(the post-grad hook pickles as its pass configuration, kiln/passes/manager.py; the nodes' module records travel
+beside the piece, node_meta.py), compiles with
 `standalone_compile` and returns the artifact in Inductor's binary format. The parent loads those bytes
 (and saves them to the compile cache, which it alone writes, under its lock), exactly as it loads a cached
 artifact, so a parallel start and a warm start run the same code.
@@ -222,9 +223,11 @@ class CompilePool:
     def _task(self, gm: fx.GraphModule, specs: list[Any] | None = None) -> bytes | None:
         if id(gm) not in self._tasks:
             from kiln.compiler.fakes import input_specs
+            from kiln.compiler.node_meta import module_stacks
 
             try:
-                self._tasks[id(gm)] = pickle.dumps((gm, specs if specs is not None else input_specs(gm)))
+                self._tasks[id(gm)] = pickle.dumps((gm, specs if specs is not None else input_specs(gm),
+                                                    module_stacks(gm)))
             except Exception as exc:  # noqa: BLE001 - compile it here
                 logger.info("piece cannot be sent to a compile worker (%s); compiling it here", exc)
                 self._tasks[id(gm)] = None
@@ -300,9 +303,11 @@ def _compile_in_worker(task: bytes, key: CompileKey, symbol: sympy.Symbol | None
     from kiln.cache.store import artifact_to_bytes
     from kiln.compiler.fakes import fake_inputs
     from kiln.compiler.inductor import compile_graph
+    from kiln.compiler.node_meta import restore_module_stacks
     from kiln.passes.context import compiling
 
-    gm, specs = pickle.loads(task)  # noqa: S301 - from our parent process
+    gm, specs, stacks = pickle.loads(task)  # noqa: S301 - from our parent process
+    restore_module_stacks(gm, stacks)  # the passes that find model modules by it
     patches = pickle.loads(patches_blob)  # noqa: S301
     hook = patches.get("post_grad_custom_post_pass")
     start = time.perf_counter()

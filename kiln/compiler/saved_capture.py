@@ -4,8 +4,9 @@ What a warm start needs besides the compiled artifacts is exactly what the trace
 graph (its generated code and the attention pieces; compiled pieces are replaced by their artifacts),
 which piece input carries the token count, and each graph input's source expression with the shape and
 dtype it had; and, for compiles after start-up (background.py), the token count's symbol and each distinct
-piece's input layouts (fakes.input_specs), which a piece loaded from here has no example values to give. FX
-graph modules pickle as their code, so this is small. Loading re-checks every input
+piece's input layouts (fakes.input_specs), which a piece loaded from here has no example values to give, and
+their nodes' module records (node_meta.py), which the pickle drops. FX graph modules pickle as their code, so
+this is small. Loading re-checks every input
 against the live model (parameters by shape and dtype); any mismatch, unreadable blob or missing
 artifact means "trace with Dynamo as usual", never a wrong graph.
 """
@@ -19,9 +20,10 @@ from typing import Any
 import torch
 from torch import fx
 
+from kiln.compiler.node_meta import module_stacks, restore_module_stacks
 from kiln.compiler.split import Piece, SplitGraph
 
-FORMAT = 2  # 2: the symbol and the pieces' input layouts
+FORMAT = 3  # 2: the symbol and the pieces' input layouts; 3: the pieces' module records (node_meta.py)
 
 
 @dataclass(frozen=True)
@@ -71,16 +73,22 @@ def describe_inputs(sources: list[str | None], example_inputs: list[Any], per_ca
 def dump(split_module: fx.GraphModule, pieces: list[PieceInfo], inputs: list[InputInfo], symbol: Any = None,
          piece_specs: dict[str, list[Any]] | None = None) -> bytes:
     """`split_module` must still hold its FX pieces (call before the compiled runners are installed)."""
+    stacks = {name: module_stacks(child) for name, child in split_module.named_children()
+              if isinstance(child, fx.GraphModule)}
     return pickle.dumps({"format": FORMAT, "torch": torch.__version__, "split": pickle.dumps(split_module),
-                         "pieces": pieces, "inputs": inputs, "symbol": symbol, "piece_specs": piece_specs or {}})
+                         "pieces": pieces, "inputs": inputs, "symbol": symbol, "piece_specs": piece_specs or {},
+                         "module_stacks": stacks})
 
 
 def load(blob: bytes) -> SavedCapture:
     data = pickle.loads(blob)  # noqa: S301 - our own cache file, checksummed by the store
     if data.get("format") != FORMAT or data.get("torch") != torch.__version__:
         raise ValueError(f"saved capture has format {data.get('format')} / torch {data.get('torch')}")
-    return SavedCapture(pickle.loads(data["split"]), data["pieces"], data["inputs"],  # noqa: S301
-                        data["symbol"], data["piece_specs"])
+    split_module = pickle.loads(data["split"])  # noqa: S301
+    for name, child in split_module.named_children():  # for the passes of compiles after start-up
+        if isinstance(child, fx.GraphModule):
+            restore_module_stacks(child, data["module_stacks"].get(name, {}))
+    return SavedCapture(split_module, data["pieces"], data["inputs"], data["symbol"], data["piece_specs"])
 
 
 def matches(info: InputInfo, value: Any) -> bool:

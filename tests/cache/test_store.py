@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln import Runtime, SamplingParams
 from kiln.cache import inductor_writes
@@ -170,6 +171,17 @@ def test_captured_graph_that_does_not_fit_the_model_is_not_used(cold: Runtime, c
         assert greedy(runtime) == greedy(cold)
     finally:
         path.write_bytes(original)
+
+
+def test_a_saved_capture_keeps_the_module_records(cold: Runtime, cache_dir: Path) -> None:
+    """The pickled pieces come back with their nodes' module records (kiln/compiler/node_meta.py), which post-grad
+    passes of compiles after start-up match the model's modules by: the rotary embedding's nodes among them."""
+    from kiln.compiler import saved_capture
+
+    saved = saved_capture.load(unpack(next(compile_root(cache_dir).rglob(CAPTURE)).read_bytes()))
+    records = [stack for child in saved.split_module.children() if isinstance(child, torch.fx.GraphModule)
+               for node in child.graph.nodes if (stack := node.meta.get("nn_module_stack"))]
+    assert any(cls == "kiln.models.layers.RotaryEmbedding" for stack in records for _, cls in stack.values())
 
 
 def test_disabled_cache_compiles(cold: Runtime, checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
