@@ -140,13 +140,7 @@ def shape_rows(proj: str, n: int, k: int, device: str, floor_bw: float, ms: tupl
 def m_rows(proj: str, m: int, w: list[torch.Tensor], quant: list[tuple[torch.Tensor, torch.Tensor]],
            floor_bw: float, errors: dict[str, str]) -> list[dict]:
     """One projection at M tokens: bf16, _scaled_mm, the heuristic's Triton config and every swept one."""
-    from kiln.models.quant.fp8_kernel import (
-        bf16_gemm_triton,
-        fp8_gemm_triton,
-        num_sms,
-        pick_config,
-        weight_only_gemm_triton,
-    )
+    from kiln.models.quant.fp8_kernel import bf16_gemm_triton, fp8_gemm_triton, num_sms, pick_config
 
     (n, k), dtype, device = w[0].shape, w[0].dtype, w[0].device.type
     x = torch.randn(m, k, device=device, dtype=dtype)
@@ -171,10 +165,6 @@ def m_rows(proj: str, m: int, w: list[torch.Tensor], quant: list[tuple[torch.Ten
             label = "triton_auto" if config is auto else "triton"
             record(label, asdict(config),
                    [lambda q=q, c=config: fp8_gemm_triton(xq, q[0], xs, q[1], dtype, c) for q in quant], n * k)
-        for config in [auto, *sweep_configs(m, n, k)]:  # weight-only: the activation as it is, no quantization
-            label = "w8a16_auto" if config is auto else "w8a16"
-            record(label, asdict(config),
-                   [lambda q=q, c=config: weight_only_gemm_triton(x, q[0], q[1], c) for q in quant], n * k)
     if device == "cuda":  # the same kernel on the bf16 weight, against cuBLAS's bf16 (the interpreter: no bf16)
         auto = pick_config(m, n, k, num_sms(x.device), 2)
         for config in [auto, *sweep_configs(m, n, k, candidate_bf16_tiles)]:
@@ -193,8 +183,6 @@ def summary(rows: list[dict]) -> list[dict]:
         best = min(swept, key=lambda r: r["us"]) if swept else None
         swept16 = [r for r in sel if r["kernel"].startswith("bf16triton")]
         best16 = min(swept16, key=lambda r: r["us"]) if swept16 else None
-        swept_w8 = [r for r in sel if r["kernel"].startswith("w8a16")]
-        best_w8 = min(swept_w8, key=lambda r: r["us"]) if swept_w8 else None
         nan = float("nan")
         out.append(dict(proj=key[0], M=key[1], bf16_us=by.get("bf16_mm", {}).get("us", nan),
                         bf16_triton_auto_us=by.get("bf16triton_auto", {}).get("us", nan),
@@ -204,9 +192,6 @@ def summary(rows: list[dict]) -> list[dict]:
                         auto_us=by.get("triton_auto", {}).get("us", nan),
                         best_us=best["us"] if best else nan, best_config=best["config"] if best else None,
                         best_gb_per_s=best["gb_per_s"] if best else nan,
-                        w8a16_auto_us=by.get("w8a16_auto", {}).get("us", nan),
-                        w8a16_best_us=best_w8["us"] if best_w8 else nan,
-                        w8a16_best_config=best_w8["config"] if best_w8 else None,
                         fp8_floor_us=next((r["floor_us"] for r in sel if r["kernel"] != "bf16_mm"), nan),
                         N=sel[0]["N"], K=sel[0]["K"]))
     return out
@@ -279,7 +264,7 @@ def step_totals(best: list[dict], layers: int) -> list[dict]:
             sel = [r for r in best if r["M"] == m and r["proj"].partition("/")[2] == shard]
             total = {key: sum(r[key] for r in sel) * layers / 1e3
                      for key in ("bf16_us", "bf16_triton_auto_us", "bf16_triton_best_us", "scaled_mm_us", "auto_us",
-                                 "best_us", "w8a16_auto_us", "w8a16_best_us", "fp8_floor_us")}
+                                 "best_us", "fp8_floor_us")}
             out.append(dict(shard=shard or "tp1", M=m, projections=len(sel),
                             **{k.replace("_us", "_ms"): v for k, v in total.items()}))
     return out
@@ -334,16 +319,10 @@ def print_kernels(kernels: dict[str, Any]) -> None:
                 [[r["proj"], r["M"], r["bf16_us"], r["bf16_triton_auto_us"], r["bf16_triton_best_us"],
                   cfg(r["bf16_triton_best_config"]), r["bf16_us"] / r["bf16_triton_best_us"]]
                  for r in kernels["summary"]]))
-    print(table(["proj", "M", "fp8 triton best us", "weight-only auto us", "weight-only best us", "best config",
-                 "weight-only best / fp8 best"],
-                [[r["proj"], r["M"], r["best_us"], r["w8a16_auto_us"], r["w8a16_best_us"],
-                  cfg(r["w8a16_best_config"]), r["w8a16_best_us"] / r["best_us"]] for r in kernels["summary"]]))
     print(table(["shard", "M", "projections", "bf16 ms/step", "triton bf16 auto", "triton bf16 best",
-                 "_scaled_mm ms/step", "triton auto ms/step", "triton best ms/step", "weight-only auto ms/step",
-                 "weight-only best ms/step", "fp8 floor ms/step"],
+                 "_scaled_mm ms/step", "triton auto ms/step", "triton best ms/step", "fp8 floor ms/step"],
                 [[r["shard"], r["M"], r["projections"], r["bf16_ms"], r["bf16_triton_auto_ms"],
-                  r["bf16_triton_best_ms"], r["scaled_mm_ms"], r["auto_ms"], r["best_ms"], r["w8a16_auto_ms"],
-                  r["w8a16_best_ms"], r["fp8_floor_ms"]]
+                  r["bf16_triton_best_ms"], r["scaled_mm_ms"], r["auto_ms"], r["best_ms"], r["fp8_floor_ms"]]
                  for r in kernels["step_totals"]]))
     print(kernels["suggested_tuned"])
 

@@ -3,7 +3,7 @@
 Run as its own process by tests/models/test_fp8_kernel.py: Triton must be imported with TRITON_INTERPRET
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
-    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1) [WEIGHT_ONLY(0|1)]
+    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1)
     python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|qkv_rope_fp8|rows|rows_fp8
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py)
 """
@@ -35,14 +35,14 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool) 
             "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl)}
 
 
-def fp8_gemm(block_m: int, split: bool, pdl: bool, weight_only: bool = False) -> dict:
+def fp8_gemm(block_m: int, split: bool, pdl: bool) -> dict:
     from kiln.models.quant.fp8_kernel import _fp8_gemm_kernel
 
-    pointers = {"x_ptr": "*bf16" if weight_only else "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32",
-                "ws_ptr": "*fp32", "out_ptr": "*fp32" if split else "*bf16"}
+    pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+                "out_ptr": "*fp32" if split else "*bf16"}
     return compile_sm90(_fp8_gemm_kernel, pointers, {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256,
-                                                     "SPLIT": split, "EVEN_K": True, "EVEN_N": True,
-                                                     "SCALED": not weight_only, "WEIGHT_ONLY": weight_only}, pdl)
+                                                     "SPLIT": split, "EVEN_K": True, "EVEN_N": True, "SCALED": True},
+                        pdl)
 
 
 def epilogue(name: str) -> dict:
@@ -71,6 +71,6 @@ def epilogue(name: str) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1].isdigit():
-        print(json.dumps(fp8_gemm(*(bool(int(a)) if i else int(a) for i, a in enumerate(sys.argv[1:])))))
+        print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])))))
     else:
         print(json.dumps(epilogue(sys.argv[1])))

@@ -234,35 +234,6 @@ def test_bf16_path_matches_a_float64_matmul(m: int, n: int, k: int, config: Fp8G
     torch.testing.assert_close(out.double(), want, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=1e-3)
 
 
-@pytest.mark.parametrize("m,n,k,config", [
-    (1, 96, 256, Fp8GemmConfig(64, 128, 1, 4, 2)),
-    (5, 70, 300, Fp8GemmConfig(32, 64, 3, 4, 2)),  # split-K (the reduce applies the scale), N and K off the tile
-    (17, 64, 128, Fp8GemmConfig(64, 64, 1, 4, 2)),
-])
-def test_weight_only_path_matches_the_dequantized_weight(m: int, n: int, k: int, config: Fp8GemmConfig) -> None:
-    """An e4m3 weight beside a 16-bit activation (weight-only FP8): x @ (w * scale)^T with the activation as it is,
-    against float64 on the dequantized weight (e4m3 values and the 16-bit activation are exact there)."""
-    from kiln.models.quant.fp8_kernel import weight_only_gemm_triton
-
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter mis-loads bf16 (above)
-    g = torch.Generator().manual_seed(m * 100 + n)
-    wq, ws = (t.to(DEVICE) for t in quantize_weight(torch.randn(n, k, generator=g) * 0.05))
-    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
-    out = weight_only_gemm_triton(x, wq, ws, config)
-    want = x.double() @ (wq.double() * ws.double().reshape(-1, 1)).t()
-    assert out.dtype == dtype and out.shape == (m, n)
-    torch.testing.assert_close(out.double(), want, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=1e-3)
-
-
-def test_weight_only_kernel_compiles_for_hopper_to_pipelined_bf16_wgmma() -> None:
-    """sm90: the e4m3 weight still streams through multi-stage async copies (its tile widened after the load) into
-    bf16 wgmma."""
-    ptx = sm90_ptx("16", "0", "1", "1")
-    assert ptx["wgmma"] and ptx["bf16"] and ptx["cp_async"] and ptx["e4m3"], ptx
-    assert ptx["shared"] >= 3 * (64 * 256 + 16 * 256 * 2), ptx  # several stages of an e4m3 W and a bf16 X tile
-    assert ptx["gdc_wait"] and ptx["launch_pdl"], ptx
-
-
 def test_cpu_fallback_without_rowwise_scaled_mm_matches_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.11's CPU _scaled_mm takes per-tensor scales only; the fallback (the same e4m3 products in fp32,
     scaled after) must give what the row-wise _scaled_mm gives where it exists."""

@@ -154,10 +154,9 @@ def num_sms(device: torch.device) -> int:
 @triton.jit
 def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s_xm, s_wn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               EVEN_N: tl.constexpr, SCALED: tl.constexpr, WEIGHT_ONLY: tl.constexpr = False):
+               EVEN_N: tl.constexpr, SCALED: tl.constexpr):
     """acc[BLOCK_N, BLOCK_M] = sum over [k_lo, k_lo + k_steps * BLOCK_K) of W[offs_n, k] * X[offs_m, k]: the
-    weight rows a program streams (any rows: the epilogue kernels pair them) against its tokens, past K masked.
-    SCALED: both operands e4m3; WEIGHT_ONLY: an e4m3 weight widened to the 16-bit activation's dtype."""
+    weight rows a program streams (any rows: the epilogue kernels pair them) against its tokens, past K masked."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * s_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + (k_lo + offs_k)[None, :]
@@ -174,8 +173,6 @@ def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s
             x_mask = m_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if WEIGHT_ONLY:  # e4m3 -> the activation's dtype is exact; the row's scale comes after the sum
-            w = w.to(x.dtype)
         if SCALED:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; promote to fp32 every 32 products
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=32)
         else:
@@ -190,8 +187,7 @@ def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr,
-                     WEIGHT_ONLY: tl.constexpr = False, PDL: tl.constexpr = False):
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
     are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
     pdl_start(PDL)
@@ -204,7 +200,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
     m_mask = offs_m < M
     # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
     acc = accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, pid_k * k_steps * BLOCK_K, k_steps, s_xm,
-                     s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED, WEIGHT_ONLY)
+                     s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED)
     out_mask = n_mask[:, None] & m_mask[None, :]
     out_offs = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     if SPLIT:
@@ -214,18 +210,14 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
         ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
         y = acc * xs[None, :] * ws[:, None]
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif WEIGHT_ONLY:
-        y = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-        tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # bf16 operands: no scales
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _split_k_reduce_kernel(p_ptr, xs_ptr, ws_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                           SCALED: tl.constexpr, WEIGHT_ONLY: tl.constexpr = False, PDL: tl.constexpr = False):
-    """out[m, n] = (sum over splits, in order, of partial[s, m, n]) * x_scale[m] * w_scale[n] (WEIGHT_ONLY: the
-    weight's scale alone)."""
+                           SCALED: tl.constexpr, PDL: tl.constexpr = False):
+    """out[m, n] = (sum over splits, in order, of partial[s, m, n]) * x_scale[m] * w_scale[n]."""
     pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
@@ -236,8 +228,6 @@ def _split_k_reduce_kernel(p_ptr, xs_ptr, ws_ptr, out_ptr, M, N, SPLIT_K: tl.con
         xs = tl.load(xs_ptr + offs // N, mask=mask, other=0.0)
         ws = tl.load(ws_ptr + offs % N, mask=mask, other=0.0)
         acc = acc * xs * ws
-    elif WEIGHT_ONLY:
-        acc = acc * tl.load(ws_ptr + offs % N, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -256,14 +246,6 @@ def bf16_gemm_triton(x: torch.Tensor, weight: torch.Tensor, config: Fp8GemmConfi
     """The same kernel on 16-bit operands without scales: x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype.
     Measured against cuBLAS by benchmarks/bench_gemm.py --part small-m (bf16 rows, TP-sharded shapes too)."""
     return _small_m_gemm(x, weight, None, None, x.dtype, config)
-
-
-def weight_only_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                            config: Fp8GemmConfig | None = None) -> torch.Tensor:
-    """The same kernel on a 16-bit activation and an e4m3 weight (weight-only FP8): x [M, K] @ (weight [N, K] *
-    weight_scale [N])^T -> [M, N] in x's dtype. Each weight tile is widened to x's dtype (exact) before the product
-    and the row's scale applied to the sum, so no activation is quantized."""
-    return _small_m_gemm(x, weight, None, weight_scale.reshape(-1).float().contiguous(), x.dtype, config)
 
 
 def check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -286,8 +268,8 @@ def launch_gemm(q: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tenso
                 target: torch.Tensor, config: Fp8GemmConfig, steps: tuple[int, int, bool],
                 pdl: dict[str, bool]) -> None:
     """One launch of the small-M kernel into `target`: out [M, N] in its dtype (scales applied), or fp32 partials
-    [splits, M, N] for a kernel after it to sum. `scales`: flat_scales' pair, None for 16-bit operands (an e4m3
-    weight beside a 16-bit activation reads the weight's alone); `steps`: split_k's for the config."""
+    [splits, M, N] for a kernel after it to sum. `scales`: flat_scales' pair, None for 16-bit operands; `steps`:
+    split_k's for the config."""
     m, k = q.shape
     n = weight.shape[0]
     split, k_steps, even_k = steps
@@ -296,16 +278,8 @@ def launch_gemm(q: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tenso
     _fp8_gemm_kernel[(triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))](
         q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n, BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=target.dim() == 3, EVEN_K=even_k,
-        EVEN_N=n % config.block_n == 0, **scale_mode(q, weight, scales), num_warps=config.num_warps,
+        EVEN_N=n % config.block_n == 0, SCALED=scales is not None, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl)
-
-
-def scale_mode(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
-               ) -> dict[str, bool]:
-    """The kernels' SCALED / WEIGHT_ONLY constexprs: e4m3 operands with both scales, or an e4m3 weight (its scale
-    alone) beside a 16-bit activation."""
-    weight_only = scales is not None and weight.element_size() < x.element_size()
-    return {"SCALED": scales is not None and not weight_only, "WEIGHT_ONLY": weight_only}
 
 
 def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -314,7 +288,7 @@ def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Ten
     shape's config does not split K), unscaled; the config is the one `_small_m_gemm` would pick, so the sums are
     the ones its output rounds. `scales`: flat_scales' pair for FP8 operands, None for 16-bit ones."""
     (m, k), n = x.shape, weight.shape[0]
-    config = config or pick_config(m, n, k, num_sms(x.device), weight.element_size())
+    config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
     steps = split_k(k, config, config.split_k)
     partials = torch.empty((steps[0], m, n), dtype=torch.float32, device=x.device)
     if m > 0:
@@ -328,19 +302,20 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     check_operands(q, weight)
     m, k = q.shape
     n = weight.shape[0]
-    config = config or pick_config(m, n, k, num_sms(q.device), weight.element_size())
+    config = config or pick_config(m, n, k, num_sms(q.device), q.element_size())
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return out
     steps = split_k(k, config, config.split_k)
     split = steps[0]
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
-    scales = None if weight_scale is None else (weight_scale if x_scale is None else x_scale, weight_scale)
+    scales = (x_scale, weight_scale) if x_scale is not None and weight_scale is not None else None
     pdl = pdl_launch(q.device)
     launch_gemm(q, weight, scales, target, config, steps, pdl)
     if split > 1:
         block = 1024
         xs, ws = scales if scales is not None else (out, out)  # unread without scales
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n, SPLIT_K=split, BLOCK=block,
-                                                             **scale_mode(q, weight, scales), num_warps=4, **pdl)
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
+                                                             SPLIT_K=split, BLOCK=block, SCALED=scales is not None,
+                                                             num_warps=4, **pdl)
     return out
