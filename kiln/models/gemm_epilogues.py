@@ -74,12 +74,11 @@ def _gate_up_silu_mul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn
 
 
 @triton.jit(do_not_specialize=["M"])
-def _qkv_rope_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, M, K, k_steps, s_xm, s_wn,
-                     s_cs, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _qkv_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, M, K, k_steps, s_xm, s_wn, s_cs,
+                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     SCALED: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (tile, m tile): head `head`'s dims d (BLOCK_N / 2 of its first half) and d + HEAD_DIM / 2. SCALED:
-    e4m3 operands, whose sums take the token's and the weight row's scales before they are rounded."""
+                     PDL: tl.constexpr = False):
+    """Program (tile, m tile): head `head`'s dims d (BLOCK_N / 2 of its first half) and d + HEAD_DIM / 2."""
     pdl_start(PDL)
     tiles = HEAD_DIM // BLOCK_N  # tiles per head
     head = tl.program_id(0) // tiles
@@ -90,9 +89,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = accumulate(x_ptr, w_ptr, offs_n, offs_n >= 0, offs_m, m_mask, K, 0, k_steps, s_xm, s_wn, BLOCK_M,
-                     BLOCK_N, BLOCK_K, EVEN_K, True, SCALED)
-    if SCALED:  # in the order kiln::fp8_gemm's kernel applies them
-        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :] * tl.load(ws_ptr + offs_n)[:, None]
+                     BLOCK_N, BLOCK_K, EVEN_K, True, False)
     dtype = q_ptr.dtype.element_ty
     x1, x2 = _halves(acc, dtype, BLOCK_N, BLOCK_M)
     rows_m = offs_m[None, :].to(tl.int64)
@@ -145,12 +142,10 @@ def gate_up_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
 
 
 def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                    num_heads: int, num_kv_heads: int, config: Fp8GemmConfig | None = None,
-                    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    num_heads: int, num_kv_heads: int,
+                    config: Fp8GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K], weight [(H + 2 Hkv) D, K] (q, k, v rows), positions [>= M], cos_sin_cache [P, D] (cos then sin)
-    -> (q [M, H, D], k [M, Hkv, D] rotated, v [M, Hkv, D]), contiguous, in out_dtype (default x's). `scales`: e4m3
-    operands' (x_scale [M, 1], weight_scale [N]), as kiln::fp8_gemm takes them."""
+    -> (q [M, H, D], k [M, Hkv, D] rotated, v [M, Hkv, D]), contiguous, in x's dtype."""
     check_operands(x, weight)
     m, k = x.shape
     head_dim = cos_sin_cache.shape[-1]
@@ -161,20 +156,18 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
     block_n = min(config.block_n, head_dim)  # a tile stays inside one head
     if not fits_a_tile(head_dim) or head_dim % block_n:
         raise ValueError(f"head_dim {head_dim}: not a power of two of at least 16, which the tiles need")
-    dtype = out_dtype or x.dtype
-    q = torch.empty((m, num_heads, head_dim), dtype=dtype, device=x.device)
-    k_out = torch.empty((m, num_kv_heads, head_dim), dtype=dtype, device=x.device)
+    q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    k_out = torch.empty((m, num_kv_heads, head_dim), dtype=x.dtype, device=x.device)
     v = torch.empty_like(k_out)
     if m == 0:
         return q, k_out, v
     _, k_steps, even_k = split_k(k, config, 1)  # the epilogue needs whole sums
     block_m = block_m_for(m)
-    xs, ws = flat_scales(*scales) if scales is not None else (q, q)  # unread without scales
     _qkv_rope_kernel[(n // block_n, triton.cdiv(m, block_m))](
-        x, weight, xs, ws, positions, cos_sin_cache, q, k_out, v, m, k, k_steps, x.stride(0), weight.stride(0),
+        x, weight, positions, cos_sin_cache, q, k_out, v, m, k, k_steps, x.stride(0), weight.stride(0),
         cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=config.block_k, EVEN_K=even_k, SCALED=scales is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
+        BLOCK_N=block_n, BLOCK_K=config.block_k, EVEN_K=even_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_launch(x.device))
     return q, k_out, v
 
 

@@ -77,7 +77,7 @@ class PassConfig:
     noop: bool = False
     rope_kv: bool = False
     qk_norm_rope: bool = False
-    qkv_rope: bool = False  # CUDA only: matches kiln::dense_gemm and kiln::fp8_gemm (post-grad since 2026-12-04)
+    qkv_rope: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm (post-grad since 2026-12-04)
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
     gemm_add_rmsnorm: bool = False  # CUDA only: matches kiln::dense_gemm and kiln::fp8_gemm
     add_rmsnorm: bool = False

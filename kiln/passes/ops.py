@@ -247,7 +247,7 @@ def _fp8_gemm_add_rms_norm_quant_fake(q, weight, x_scale, weight_scale, residual
             torch.empty_like(residual, memory_format=torch.contiguous_format))
 
 
-# -- the qkv GEMM with RoPE in its epilogue (no q/k norm) -------------------------------------------------------
+# -- the qkv GEMM with RoPE in its epilogue (16-bit weights, no q/k norm) --------------------------------------
 @torch.library.custom_op("kiln::qkv_rope", mutates_args=())
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
              num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -260,60 +260,26 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos
         from kiln.models.gemm_epilogues import qkv_rope_triton
 
         return qkv_rope_triton(x, weight, positions, cos_sin_cache, num_heads, num_kv_heads)
-    return _rotate_qkv(torch.mm(x, weight.t()), positions, cos_sin_cache, num_heads, num_kv_heads)
-
-
-@qkv_rope.register_fake
-def _qkv_rope_fake(x, weight, positions, cos_sin_cache, num_heads, num_kv_heads):
-    return _qkv_heads_like(x, x.dtype, cos_sin_cache.shape[-1], num_heads, num_kv_heads)
-
-
-@torch.library.custom_op("kiln::fp8_qkv_rope", mutates_args=())
-def fp8_qkv_rope(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
-                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kiln::qkv_rope for an FP8 projection (kiln::fp8_gemm's operands and out_dtype): up to the FP8 GEMM's
-    TRITON_MAX_M tokens its small-M kernel scales and rotates in the epilogue; above, kiln::fp8_gemm, then RoPE."""
-    from kiln.models.quant.fp8_gemm import fp8_gemm, use_triton_kernel
-
-    if use_triton_kernel(q):
-        from kiln.models.gemm_epilogues import qkv_rope_triton
-
-        return qkv_rope_triton(q, weight, positions, cos_sin_cache, num_heads, num_kv_heads,
-                               scales=(x_scale, weight_scale), out_dtype=out_dtype)
-    return _rotate_qkv(fp8_gemm(q, weight, x_scale, weight_scale, out_dtype), positions, cos_sin_cache, num_heads,
-                       num_kv_heads)
-
-
-@fp8_qkv_rope.register_fake
-def _fp8_qkv_rope_fake(q, weight, x_scale, weight_scale, positions, cos_sin_cache, num_heads, num_kv_heads,
-                       out_dtype):
-    return _qkv_heads_like(q, out_dtype, cos_sin_cache.shape[-1], num_heads, num_kv_heads)
-
-
-def _qkv_heads_like(x: torch.Tensor, dtype: torch.dtype, head_dim: int, num_heads: int,
-                    num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = x.shape[0]
-    return (x.new_empty((rows, num_heads, head_dim), dtype=dtype),
-            x.new_empty((rows, num_kv_heads, head_dim), dtype=dtype),
-            x.new_empty((rows, num_kv_heads, head_dim), dtype=dtype))
-
-
-def _rotate_qkv(y: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
-                num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The qkv GEMM's output [T, (H + 2 Hkv) D] -> q and k rotated, v copied: contiguous, as the fused kernel writes."""
     head_dim = cos_sin_cache.shape[-1]
-    q, k, v = y.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k, v = (t.reshape(y.shape[0], -1, head_dim) for t in (q, k, v))
-    positions = positions[: y.shape[0]]
+    q, k, v = torch.mm(x, weight.t()).split([num_heads * head_dim, num_kv_heads * head_dim,
+                                             num_kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(x.shape[0], -1, head_dim) for t in (q, k, v))
+    positions = positions[: x.shape[0]]
     v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # fresh, as the fake says
-    if _use_triton(y):  # one kernel rotates q and k and copies v, as Inductor's for the unfused graph does
+    if _use_triton(x):  # one kernel rotates q and k and copies v, as Inductor's for the unfused graph does
         from kiln.passes.kernels import norm_rope_triton
 
         q, k = norm_rope_triton(q, k, positions, cos_sin_cache, None, None, 0.0, v=v, v_out=v_out)
         return q, k, v_out
     q, k = norm_rope_ref(q, k, positions, cos_sin_cache, None, None, 0.0)
     return q.contiguous(), k.contiguous(), v_out.copy_(v)
+
+
+@qkv_rope.register_fake
+def _qkv_rope_fake(x, weight, positions, cos_sin_cache, num_heads, num_kv_heads):
+    head_dim = cos_sin_cache.shape[-1]
+    return (x.new_empty((x.shape[0], num_heads, head_dim)), x.new_empty((x.shape[0], num_kv_heads, head_dim)),
+            x.new_empty((x.shape[0], num_kv_heads, head_dim)))
 
 
 # -- SiLU-and-mul + FP8 per-token quantization ---------------------------------------------------------------

@@ -1,12 +1,11 @@
-"""RoPE in the qkv projection's epilogue (kiln::qkv_rope; FP8 weights: kiln::fp8_qkv_rope): on CUDA, models without
-q/k norms.
+"""RoPE in the qkv projection's epilogue (kiln::qkv_rope): 16-bit weights on CUDA, models without q/k norms.
 
 At decode sizes Inductor makes the rotation of q and k (and the copy that makes v contiguous for attention) one
 pointwise kernel between the qkv GEMM and attention: a kernel a layer that only waits for the GEMM. Matched in the
 post-grad graph, `rotary(positions, q, k)` where q, k (and v) are the heads of one `kiln::dense_gemm(x, W_qkv)`
-(or `kiln::fp8_gemm`) output split three ways becomes one op whose small-M kernel rotates in registers and writes
-q, k and v as contiguous tensors (kiln/models/gemm_epilogues.py); larger M runs the GEMM, then kiln's RoPE kernel,
-so the pass is meant for decode sizes (`qkv_rope<=16`), where the range above keeps Inductor's kernels. The rotation is
+output split three ways becomes one op whose small-M kernel rotates in registers and writes q, k and v as
+contiguous tensors (kiln/models/gemm_epilogues.py); larger M runs the GEMM, then kiln's RoPE kernel, so the pass
+is meant for decode sizes (`qkv_rope<=16`), where the range above keeps Inductor's kernels. The rotation is
 recognised as a call of the model's RotaryEmbedding by the module record the ATen nodes carry
 (kiln/passes/modules.py); rope_kv and qk_norm_rope, on the captured graph, take the rotations they match first
 (with the cache write, or with Qwen3's norms, which need a whole head's sum and so do not fit a tile of the
@@ -57,8 +56,7 @@ def _qkv_gemm(q: fx.Node, k: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] 
     if is_call(source, *_VIEWS) and single_user(source):  # type: ignore[arg-type]
         chain.append(source)  # type: ignore[arg-type]
         source = source.args[0]  # type: ignore[union-attr]
-    if not is_call(source, torch.ops.kiln.dense_gemm.default, torch.ops.kiln.fp8_gemm.default) \
-            or not single_user(source) or not is_call(v, *_VIEWS):
+    if not is_call(source, torch.ops.kiln.dense_gemm.default) or not single_user(source) or not is_call(v, *_VIEWS):
         return None
     copy = next(iter(v.users)) if single_user(v) else None
     if is_call(copy, aten.clone.default) and copy.kwargs.get("memory_format", torch.contiguous_format) \
@@ -73,10 +71,10 @@ class QKVRopePass(KilnPass):
 
     def apply_post_grad(self, graph: fx.Graph) -> int:
         import kiln.models.dense_gemm  # noqa: F401 - registers kiln::dense_gemm
-        import kiln.models.quant.fp8_gemm  # noqa: F401 - registers kiln::fp8_gemm
-        import kiln.passes.ops  # noqa: F401 - registers kiln::qkv_rope and kiln::fp8_qkv_rope
+        import kiln.passes.ops  # noqa: F401 - registers kiln::qkv_rope
         from kiln.models.gemm_epilogues import fits_a_tile  # imports triton: only where a pass runs
 
+        op = torch.ops.kiln.qkv_rope.default
         count = 0
         for rope in rope_calls(graph, with_norms=False):
             found = _qkv_gemm(rope.q, rope.k)
@@ -84,11 +82,7 @@ class QKVRopePass(KilnPass):
             if found is None or qv is None or kv is None or not fits_a_tile(qv.shape[-1]):
                 continue
             gemm, v, chain = found
-            heads = (rope.positions, rope.cos_sin_cache, qv.shape[1], kv.shape[1])
-            if is_call(gemm, torch.ops.kiln.dense_gemm.default):
-                op, args = torch.ops.kiln.qkv_rope.default, (*gemm.args[:2], *heads)
-            else:  # kiln::fp8_gemm(q, weight, x_scale, weight_scale, out_dtype)
-                op, args = torch.ops.kiln.fp8_qkv_rope.default, (*gemm.args[:4], *heads, gemm.args[4])
+            args = (gemm.args[0], gemm.args[1], rope.positions, rope.cos_sin_cache, qv.shape[1], kv.shape[1])
             with graph.inserting_before(rope.q_rot):  # after every input (positions among them), before every use
                 outs = call_outputs(graph, op, args, 3)
             for new, old in zip(outs, (rope.q_rot, rope.k_rot, v)):

@@ -4,7 +4,7 @@ Run as its own process by tests/models/test_fp8_kernel.py: Triton must be import
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
     python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1)
-    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|qkv_rope_fp8|rows|rows_fp8
+    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py)
 """
 
@@ -61,12 +61,10 @@ def epilogue(name: str) -> dict:
     if name == "gate_up":
         pointers = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr"), "*bf16")
         return compile_sm90(gemm_epilogues._gate_up_silu_mul_kernel, pointers, {**tile, "EVEN_N": True}, True)
-    fp8 = name == "qkv_rope_fp8"  # e4m3 operands (K steps of 128 e4m3) with their scales, bf16 out
-    pointers = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr"), "*bf16"), "pos_ptr": "*i64",
-                **dict.fromkeys(("cs_ptr", "xs_ptr", "ws_ptr"), "*fp32"),
-                **dict.fromkeys(("x_ptr", "w_ptr"), "*fp8e4nv" if fp8 else "*bf16")}
+    pointers = {**dict.fromkeys(("x_ptr", "w_ptr", "q_ptr", "k_ptr", "v_ptr"), "*bf16"), "pos_ptr": "*i64",
+                "cs_ptr": "*fp32"}
     return compile_sm90(gemm_epilogues._qkv_rope_kernel, pointers,
-                        {**tile, "NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "SCALED": fp8}, True)
+                        {**tile, "NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128}, True)
 
 
 if __name__ == "__main__":

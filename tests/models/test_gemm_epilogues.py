@@ -178,53 +178,6 @@ def test_the_ops_dispatch_on_m(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
                           test_utils=("test_faketensor",))
 
 
-@pytest.mark.parametrize("m,config", [
-    (1, Fp8GemmConfig(64, 128, 1, 4, 2)),  # two tiles a head
-    (5, Fp8GemmConfig(32, 128, 4, 4, 2)),  # four tiles a head; split-K asked for, not taken
-])
-def test_fp8_qkv_with_rope_in_the_epilogue(m: int, config: Fp8GemmConfig) -> None:
-    """e4m3 operands: the sums scaled in kiln::fp8_gemm's order and rounded to the model dtype, then rotated: the
-    reference rotates the FP8 GEMM's output at the same config (its whole-K sums: split-K is not taken by either)."""
-    heads, kv_heads, head_dim, k = 2, 1, 128, 256
-    g = torch.Generator().manual_seed(m)
-    wq, ws = quantize_weight(torch.randn((heads + 2 * kv_heads) * head_dim, k, generator=g) * 0.05)
-    xq, xs = quantize_per_token(torch.randn(m, k, generator=g))
-    xq, wq, xs, ws = (t.to(DEVICE) for t in (xq, wq, xs, ws))
-    positions = torch.randperm(64, generator=g)[:m].to(DEVICE)
-    cache = rope_cache(64, head_dim)
-    got = qkv_rope_triton(xq, wq, positions, cache, heads, kv_heads, config, scales=(xs, ws), out_dtype=DTYPE)
-    unsplit = Fp8GemmConfig(config.block_n, config.block_k, 1, config.num_warps, config.num_stages)
-    y = fp8_gemm_triton(xq, wq, xs, ws, DTYPE, unsplit)
-    q, k_, v = (t.reshape(m, -1, head_dim) for t in y.split([heads * head_dim, kv_heads * head_dim,
-                                                             kv_heads * head_dim], dim=-1))
-    want = (*norm_rope_ref(q, k_, positions, cache, None, None, 0.0), v)
-    for out, expected in zip(got, want):
-        assert out.dtype == DTYPE and out.shape == expected.shape and out.is_contiguous()
-        torch.testing.assert_close(out.double(), expected.double(), **TOLERANCE)
-    assert torch.equal(got[2], v)  # v is the GEMM's output, unrotated: the same sums, scales and rounding
-
-
-@pytest.mark.parametrize("m", [1, 65])
-def test_the_fp8_qkv_rope_op_rotates_the_fp8_gemms_output(m: int) -> None:
-    """kiln::fp8_qkv_rope against kiln::fp8_gemm's output rotated as the unfused graph rotates it: the epilogue
-    kernel up to the FP8 GEMM's TRITON_MAX_M tokens on CUDA (its sums unsplit: a rounding apart), the GEMM and the
-    RoPE kernel above it and on the CPU; its fake agrees."""
-    heads, kv_heads, head_dim, k = 2, 1, 64, 128
-    g = torch.Generator().manual_seed(m)
-    wq, ws = quantize_weight(torch.randn((heads + 2 * kv_heads) * head_dim, k, generator=g) * 0.05)
-    xq, xs = quantize_per_token(torch.randn(m, k, generator=g))
-    args = (*(t.to(DEVICE) for t in (xq, wq, xs, ws)), torch.arange(m, device=DEVICE) + 2, rope_cache(80, head_dim),
-            heads, kv_heads, torch.bfloat16)
-    got = torch.ops.kiln.fp8_qkv_rope(*args)
-    y = torch.ops.kiln.fp8_gemm(*args[:4], torch.bfloat16)
-    q, k_, v = (t.reshape(m, -1, head_dim) for t in y.split([heads * head_dim, kv_heads * head_dim,
-                                                             kv_heads * head_dim], dim=-1))
-    for out, want in zip(got, (*norm_rope_ref(q, k_, args[4], args[5], None, None, 0.0), v)):
-        assert out.dtype == torch.bfloat16 and out.shape == want.shape and out.is_contiguous()
-        torch.testing.assert_close(out.double(), want.double(), rtol=2 ** -6, atol=2e-3)
-    torch.library.opcheck(torch.ops.kiln.fp8_qkv_rope.default, args, test_utils=("test_faketensor",))
-
-
 def test_heads_that_do_not_tile_are_refused_by_name() -> None:
     from kiln.models.gemm_epilogues import fits_a_tile
 
@@ -234,15 +187,13 @@ def test_heads_that_do_not_tile_are_refused_by_name() -> None:
         qkv_rope_triton(x, w, torch.zeros(1, dtype=torch.int64, device=DEVICE), rope_cache(4, 48), 1, 1)
 
 
-@pytest.mark.parametrize("kernel", ["gate_up", "qkv_rope", "qkv_rope_fp8"])
+@pytest.mark.parametrize("kernel", ["gate_up", "qkv_rope"])
 def test_epilogue_kernels_compile_for_hopper_to_pipelined_wgmma(kernel: str) -> None:
     """Ahead-of-time compile for sm90 (no GPU needed): the gathered weight rows still stream through multi-stage
-    async copies into bf16 (or, FP8, e4m3) wgmma, and the launch takes part in PDL."""
+    async copies into bf16 wgmma, and the launch takes part in PDL."""
     ptx = sm90_ptx(kernel)
-    fp8 = kernel.endswith("fp8")
-    assert ptx["wgmma"] and ptx["bf16"] and ptx["cp_async"] and ptx["e4m3"] == fp8, ptx
-    element = 1 if fp8 else 2
-    assert ptx["shared"] >= 3 * (64 * 128 + 16 * 128) * element, ptx  # several stages of a W and an X tile
+    assert ptx["wgmma"] and ptx["bf16"] and ptx["cp_async"], ptx
+    assert ptx["shared"] >= 3 * (64 * 128 + 16 * 128) * 2, ptx  # several stages of a W and an X tile in flight
     assert ptx["gdc_wait"] and ptx["gdc_launch"] and ptx["launch_pdl"], ptx
 
 

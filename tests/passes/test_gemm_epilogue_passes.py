@@ -3,7 +3,7 @@
 - gate_up_silu_mul: `silu(gate) * up` over the halves of `kiln::dense_gemm(x, W_gate_up)` becomes
   `kiln::gate_up_silu_mul(x, W_gate_up)` (post-grad);
 - qkv_rope: the RoPE of q and k split from `kiln::dense_gemm(x, W_qkv)` becomes `kiln::qkv_rope` (post-grad, the
-  rotation found by its module record), from `kiln::fp8_gemm` `kiln::fp8_qkv_rope`;
+  rotation found by its module record);
 - gemm_add_rmsnorm: `rms_norm(kiln::dense_gemm(x, W) + residual)`, the sum kept too, becomes
   `kiln::gemm_add_rms_norm(x, W, residual, w_norm, eps)` (post-grad).
 
@@ -218,30 +218,6 @@ def test_qkv_rope_takes_each_layers_rotation(captured_16_bit, preset: str, expec
         if matched:  # no rotation (its cache lookup), split or V copy left beside the op
             assert "aten.index.Tensor" not in code and "split_with_sizes" not in code and "clone" not in code
     assert total == expected
-
-
-def test_qkv_rope_takes_an_fp8_projections_rotation(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FP8 weights: each layer's rotation of `kiln::fp8_gemm`'s qkv output (fp8_linear's CUDA form, let onto the
-    CPU) becomes kiln::fp8_qkv_rope on the same quantized activation and scales."""
-    from kiln.models import layers
-    from kiln.models.quant.fp8 import quantize_per_token
-
-    def through_the_op(x, weight, weight_scale, input_scale=None, bias=None):
-        q, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
-        y = torch.ops.kiln.fp8_gemm(q, weight, x_scale, weight_scale, torch.bfloat16).to(x.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-    monkeypatch.setattr(layers, "fp8_linear", through_the_op)
-    runtime = Runtime(str(tiny_checkpoint("tiny-llama")[0]), level=0, device="cpu", dtype="bf16", quantization="fp8",
-                      max_num_batched_tokens=32, max_num_seqs=4, num_blocks=8)
-    total = 0
-    for before, after, matched, copies in each_piece_with(capture(runtime, PROMPT).gm, CompileKey.range(1, 32),
-                                                          "qkv_rope"):
-        total += matched * copies
-        code, old = str(after.graph), str(before.graph)
-        assert code.count("kiln.fp8_qkv_rope") == matched and "kiln.qkv_rope" not in code
-        assert code.count("kiln.fp8_gemm.") == old.count("kiln.fp8_gemm.") - matched
-    assert total == NUM_LAYERS
 
 
 def test_kiln_passes_replaces_the_levels_defaults_for_an_ab(monkeypatch: pytest.MonkeyPatch) -> None:
