@@ -47,7 +47,8 @@ set_fp8() {  # FP8 weights against bf16 at default settings: decode and offline 
 }
 set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64 (PROFILE_CONFIGS, PROFILE_BATCHES); a
   # process per config: in one process the configs after the first got a KV budget of 0 bytes (2026-12-03).
-  # PROFILE_ARMS: "default" and/or NAME=VALUE[,NAME=VALUE] (those environment variables), one process each
+  # PROFILE_ARMS: "default" and/or NAME=VALUE[,NAME=VALUE] (those environment variables), one process each;
+  # PROFILE_ARGS: more bench_profile arguments (e.g. --host: a cProfile of the host's steps)
   local config arm tag vars
   for arm in ${PROFILE_ARMS:-default}; do
     for config in ${PROFILE_CONFIGS:-llama3-8b:1:bf16 llama3-8b:1:fp8}; do
@@ -55,7 +56,7 @@ set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64
       (
         case $arm in *=*) IFS=, read -ra vars <<< "$arm"; export "${vars[@]}";; esac
         step "$tag" 200 python3 -m benchmarks.bench_profile --configs "$config" \
-          --batches ${PROFILE_BATCHES:-1 64} --json "$R/$tag.json"
+          --batches ${PROFILE_BATCHES:-1 64} ${PROFILE_ARGS:-} --json "$R/$tag.json"
       )
     done
   done
