@@ -24,7 +24,8 @@ as a decode-ab arm; benchmarks/results/2026-12-03-h200-c61fcd4). Loads before th
 (`KILN_GEMM_PRELOAD`, `337a7c5`) left SmolLM2-135M at batch 1 0.669 / 0.669 / 0.682 ms against 0.631 / 0.646 /
 0.632 without, Llama-3-8B 4.250 against 4.255 / 4.264, Qwen3-30B-A3B 3.16 / 7.97 / 16.45 against 3.10 / 7.88 /
 16.47 at batch 1 / 8 / 64; the decode attention's first tile of context (`KILN_DECODE_PREWAIT`, `e9ebb59`): 8B
-4.311 against 4.317, SmolLM2 0.628 against 0.695 (the call's first process) and 0.632 (with qkv_rope<=16), inside
+4.311 against 4.317, SmolLM2 0.628 against 0.695 (the call's first process) and 0.632 (with qkv_rope<=16, which
+then matched nothing on a GPU host: docs/passes.md), inside
 the 0.63-0.74 ms that identical SmolLM2 processes read that day. Neither kept.
 """
 
