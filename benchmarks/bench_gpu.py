@@ -119,8 +119,7 @@ def cmd_decode(args: argparse.Namespace, ceil: Ceilings) -> list[dict]:
     print(table(["model", "batch", "backend", "async", "step ms", "host ms", "tok/s", "floor ms", "x floor", "HF tok/s",
                  "x HF"],
                 [[r["model"], r["batch"], r["backend"], r["async_scheduling"], r["step_ms"], r["host_ms"],
-                  r["tokens_per_s"],
-                  r["floor_ms"], r["x_floor"], r["hf_tokens_per_s"], r["x_hf"]] for r in rows]))
+                  r["tokens_per_s"], r["floor_ms"], r["x_floor"], r["hf_tokens_per_s"], r["x_hf"]] for r in rows]))
     return rows
 
 

@@ -27,9 +27,12 @@ def _target_name(target: object) -> str:
 
 def module_stacks(gm: fx.GraphModule) -> ModuleStacks:
     """The graph's nodes' module records, picklable."""
-    return {node.name: (_target_name(node.target), {key: (str(path), _class_name(cls))
-                                          for key, (path, cls) in node.meta["nn_module_stack"].items()})
-            for node in gm.graph.nodes if node.meta.get("nn_module_stack")}
+    stacks: ModuleStacks = {}
+    for node in gm.graph.nodes:
+        if record := node.meta.get("nn_module_stack"):
+            stacks[node.name] = (_target_name(node.target),
+                                 {key: (str(path), _class_name(cls)) for key, (path, cls) in record.items()})
+    return stacks
 
 
 def restore_module_stacks(gm: fx.GraphModule, stacks: ModuleStacks) -> int:
