@@ -83,7 +83,7 @@ def time_step(backend: AttentionBackend, tensors: tuple[torch.Tensor, ...], comm
 
 
 SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(2, 8), one_split_waves=(1, 1.5, 2),
-             min_tiles=(1, 2, 4))
+             min_tiles=(1, 2, 4), merge_chunks=(1, 2, 4))
 
 
 Shape = tuple[int, str, list[int]]  # (batch, label, each request's context)

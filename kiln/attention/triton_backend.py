@@ -47,6 +47,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _merge_chunks(block_d: int) -> int:
+    """KILN_DECODE_MERGE_CHUNKS (default 1): programs per head in the split merge, each BLOCK_D / chunks dims of
+    at least 16; a power of two that divides BLOCK_D."""
+    chunks = int(os.environ.get("KILN_DECODE_MERGE_CHUNKS", "1"))
+    if chunks < 1 or chunks & (chunks - 1) or block_d // chunks < 16:
+        raise ValueError(f"KILN_DECODE_MERGE_CHUNKS={chunks}: a power of two leaving >= 16 of the {block_d} dims "
+                         "to each program")
+    return chunks
+
+
 def _is_fp8(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype == torch.float8_e4m3fn
 
@@ -165,10 +175,11 @@ class TritonAttentionBackend(AttentionBackend):
         self.mixed_decode_min = int(os.environ.get("KILN_MIXED_DECODE_MIN", "32"))
         # decode launch: BLOCK_N keys per tile, warps, pipeline stages, the program waves the split count
         # aims for, the waves of (request, KV head) programs from which a decode takes one split (no merge),
-        # and the fewest tiles a split takes (benchmarks/bench_attention.py --sweep measures the alternatives)
+        # the fewest tiles a split takes, and the programs a head's merge is cut into along its dims (one
+        # until measured: KILN_DECODE_MERGE_CHUNKS; benchmarks/bench_attention.py --sweep measures the alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
                                waves=2, one_split_waves=float(os.environ.get("KILN_DECODE_ONE_SPLIT_WAVES", "1.5")),
-                               min_tiles=1)
+                               min_tiles=1, merge_chunks=_merge_chunks(self.block_d))
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -292,7 +303,8 @@ class TritonAttentionBackend(AttentionBackend):
             KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"], **pdl_launch(q.device))
         if splits > 1:
-            K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads)](
-                part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=layout.head_dim, BLOCK_D=self.block_d,
-                NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=cfg["num_warps"],
-                **pdl_launch(q.device))
+            chunks = cfg["merge_chunks"]
+            K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads, chunks)](
+                part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=layout.head_dim,
+                BLOCK_D=self.block_d // chunks, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                num_warps=cfg["num_warps"], **pdl_launch(q.device))

@@ -268,14 +268,15 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
 def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                         PDL: tl.constexpr = False):
-    """The decode's split merge, program (token, head): its NUM_SPLITS partials weighed by their log-sum-exps.
+    """The decode's split merge, program (token, head, BLOCK_D dims of the head): its NUM_SPLITS partials weighed by
+    their log-sum-exps (every chunk of a head computes the same weights, so the chunks only share the reads).
     It reads all NUM_SPLITS rows: masking it to the splits holding keys measured 8-12% slower at batch 1 on the
     H200 and no faster at batch 8-64 (an in-process A/B of the merge then fused into the decode kernel,
     bench_attention --vary merge_active at commit 2531019, 2026-11-30)."""
     pdl_start(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     sp = tl.arange(0, BLOCK_S)
     sp_mask = sp < NUM_SPLITS

@@ -62,6 +62,24 @@ def test_uniform_decode_with_splits(group: int, head_dim: int) -> None:
     check([1, 1, 1], [0, 95, 300], group, head_dim, seed=7 + group)
 
 
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_a_merge_cut_along_the_head_dims_gives_the_same_bits(chunks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """merge_chunks programs a head, each merging its share of the dims with the same weights: the output is the
+    one-program merge's, bit for bit (and the reference's within tolerance)."""
+    batch = make_batch([1, 1, 1], [0, 95, 300], HEADS, HEADS // 4, 64, torch.float32, DEVICE, seed=3)
+    outs = []
+    for setting in (1, chunks):
+        monkeypatch.setenv("KILN_DECODE_MERGE_CHUNKS", str(setting))
+        backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+        assert backend.decode_cfg["merge_chunks"] == setting and backend.num_splits(3) > 1
+        outs.append(run_backend(backend, batch)[0])
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], reference(batch)[0]) <= 1e-4
+    monkeypatch.setenv("KILN_DECODE_MERGE_CHUNKS", "8")  # 8 dims a program: under the 16 a tile needs
+    with pytest.raises(ValueError, match="KILN_DECODE_MERGE_CHUNKS=8"):
+        TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+
+
 @pytest.mark.parametrize("min_tiles", [2, 5])
 def test_uniform_decode_with_a_floor_on_tiles_per_split(min_tiles: int) -> None:
     # contexts of 1, 6 and 19 tiles (16 keys each in fp32) over 32 splits of >= min_tiles tiles: the later
