@@ -62,13 +62,12 @@ def test_uniform_decode_with_splits(group: int, head_dim: int) -> None:
     check([1, 1, 1], [0, 95, 300], group, head_dim, seed=7 + group)
 
 
-@pytest.mark.parametrize("chunks", [2, 4])
-def test_a_merge_cut_along_the_head_dims_gives_the_same_bits(chunks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_merge_cut_along_the_head_dims_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """merge_chunks programs a head, each merging its share of the dims with the same weights: the output is the
     one-program merge's, bit for bit (and the reference's within tolerance)."""
     batch = make_batch([1, 1, 1], [0, 95, 300], HEADS, HEADS // 4, 64, torch.float32, DEVICE, seed=3)
     outs = []
-    for setting in (1, chunks):
+    for setting in (1, 4):  # 4: 16 dims a program
         monkeypatch.setenv("KILN_DECODE_MERGE_CHUNKS", str(setting))
         backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
         assert backend.decode_cfg["merge_chunks"] == setting and backend.num_splits(3) > 1
