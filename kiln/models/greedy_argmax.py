@@ -38,9 +38,5 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(dim=-1)`: the split kernel for a few rows on CUDA, else ATen's."""
-    if _takes_kernel(logits):
-        from kiln.models.greedy_argmax_triton import row_max_triton
-
-        return row_max_triton(logits)[1]
-    return logits.argmax(dim=-1)
+    """`logits.argmax(dim=-1)`: row_max's ids."""
+    return row_max(logits)[1]
