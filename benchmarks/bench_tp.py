@@ -196,7 +196,14 @@ def _rank(rank: int, port: int, device_kind: str, out_path: str) -> None:
         from kiln.models import allreduce
 
         policy_comm = allreduce.setup_p2p_all_reduce(dist.group.WORLD, device)  # the default policy
-    fused_rows = [_fused_row(tokens, hidden, rank, device, dtype, name, comm) for tokens, hidden in FUSED_SHAPES[smoke]]
+    fi_norm = None
+    if on_gpu:
+        from kiln.models.allreduce import flashinfer_norm
+
+        fi_norm = flashinfer_norm(dist.group.WORLD, AllReducePolicy(fused_norm_max_bytes=largest,
+                                                                   fused_norm_kernel="flashinfer"), device)
+    fused_rows = [_fused_row(tokens, hidden, rank, device, dtype, name, comm, fi_norm)
+                  for tokens, hidden in FUSED_SHAPES[smoke]]
     if rank == 0:
         name_ = torch.cuda.get_device_name() if on_gpu else "cpu"
         with open(out_path, "w") as f:
@@ -231,10 +238,10 @@ def _size_row(nbytes: int, rank: int, device: torch.device, dtype: torch.dtype, 
 
 
 def _fused_row(tokens: int, hidden: int, rank: int, device: torch.device, dtype: torch.dtype, name: str,
-               fused_comm: Any) -> dict:
-    """The all-reduce + add + RMSNorm three ways: NCCL then Inductor's add + norm, kiln's all-reduce (the
-    default policy's kind for the size) then the same, and the one kernel (p2p_norm.py, from `fused_comm`,
-    whose fused bound covers every shape)."""
+               fused_comm: Any, fi_norm: Any = None) -> dict:
+    """The all-reduce + add + RMSNorm three or four ways: NCCL then Inductor's add + norm, kiln's all-reduce
+    (the default policy's kind for the size) then the same, the one kernel (p2p_norm.py, from `fused_comm`,
+    whose fused bound covers every shape) and FlashInfer's (flashinfer_norm.py) when it is installed."""
     from kiln.models.allreduce import all_reduce_impl, nccl_all_reduce
     from kiln.passes.ops import all_reduce_add_rms_norm, rms_norm_ref
 
@@ -254,12 +261,17 @@ def _fused_row(tokens: int, hidden: int, rank: int, device: torch.device, dtype:
         "fused": (lambda: fused_comm.add_rms_norm(partial, residual, weight, 1e-5)) if fused_comm is not None
         else (lambda: all_reduce_add_rms_norm(partial, residual, weight, 1e-5, name)),
     }
+    if fi_norm is not None:
+        arms["flashinfer"] = lambda: fi_norm(partial, residual, weight, 1e-5)
     row: dict[str, Any] = {"tokens": tokens, "hidden": hidden, "bytes": tokens * hidden * partial.element_size()}
     try:
         fused = arms["fused"]()
         if fused is None:
             raise ValueError("the fused kernel does not take this shape")
         row["max_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused, arms["nccl"]()))
+        if "flashinfer" in arms:
+            row["flashinfer_max_diff"] = max((a.float() - b.float()).abs().max().item()
+                                             for a, b in zip(arms["flashinfer"](), arms["nccl"]()))
         for label, fn in arms.items():
             dist.barrier()
             row[f"{label}_{'graph' if on_gpu else 'eager'}_us"] = \
@@ -320,11 +332,13 @@ def print_allreduce(result: dict) -> None:
         print(f"\nall-reduce + add + RMSNorm ({key}): NCCL or kiln's all-reduce (the default policy's kind), then "
               "Inductor's add + norm, against the one kernel (p2p_norm.py); x = kiln's two steps / the kernel\n")
         print(table(["tokens", "hidden", "KB", "NCCL + add/norm us", "kiln + add/norm us", "one kernel us", "x",
-                     "max diff"],
+                     "max diff", "FlashInfer us", "x FlashInfer / one kernel", "FlashInfer max diff"],
                     [[r["tokens"], r["hidden"], r["bytes"] >> 10, r.get(f"nccl_{key}_us", r.get("error", "-")),
                       r.get(f"kiln_{key}_us", "-"), r.get(f"fused_{key}_us", "-"),
                       r[f"kiln_{key}_us"] / r[f"fused_{key}_us"] if f"fused_{key}_us" in r else float("nan"),
-                      r.get("max_diff", "-")] for r in fused]))
+                      r.get("max_diff", "-"), r.get(f"flashinfer_{key}_us", "-"),
+                      r[f"fused_{key}_us"] / r[f"flashinfer_{key}_us"] if f"flashinfer_{key}_us" in r
+                      else float("nan"), r.get("flashinfer_max_diff", "-")] for r in fused]))
 
 
 def main() -> None:

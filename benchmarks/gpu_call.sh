@@ -10,6 +10,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # packages the device image lacks, carri
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site
+# FlashInfer modules built ahead on a machine with nvcc (benchmarks/gpu/flashinfer_aot.sh -> .carry/flashinfer_aot/NAME.so)
+# go where FlashInfer looks for prebuilt ones, so the device does not spend minutes in its JIT
+for so in .carry/flashinfer_aot/*.so; do
+  [ -e "$so" ] && [ -d /tmp/site/flashinfer ] && n=$(basename "$so" .so) && \
+    mkdir -p /tmp/site/flashinfer/data/aot/$n && cp "$so" /tmp/site/flashinfer/data/aot/$n/
+done
 # a file over one call's carry limit travels in parts (.carry/*.part), one call each: they gather in /tmp/parts
 mkdir -p /tmp/parts && cp .carry/*.part /tmp/parts/ 2>/dev/null
 OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs

@@ -203,28 +203,44 @@ set_spec_ab() {  # spec-tasks with the code in .ab/base (`git archive <commit> k
     done
   done
 }
-set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolLM2-135M, "none" for no dense model;
-  # DECODE_AB_ARGS: more bench_gpu arguments, e.g. --quantization fp8) in each arm of DECODE_AB_ARMS, processes
-  # alternated DECODE_AB_ROUNDS times (2). Arms: "base" (.ab/base's code), "new" (the working tree; the default
-  # arms), NAME=VALUE[,NAME=VALUE] (the working tree with those environment variables). DECODE_AB_MOE=1:
-  # Qwen3-30B-A3B's decode (bench_moe --parts decode) in each arm too. DECODE_AB_LABEL: the steps' and files'
-  # prefix (default decode), for a second decode-ab in the same call
-  local run arm dir tag vars label=${DECODE_AB_LABEL:-decode}
-  for run in $(seq "${DECODE_AB_ROUNDS:-2}"); do
-    for arm in ${DECODE_AB_ARMS:-base new}; do
+each_arm() {  # FN for each arm of ARMS ("base": .ab/base's code, "new": the working tree, NAME=VALUE[,NAME=VALUE]:
+  # the working tree with those environment variables), processes alternated ROUNDS times; FN gets the code's
+  # directory and the arm's tag and round
+  local run arm dir tag vars
+  for run in $(seq "$ROUNDS"); do
+    for arm in $ARMS; do
       dir=$PWD; [ "$arm" = base ] && dir=$PWD/.ab/base
       tag=${arm//[^A-Za-z0-9_]/_}
       (
         case $arm in *=*) IFS=, read -ra vars <<< "$arm"; export "${vars[@]}";; esac
         export PYTHONPATH=$dir:/tmp/site
-        [ "${DECODE_AB_MODELS:-}" = none ] || step "${label}_${tag}_$run" 200 bash -c "cd $dir && exec python3 -m \
-          benchmarks.bench_gpu decode --defaults --backend triton --models ${DECODE_AB_MODELS:-smollm2-135m} \
-          --async-scheduling on ${DECODE_AB_ARGS:-} --json $R/${label}_${tag}_$run.json"
-        [ -z "${DECODE_AB_MOE:-}" ] || step "moe_decode_${tag}_$run" 240 bash -c "cd $dir && exec python3 -m \
-          benchmarks.bench_moe --parts decode --json $R/moe_decode_${tag}_$run.json"
+        "$1" "$dir" "$tag" "$run"
       )
     done
   done
+}
+set_decode_ab() {  # decode at default settings (DECODE_AB_MODELS, default SmolLM2-135M, "none" for no dense model;
+  # DECODE_AB_ARGS: more bench_gpu arguments, e.g. --quantization fp8) in each arm of DECODE_AB_ARMS (default
+  # "base new", each_arm), processes alternated DECODE_AB_ROUNDS times (2). DECODE_AB_MOE=1: Qwen3-30B-A3B's decode
+  # (bench_moe --parts decode) in each arm too. DECODE_AB_LABEL: the steps' and files' prefix (default decode), for
+  # a second decode-ab in the same call
+  local label=${DECODE_AB_LABEL:-decode}
+  decode_arm() {
+    [ "${DECODE_AB_MODELS:-}" = none ] || step "${label}_$2_$3" 200 bash -c "cd $1 && exec python3 -m \
+      benchmarks.bench_gpu decode --defaults --backend triton --models ${DECODE_AB_MODELS:-smollm2-135m} \
+      --async-scheduling on ${DECODE_AB_ARGS:-} --json $R/${label}_$2_$3.json"
+    [ -z "${DECODE_AB_MOE:-}" ] || step "moe_decode_$2_$3" 240 bash -c "cd $1 && exec python3 -m \
+      benchmarks.bench_moe --parts decode --json $R/moe_decode_$2_$3.json"
+  }
+  ARMS=${DECODE_AB_ARMS:-base new} ROUNDS=${DECODE_AB_ROUNDS:-2} each_arm decode_arm
+}
+set_tp_ab() {  # two GPUs: bench_tp's decode (TP_AB_CONFIGS, default llama3-8b:2; TP_AB_BATCHES, default 1 8 64) in
+  # each arm of TP_AB_ARMS (each_arm; default "base new"), processes alternated TP_AB_ROUNDS times (2)
+  tp_arm() {
+    step "tp_$2_$3" 150 bash -c "cd $1 && exec python3 -m benchmarks.bench_tp --parts decode --budget-s 140 \
+      --configs ${TP_AB_CONFIGS:-llama3-8b:2} --batches ${TP_AB_BATCHES:-1 8 64} --json $R/tp_$2_$3.json"
+  }
+  ARMS=${TP_AB_ARMS:-base new} ROUNDS=${TP_AB_ROUNDS:-2} each_arm tp_arm
 }
 set_spec_tests() {  # the speculative-decoding GPU tests (greedy equality with graphs, bf16 bit-for-bit at batch 1)
   step spec_tests 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_spec_decode_gpu.py

@@ -30,6 +30,7 @@ import torch
 logger = logging.getLogger("kiln")
 
 MODES = ("auto", "nccl", "one_shot", "two_shot")
+FUSED_NORM_KERNELS = ("kiln", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -44,28 +45,34 @@ class AllReducePolicy:
     6.8 / 6.9 / 8.0 / 11.1 / 14.8, two-shot 8.8 / 9.7 / 9.9 / 10.5 / 13.2; every sum equal to NCCL's. The one
     kernel for all-reduce + add + RMSNorm against kiln's all-reduce then the add + norm (2 H200s, 2026-12-04,
     `bench_tp.py --parts allreduce`): 5.1 / 5.4 / 6.9 / 9.0 us against 8.8 / 9.0 / 12.9 / 16.2 at 8 / 64 / 512 /
-    1024 KB, hence its bound of 1 MB (Llama-3-8B at batch 64, 70B at 64 over two ranks)."""
+    1024 KB, hence its bound of 1 MB (Llama-3-8B at batch 64, 70B at 64 over two ranks). `fused_norm_kernel`:
+    kiln's kernel or FlashInfer's (kiln/models/flashinfer_norm.py) for that one kernel."""
 
     mode: str = "auto"
     one_shot_max_bytes: int = 256 << 10
     two_shot_max_bytes: int = 1 << 20
     fused_norm_max_bytes: int = 1 << 20
+    fused_norm_kernel: str = "kiln"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"KILN_TP_ALLREDUCE must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.fused_norm_kernel not in FUSED_NORM_KERNELS:
+            raise ValueError(f"KILN_TP_FUSED_NORM must be one of {', '.join(FUSED_NORM_KERNELS)}, "
+                             f"got {self.fused_norm_kernel!r}")
         if min(self.one_shot_max_bytes, self.two_shot_max_bytes, self.fused_norm_max_bytes) < 0:
             raise ValueError("all-reduce byte thresholds must be >= 0")
 
     @classmethod
     def from_env(cls) -> AllReducePolicy:
         """KILN_TP_ALLREDUCE (auto|nccl|one_shot|two_shot), KILN_TP_ONE_SHOT_MAX_BYTES,
-        KILN_TP_TWO_SHOT_MAX_BYTES, KILN_TP_FUSED_NORM_MAX_BYTES."""
+        KILN_TP_TWO_SHOT_MAX_BYTES, KILN_TP_FUSED_NORM_MAX_BYTES, KILN_TP_FUSED_NORM (kiln|flashinfer)."""
         default = cls()
         return cls(os.environ.get("KILN_TP_ALLREDUCE", default.mode),
                    int(os.environ.get("KILN_TP_ONE_SHOT_MAX_BYTES", default.one_shot_max_bytes)),
                    int(os.environ.get("KILN_TP_TWO_SHOT_MAX_BYTES", default.two_shot_max_bytes)),
-                   int(os.environ.get("KILN_TP_FUSED_NORM_MAX_BYTES", default.fused_norm_max_bytes)))
+                   int(os.environ.get("KILN_TP_FUSED_NORM_MAX_BYTES", default.fused_norm_max_bytes)),
+                   os.environ.get("KILN_TP_FUSED_NORM", default.fused_norm_kernel))
 
     @property
     def buffer_bytes(self) -> int:
@@ -112,6 +119,7 @@ class P2PAllReduce:
         self.norm_first_slot = slots // 2
         self.norm_max_rows = (slots - self.norm_first_slot) // self.handle.world_size
         self.norm_epochs = torch.zeros(self.norm_max_rows, dtype=torch.int32, device=device)  # calls per row
+        self.flashinfer_norm = flashinfer_norm(group, policy, device) if self.norm_half_bytes else None
 
     def view(self, like: torch.Tensor) -> torch.Tensor:
         """The start of this rank's buffer as a tensor shaped like `like`."""
@@ -136,6 +144,10 @@ class P2PAllReduce:
                 or self.kind_for(x) == "nccl" or x.shape[0] > self.norm_max_rows
                 or x.numel() * x.element_size() > self.norm_half_bytes):
             return None
+        if self.flashinfer_norm is not None:
+            fused = self.flashinfer_norm(x, residual, weight, eps)
+            if fused is not None:
+                return fused
         from kiln.models.p2p_norm import p2p_add_rms_norm
 
         return p2p_add_rms_norm(x, residual, weight, eps, self.handle, self.norm_epochs, self.norm_first_slot,
@@ -151,6 +163,25 @@ class P2PAllReduce:
             torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
             return buf.clone()
         return nccl_all_reduce(x, self.group_name)
+
+
+def flashinfer_norm(group: torch.distributed.ProcessGroup, policy: AllReducePolicy, device: torch.device):
+    """Collective: FlashInfer's fused kernel for the group when the policy asks for it and every rank can import
+    FlashInfer's communication module, else None (kiln's kernel serves)."""
+    if policy.fused_norm_kernel != "flashinfer":
+        return None
+    try:
+        import flashinfer.comm  # noqa: F401
+        importable = True
+    except Exception as exc:  # noqa: BLE001 - not installed, or its import fails: kiln's kernel still works
+        logger.warning("KILN_TP_FUSED_NORM=flashinfer: FlashInfer's communication module cannot be imported (%s); "
+                       "using kiln's kernel", exc)
+        importable = False
+    if not all_ranks_agree(importable, group, device):
+        return None
+    from kiln.models.flashinfer_norm import FlashInferAddRMSNorm
+
+    return FlashInferAddRMSNorm(group, policy.fused_norm_max_bytes)
 
 
 def nccl_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:

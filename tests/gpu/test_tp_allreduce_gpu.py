@@ -131,6 +131,75 @@ def _check_fused_kernel(comm, name: str, device: torch.device) -> None:
             _check_chain(outs, xs, start, weight, name)
 
 
+def _flashinfer_rank(rank: int, port: int, results: dict) -> None:
+    """FlashInfer's all-reduce + add + norm (kiln/models/flashinfer_norm.py) over chains of dependent calls,
+    eagerly and replayed from a CUDA graph with new inputs: sums and norms as the reference's to bf16 rounding
+    (it sums in fp32 and rounds once), and the same bits on both ranks."""
+    import torch.distributed as dist
+
+    from kiln.models.allreduce import AllReducePolicy, flashinfer_norm, nccl_all_reduce
+    from kiln.passes.ops import rms_norm_ref
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+        name = dist.group.WORLD.group_name
+        norm = flashinfer_norm(dist.group.WORLD, AllReducePolicy(fused_norm_kernel="flashinfer"), device)
+        assert norm is not None
+
+        def chain(xs, start, weight):
+            outs, h = [], start
+            for i in range(20):
+                fused = norm(xs[i % 3], h, weight, 1e-5)
+                assert fused is not None, tuple(start.shape)
+                outs.append((h, *fused))
+                h = fused[1]
+            return outs
+
+        def check(outs, xs, weight):
+            for i, (h, normed, summed) in enumerate(outs):
+                expected = (nccl_all_reduce(xs[i % 3].float(), name) + h.float()).to(summed.dtype)
+                torch.testing.assert_close(summed, expected, atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(normed, rms_norm_ref(summed, weight, 1e-5), atol=3e-2, rtol=3e-2)
+                both = [torch.empty_like(summed) for _ in range(2)]
+                dist.all_gather(both, summed)
+                assert torch.equal(both[0], both[1])
+
+        for rows, n in ((1, 8192), (8, 4096), (64, 4096), (64, 8192)):
+            xs = [torch.randn(rows, n, device=device, dtype=torch.bfloat16) for _ in range(3)]
+            start = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
+            weight = torch.rand(n, device=device, dtype=torch.bfloat16) + 0.5
+            check(chain(xs, start, weight), xs, weight)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                chain(xs, start, weight)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs = chain(xs, start, weight)
+            for _ in range(2):
+                for x in xs:
+                    x.copy_(torch.randn_like(x))
+                graph.replay()
+                torch.cuda.synchronize()
+                check(outs, xs, weight)
+        results[rank] = "ok"
+    except Exception:  # noqa: BLE001 - reported to the parent
+        results[rank] = traceback.format_exc()
+    os._exit(0)
+
+
+def test_flashinfer_all_reduce_add_norm_eager_and_in_graphs() -> None:
+    pytest.importorskip("flashinfer.comm")
+    with tmp.Manager() as mgr:
+        results = mgr.dict()
+        tmp.spawn(_flashinfer_rank, args=(_free_port(), results), nprocs=2)
+        assert dict(results) == {0: "ok", 1: "ok"}
+
+
 def test_p2p_all_reduce_equals_nccl_eager_and_in_graphs() -> None:
     with tmp.Manager() as mgr:
         results = mgr.dict()

@@ -30,3 +30,12 @@ def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KILN_TP_ALLREDUCE", "multimem")
     with pytest.raises(ValueError, match="KILN_TP_ALLREDUCE"):
         AllReducePolicy.from_env()
+
+
+def test_fused_norm_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert AllReducePolicy.from_env().fused_norm_kernel == "kiln"
+    monkeypatch.setenv("KILN_TP_FUSED_NORM", "flashinfer")
+    assert AllReducePolicy.from_env().fused_norm_kernel == "flashinfer"
+    monkeypatch.setenv("KILN_TP_FUSED_NORM", "nvls")
+    with pytest.raises(ValueError, match="KILN_TP_FUSED_NORM"):
+        AllReducePolicy.from_env()
