@@ -82,8 +82,8 @@ def time_step(backend: AttentionBackend, tensors: tuple[torch.Tensor, ...], comm
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(2, 8), one_split_waves=(1, 1.5, 2),
-             min_tiles=(1, 2, 4), merge_chunks=(1, 2, 4))
+SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(0.5, 1, 2, 8),
+             one_split_waves=(1, 1.5, 2), min_tiles=(1, 2, 4), merge_chunks=(1, 2, 4))
 
 
 Shape = tuple[int, str, list[int]]  # (batch, label, each request's context)

@@ -209,7 +209,7 @@ class TritonAttentionBackend(AttentionBackend):
         programs = max(1, num_reqs * self.layout.num_kv_heads)
         if programs >= self.decode_cfg["one_split_waves"] * self.num_sms:
             return 1
-        return max(1, min(_MAX_SPLITS, triton.cdiv(self.decode_cfg["waves"] * self.num_sms, programs)))
+        return max(1, min(_MAX_SPLITS, triton.cdiv(int(self.decode_cfg["waves"] * self.num_sms), programs)))
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
         if common.uniform_decode:
