@@ -48,9 +48,13 @@ def _interpreting() -> bool:
 
 
 def _merge_chunks(block_d: int) -> int:
-    """KILN_DECODE_MERGE_CHUNKS (default 1): programs per head in the split merge, each BLOCK_D / chunks dims of
-    at least 16; a power of two that divides BLOCK_D."""
-    chunks = int(os.environ.get("KILN_DECODE_MERGE_CHUNKS", "1"))
+    """KILN_DECODE_MERGE_CHUNKS: programs per head in the split merge, each BLOCK_D / chunks dims of at least 16; a
+    power of two that divides BLOCK_D. Default 4 where the head has the dims for it (fewer below 64): against one
+    program a head, the decode's kernel + merge took 12.5 / 13.5 / 18.9 -> 11.0 / 12.0 / 17.4 us at batch 1 and
+    160 / 1024 / 4096 keys with Llama-3-8B's heads, 13.0 / 13.4 / 16.5 -> 11.1 / 11.6 / 14.8 with Qwen3-30B-A3B's,
+    10.0 / 10.1 / 12.6 -> 9.4 / 9.6 / 12.1 with SmolLM2-135M's, and the same +-0.3 at batch 8 (one H200,
+    2026-12-04, `bench_attention --sweep --vary waves merge_chunks`, docs/attention.md)."""
+    chunks = int(os.environ.get("KILN_DECODE_MERGE_CHUNKS", min(4, max(1, block_d // 16))))
     if chunks < 1 or chunks & (chunks - 1) or block_d // chunks < 16:
         raise ValueError(f"KILN_DECODE_MERGE_CHUNKS={chunks}: a power of two leaving >= 16 of the {block_d} dims "
                          "to each program")

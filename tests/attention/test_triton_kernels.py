@@ -74,6 +74,10 @@ def test_a_merge_cut_along_the_head_dims_gives_the_same_bits(monkeypatch: pytest
         outs.append(run_backend(backend, batch)[0])
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[1], reference(batch)[0]) <= 1e-4
+    monkeypatch.delenv("KILN_DECODE_MERGE_CHUNKS")  # the default: 4 where 16 dims are left to each, fewer below
+    assert TritonAttentionBackend(batch.layout, torch.device(DEVICE)).decode_cfg["merge_chunks"] == 4
+    small = make_batch([1], [40], 4, 1, 32, torch.float32, DEVICE, seed=3).layout
+    assert TritonAttentionBackend(small, torch.device(DEVICE)).decode_cfg["merge_chunks"] == 2
     monkeypatch.setenv("KILN_DECODE_MERGE_CHUNKS", "8")  # 8 dims a program: under the 16 a tile needs
     with pytest.raises(ValueError, match="KILN_DECODE_MERGE_CHUNKS=8"):
         TritonAttentionBackend(batch.layout, torch.device(DEVICE))
