@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from kiln.config import GraphSupport  # re-exported: backends declare it here
+from kiln.models.forward_context import Rope
 from kiln.models.kv_quant import is_fp8
 
 
@@ -58,6 +59,8 @@ class AttentionBackend(ABC):
     # forward() accepts k = v = None, meaning this step's K/V are already in the cache (a fused RoPE + cache
     # write ran before it: kiln/passes/rope_kv.py), and then only reads the cache
     supports_cache_only: ClassVar[bool] = False
+    # forward_rope() can take q/k before their RoPE (and q/k norms) on some steps, rotating inside its kernel
+    supports_rope: ClassVar[bool] = False
     # reads and writes a float8_e4m3fn cache with per-layer scales (kiln/models/kv_quant.py)
     supports_fp8_kv: ClassVar[bool] = False
     # a captured FULL graph replays only after build_metadata ran for the step (its plan writes buffers the graph
@@ -94,3 +97,10 @@ class AttentionBackend(ABC):
 
         k/v may be strided views (last-dim stride 1); None only where `supports_cache_only` says so.
         k_scale/v_scale: the layer's scales, used only when kv_cache is fp8 (kiln/models/kv_quant.py)."""
+
+    def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     kv_cache: torch.Tensor, metadata: Any, rope: Rope, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> bool:
+        """forward() of q/k before `rope`, rotated inside the attention kernel; False, having done nothing, where
+        this step's kernel cannot (the caller rotates and calls forward())."""
+        return False

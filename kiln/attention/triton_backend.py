@@ -30,6 +30,7 @@ from kiln.attention.base import (
     GraphSupport,
 )
 from kiln.models.dense_gemm import TRITON_MAX_M
+from kiln.models.forward_context import Rope
 from kiln.models.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
@@ -59,6 +60,17 @@ def _merge_chunks(block_d: int) -> int:
         raise ValueError(f"KILN_DECODE_MERGE_CHUNKS={chunks}: a power of two leaving >= 16 of the {block_d} dims "
                          "to each program")
     return chunks
+
+
+def _rope_args(rope: Rope | None, q: torch.Tensor) -> tuple:
+    """The decode kernel's positions, cos / sin cache, q / k norm weights, cache row stride and eps (placeholders
+    without a rotation: the kernel never reads them)."""
+    if rope is None:
+        return q, q, q, q, 0, 0.0
+    cache = rope.cos_sin_cache
+    q_weight = rope.q_weight if rope.q_weight is not None else cache
+    k_weight = rope.k_weight if rope.k_weight is not None else cache
+    return rope.positions, cache, q_weight, k_weight, cache.stride(0), float(rope.eps)
 
 
 def _is_fp8(kv_cache: torch.Tensor) -> bool:
@@ -144,6 +156,7 @@ class TritonAttentionBackend(AttentionBackend):
     # its kernels read seq_lens, block tables and slots from the runner's buffers; split counts and workspaces are
     # fixed per captured size
     replay_needs_metadata = False
+    supports_rope = True  # the decode kernel rotates (and norms) q and the new key itself
 
     @classmethod
     def unsupported_reason(cls, layout: AttentionLayout, device: torch.device) -> str | None:
@@ -270,6 +283,20 @@ class TritonAttentionBackend(AttentionBackend):
         if common.num_reqs > 0:
             self._varlen(q, out, kv_cache, common, *scales)
 
+    def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     kv_cache: torch.Tensor, metadata: TritonMetadata, rope: Rope, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> bool:
+        """A decode step's kernel rotates (and norms) q and the new key itself; other steps are the caller's."""
+        common = metadata.common
+        if not (common.uniform_decode and common.num_reqs > 0 and metadata.query_len == 1) \
+                or rope.cos_sin_cache.shape[-1] != self.layout.head_dim or self.layout.head_dim % 2:
+            return False
+        assert out.stride(-1) == 1
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        scales = (float(k_scale), float(v_scale)) if _is_fp8(kv_cache) else (1.0, 1.0)
+        self._decode(q, k, v, out, kv_cache, metadata, *scales, rope=rope)
+        return True
+
     def _common_args(self, kv_cache: torch.Tensor, common: CommonAttentionMetadata) -> tuple:
         return (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                 common.block_tables.stride(0))
@@ -291,7 +318,7 @@ class TritonAttentionBackend(AttentionBackend):
             **pdl_launch(q.device))
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TritonMetadata, k_scale: float, v_scale: float) -> None:
+                metadata: TritonMetadata, k_scale: float, v_scale: float, rope: Rope | None = None) -> None:
         # padded tokens past num_reqs get no K/V write: theirs would only land in the null block
         layout, common, splits, cfg = self.layout, metadata.common, metadata.num_splits, self.decode_cfg
         part_out = metadata.part_out if metadata.part_out is not None else out
@@ -300,12 +327,12 @@ class TritonAttentionBackend(AttentionBackend):
             q, k, v, out, part_out, part_lse, kv_cache, common.block_tables, common.seq_lens,
             common.slot_mapping, layout.scale * _LOG2E * k_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
-            k_scale, v_scale, GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)),
-            HEAD_DIM=layout.head_dim,
+            k_scale, v_scale, *_rope_args(rope, q), GROUP=self.group,
+            BLOCK_H=max(16, triton.next_power_of_2(self.group)), HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
-            MIN_TILES=cfg["min_tiles"], IEEE=self.ieee,
-            KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], **pdl_launch(q.device))
+            MIN_TILES=cfg["min_tiles"], IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len,
+            ROPE=rope is not None, NORM=rope is not None and rope.q_weight is not None and rope.k_weight is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
         if splits > 1:
             chunks = cfg["merge_chunks"]
             K.merge_splits_kernel[(common.num_reqs * metadata.query_len, layout.num_heads, chunks)](

@@ -22,6 +22,26 @@ class AttentionFn(Protocol):
                  out: torch.Tensor) -> None: ...
 
 
+@dataclass(frozen=True)
+class Rope:
+    """A rotation still to apply to q and k (neox halves, the rotary dim the head dim), after a per-head RMSNorm of
+    each when the weights are given (Qwen3): what kiln::rope_attention hands a backend that rotates inside its
+    attention kernel."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+
+class RopeAttentionFn(Protocol):
+    """`AttentionFn` on q/k before `rope`; False (nothing done) where the step's kernel cannot rotate them."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 rope: Rope) -> bool: ...
+
+
 @dataclass
 class ForwardContext:
     attention: AttentionFn  # bound to the backend, this step's metadata and the KV cache
@@ -33,6 +53,8 @@ class ForwardContext:
     kv_caches: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
     cache_only_attention: bool = False
+    # set where the backend can rotate q/k inside its kernel (`supports_rope`): kiln::rope_attention tries it first
+    rope_attention: RopeAttentionFn | None = None
     # per layer (k_scale, v_scale) of an fp8 cache (kiln/models/kv_quant.py); None: every scale is 1.0
     kv_scales: tuple[tuple[float, float], ...] | None = None
 

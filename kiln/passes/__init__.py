@@ -23,7 +23,8 @@ def build_pass_manager(config: Any, attention_backend: Any = None, pass_config: 
     from kiln.passes.base import PassEnv
     from kiln.passes.manager import PassManager
 
-    env = PassEnv(cache_only_attention=bool(getattr(attention_backend, "supports_cache_only", False)))
+    env = PassEnv(cache_only_attention=bool(getattr(attention_backend, "supports_cache_only", False)),
+                  rope_in_attention=bool(getattr(attention_backend, "supports_rope", False)))
     passes = pass_config if pass_config is not None else PassConfig.from_compilation(config)
     return PassManager(passes, env, getattr(config, "debug_dump_path", None))
 

@@ -35,6 +35,9 @@ class PassEnv:
     # the attention backend can attend reading only the paged cache (`supports_cache_only`), which is
     # what lets rope_kv move the K/V write out of it
     cache_only_attention: bool = False
+    # the attention backend rotates q/k inside its kernel where it can (`supports_rope`): rope_kv then hands it the
+    # rotation too
+    rope_in_attention: bool = False
 
 
 class KilnPass:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln.models.attention_op import register_split_op, write_kv
-from kiln.models.forward_context import get_forward_context
+from kiln.models.forward_context import Rope, get_forward_context
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -55,16 +55,20 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                    cos_sin_cache: torch.Tensor, out: torch.Tensor, layer_idx: int,
                    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
                    eps: float = 0.0) -> None:
-    """Like kiln::attention on RoPE'd (optionally q/k-normed) q/k, with the rotation and the K/V write done
-    in one kernel when the backend can then attend from the cache alone; otherwise the plain path."""
+    """Like kiln::attention on RoPE'd (optionally q/k-normed) q/k: rotated inside the attention kernel where the
+    backend can (`supports_rope`, e.g. the Triton decode kernel), else with the rotation and the K/V write done in
+    one kernel when the backend can then attend from the cache alone; otherwise the plain path."""
     ctx = get_forward_context()
+    if ctx.rope_attention is not None and ctx.rope_attention(
+            layer_idx, q, k, v, out, Rope(positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)):
+        return
     if ctx.cache_only_attention and ctx.kv_caches is not None and ctx.slot_mapping is not None:
         k_scale, v_scale = ctx.kv_scales[layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
         q_rot = rope_and_cache(q, k, v, positions, cos_sin_cache, ctx.kv_caches[layer_idx], ctx.slot_mapping,
                                q_norm_weight, k_norm_weight, eps, k_scale, v_scale)
         ctx.attention(layer_idx, q_rot, None, None, out)
         return
-    q_rot, k_rot = norm_rope_ref(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+    q_rot, k_rot = _norm_rope(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
     ctx.attention(layer_idx, q_rot, k_rot, v, out)
 
 
@@ -97,6 +101,12 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
 @torch.library.custom_op("kiln::qk_norm_rope", mutates_args=())
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                  q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm_rope(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
+
+
+def _norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(q):
         from kiln.passes.kernels import norm_rope_triton
 

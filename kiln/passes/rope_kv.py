@@ -16,8 +16,10 @@ pieces never see. The rewritten op is itself a split point, so the rotation move
 piece into the eager attention step (a CUDA-graph capture covers it under FULL graphs).
 
 With `qk_norm_rope` also enabled, Qwen3's per-head q/k RMSNorm feeding the rotation is absorbed too.
-Only applied when the attention backend can attend from the cache alone (`supports_cache_only`);
-elsewhere it would just move RoPE out of Inductor for nothing.
+Only applied when the attention backend can attend from the cache alone (`supports_cache_only`) or rotates q/k
+inside its own kernel (`supports_rope`: the Triton backend's decode kernel, which then also norms, writes the
+cache and attends, one kernel where there were two or three); elsewhere it would just move RoPE out of Inductor for
+nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class RopeKVCachePass(KilnPass):
     name = "rope_kv"
 
     def apply_graph(self, gm: fx.GraphModule) -> int:
-        if not self.env.cache_only_attention:
+        if not (self.env.cache_only_attention or self.env.rope_in_attention):
             return 0
         import kiln.passes.ops  # noqa: F401 - registers kiln::rope_attention as a split op
 

@@ -20,7 +20,7 @@ import torch
 
 from kiln.attention.base import AttentionBackend, CommonAttentionMetadata
 from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, GraphedCallable, RunMode, piecewise_graphs
-from kiln.models.forward_context import ForwardContext, set_forward_context
+from kiln.models.forward_context import ForwardContext, Rope, set_forward_context
 from kiln.models.parallel import tp_size
 from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
 from kiln.runtime.input_upload import ORDER, Counts, pack, staging_capacity, unpack
@@ -305,14 +305,18 @@ class ModelRunner:
 
         def run_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                           out: torch.Tensor) -> None:
-            if kv_scales is None:
-                backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata)
-            else:
-                backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata, *kv_scales[layer_idx])
+            scales = kv_scales[layer_idx] if kv_scales is not None else (1.0, 1.0)
+            backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata, *scales)
+
+        def run_rope_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                               rope: Rope) -> bool:
+            scales = kv_scales[layer_idx] if kv_scales is not None else (1.0, 1.0)
+            return backend.forward_rope(q, k, v, out, kv_cache[layer_idx], backend_metadata, rope, *scales)
 
         return ForwardContext(attention=run_attention, metadata=backend_metadata, num_tokens=num_tokens,
                               kv_caches=kv_cache, slot_mapping=metadata.slot_mapping,
-                              cache_only_attention=backend.supports_cache_only, kv_scales=kv_scales)
+                              cache_only_attention=backend.supports_cache_only,
+                              rope_attention=run_rope_attention if backend.supports_rope else None, kv_scales=kv_scales)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:

@@ -194,3 +194,51 @@ def test_page_indices() -> None:
     expected = torch.cat([common.block_tables[i, : -(-int(s) // 16)] for i, s in enumerate(common.seq_lens_cpu)])
     assert torch.equal(out[: len(expected)], expected)
     assert (out[len(expected):] == -1).all()
+
+
+def _rope_inputs(batch, norm: bool, seed: int):
+    """Each token's position (its request's seq_len - 1; padded tokens 0), a cos / sin cache and q / k norm weights."""
+    from kiln.models.forward_context import Rope
+
+    positions = torch.zeros(batch.q.shape[0], dtype=torch.long, device=DEVICE)
+    positions[: batch.common.num_reqs] = batch.common.seq_lens.long() - 1
+    dim = batch.layout.head_dim
+    angles = torch.arange(512, dtype=torch.float32)[:, None] * 10000.0 ** (-torch.arange(0, dim, 2) / dim)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    weights = [(torch.rand(dim, generator=g) + 0.5).to(batch.q.dtype).to(DEVICE) if norm else None for _ in "qk"]
+    return Rope(positions, cos_sin, *weights, eps=1e-6)
+
+
+@pytest.mark.parametrize(("dtype", "norm"), [(torch.float32, False), (torch.float32, True), (torch.float16, True)])
+def test_the_decode_kernel_rotates_q_and_the_new_key_itself(dtype: torch.dtype, norm: bool) -> None:
+    """forward_rope on a decode step (RoPE, with Qwen3's q/k norms, inside the decode kernel) against rotating first
+    (the torch reference of kiln's norm + RoPE kernel) and then forward(): the same output and cache, to rounding."""
+    import dataclasses
+
+    from kiln.passes.ops import norm_rope_ref
+
+    batch = make_batch([1, 1, 1], [0, 95, 300], HEADS, 2, 64, dtype, DEVICE, seed=11)
+    rope = _rope_inputs(batch, norm, seed=5)
+    backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+    cache, out = batch.kv_cache.clone(), torch.full_like(batch.q, float("nan"))
+    assert backend.forward_rope(batch.q, batch.k, batch.v, out, cache, backend.build_metadata(batch.common), rope)
+    q_rot, k_rot = norm_rope_ref(batch.q, batch.k, rope.positions, rope.cos_sin_cache, rope.q_weight, rope.k_weight,
+                                 rope.eps)
+    rotated = dataclasses.replace(batch, q=q_rot, k=k_rot)
+    ref_out, ref_cache = run_backend(backend, rotated)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert rel_err(out[: batch.num_tokens], ref_out) <= tol
+    assert rel_err(out[: batch.num_tokens], reference(rotated)[0]) <= tol
+    written = ~ref_cache[1:].isnan()
+    torch.testing.assert_close(cache[1:][written].float(), ref_cache[1:][written].float(), atol=tol, rtol=tol)
+
+
+def test_only_a_decode_step_rotates_in_the_kernel() -> None:
+    """A step with a prompt chunk is the caller's to rotate (forward_rope declines and touches nothing)."""
+    batch = make_batch([5, 1], [0, 40], HEADS, 2, 64, torch.float32, DEVICE, seed=12)
+    backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
+    cache, out = batch.kv_cache.clone(), torch.full_like(batch.q, float("nan"))
+    assert not backend.forward_rope(batch.q, batch.k, batch.v, out, cache, backend.build_metadata(batch.common),
+                                    _rope_inputs(batch, False, seed=6))
+    assert out.isnan().all() and torch.equal(cache.isnan(), batch.kv_cache.isnan())

@@ -1,7 +1,7 @@
 """On a GPU: every pass on vs off gives the same greedy tokens, with the fused ops on their Triton kernels.
 
-fp32, so the comparison is exact in practice; the torch backend attends from the cache alone (rope_kv
-applies), the triton backend does not (rope_kv stays off, the other passes apply).
+fp32, so the comparison is exact in practice; rope_kv applies with both backends: the torch backend attends from
+the cache alone, the triton backend's decode kernel rotates (and norms) q and the new key itself.
 """
 
 from __future__ import annotations
