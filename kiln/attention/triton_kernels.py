@@ -169,7 +169,6 @@ def _norm_rope(x, partner, d, w_ptr, rope_row, eps, HEAD_DIM: tl.constexpr, NORM
     """Dims d of heads x (rows along the last axis; `partner` holds their dims d + HEAD_DIM / 2 mod HEAD_DIM), with
     NORM RMS-normed by weights w_ptr, rotated by the cos / sin halves of `rope_row`, in x's dtype: the arithmetic
     and roundings of kiln's norm + RoPE kernel (kiln/passes/kernels.py)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
     dtype = x.dtype
     mask = d < HEAD_DIM
     x = x.to(tl.float32)
@@ -177,13 +176,13 @@ def _norm_rope(x, partner, d, w_ptr, rope_row, eps, HEAD_DIM: tl.constexpr, NORM
     if NORM:
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / HEAD_DIM + eps)
         w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + (d + HALF) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
         x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         partner = (wp * (partner * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    cos = tl.load(rope_row + d % HALF, mask=mask, other=0.0)
-    sin = tl.load(rope_row + HALF + d % HALF, mask=mask, other=0.0)
+    cos = tl.load(rope_row + d % (HEAD_DIM // 2), mask=mask, other=0.0)
+    sin = tl.load(rope_row + HEAD_DIM // 2 + d % (HEAD_DIM // 2), mask=mask, other=0.0)
     # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
-    return tl.where(d < HALF, x * cos - partner * sin, x * cos + partner * sin).to(dtype)
+    return tl.where(d < HEAD_DIM // 2, x * cos - partner * sin, x * cos + partner * sin).to(dtype)
 
 
 @triton.jit
