@@ -63,14 +63,14 @@ def _merge_chunks(block_d: int) -> int:
 
 
 def _rope_args(rope: Rope | None, q: torch.Tensor) -> tuple:
-    """The decode kernel's positions, cos / sin cache, q / k norm weights, cache row stride and eps (placeholders
-    without a rotation: the kernel never reads them)."""
+    """The decode kernel's cos / sin cache, q / k norm weights, cache row stride and eps (placeholders without a
+    rotation: the kernel never reads them). The position is the request's seq_len - 1, read in the kernel."""
     if rope is None:
-        return q, q, q, q, 0, 0.0
+        return q, q, q, 0, 0.0
     cache = rope.cos_sin_cache
     q_weight = rope.q_weight if rope.q_weight is not None else cache
     k_weight = rope.k_weight if rope.k_weight is not None else cache
-    return rope.positions, cache, q_weight, k_weight, cache.stride(0), float(rope.eps)
+    return cache, q_weight, k_weight, cache.stride(0), float(rope.eps)
 
 
 def _is_fp8(kv_cache: torch.Tensor) -> bool:

@@ -165,31 +165,34 @@ def varlen_attention_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl
 
 
 @triton.jit
-def _norm_rope(x, partner, d, w_ptr, rope_row, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+def _norm_rope(x, partner, d, cos, sin, w, wp, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
     """Dims d of heads x (rows along the last axis; `partner` holds their dims d + HEAD_DIM / 2 mod HEAD_DIM), with
-    NORM RMS-normed by weights w_ptr, rotated by the cos / sin halves of `rope_row`, in x's dtype: the arithmetic
-    and roundings of kiln's norm + RoPE kernel (kiln/passes/kernels.py)."""
+    NORM RMS-normed by weights w (wp: the partner dims'), rotated by cos / sin (each dim's of its pair), in x's
+    dtype: the arithmetic and roundings of kiln's norm + RoPE kernel (kiln/passes/kernels.py)."""
     dtype = x.dtype
-    mask = d < HEAD_DIM
     x = x.to(tl.float32)
     partner = partner.to(tl.float32)
     if NORM:
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / HEAD_DIM + eps)
-        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
         x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         partner = (wp * (partner * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    cos = tl.load(rope_row + d % (HEAD_DIM // 2), mask=mask, other=0.0)
-    sin = tl.load(rope_row + HEAD_DIM // 2 + d % (HEAD_DIM // 2), mask=mask, other=0.0)
     # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
     return tl.where(d < HEAD_DIM // 2, x * cos - partner * sin, x * cos + partner * sin).to(dtype)
+
+
+@triton.jit
+def _load_pair(ptr, d, HEAD_DIM: tl.constexpr):
+    """ptr[d] and ptr[d + HEAD_DIM / 2 mod HEAD_DIM] in fp32 (a norm weight and its rotation partner's)."""
+    mask = d < HEAD_DIM
+    return (tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32),
+            tl.load(ptr + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32))
 
 
 @triton.jit
 def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, cache_ptr, bt_ptr,
                             seq_lens_ptr, slot_ptr, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                             stride_vh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
-                            k_scale, v_scale, pos_ptr, rope_ptr, qw_ptr, kw_ptr, stride_rope, norm_eps,
+                            k_scale, v_scale, rope_ptr, qw_ptr, kw_ptr, stride_rope, norm_eps,
                             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
@@ -207,10 +210,11 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     KV_FP8: the new key/value are taken in cache units (quantized and read back, as a later step reads
     them from the cache), so a step's output does not depend on which path a key came through.
 
-    ROPE (QLEN 1 only): q and the new key come before their rotation (neox halves, cos/sin rows of `rope_ptr` at the
-    token's position) and, with NORM, before a per-head RMSNorm (weights qw / kw); every split rotates its program's
-    rows itself, the same arithmetic as kiln's separate kernel (kiln/passes/kernels.py), so the kernel before this
-    one is the projection and no RoPE kernel runs.
+    ROPE (QLEN 1 only): q and the new key come before their rotation (neox halves, the cos / sin row of `rope_ptr`
+    at the new position, seq_len - 1) and, with NORM, before a per-head RMSNorm (weights qw / kw); every split rotates
+    its program's rows itself, the same arithmetic as kiln's separate kernel (kiln/passes/kernels.py), so the kernel
+    before this one is the projection and no RoPE kernel runs. The row, the weights and seq_len are loaded before
+    the PDL wait: no kernel of the step writes them (the runner's buffers, constants).
 
     QLEN > 1: the caller has written the QLEN new keys/values to the cache (k, v and slot are unused), and
     token t of a request, seeing the keys up to its position seq_len - QLEN + t, gets programs of its own: the
@@ -221,24 +225,34 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     per split (every NUM_SPLITS x BLOCK_N keys). Packing several tokens into a program's rows read the context
     fewer times but changed a row's rounding with its place in the tile.
     """
-    pdl_start(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // QLEN
     t = tl.program_id(1) % QLEN  # this program's token of the request
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1) // QLEN
-    seq_len = tl.load(seq_lens_ptr + req)
-    new_pos = seq_len - 1
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    if ROPE:  # the cos / sin row of the token's position
-        rope_row = rope_ptr + tl.load(pos_ptr + req * QLEN + t).to(tl.int64) * stride_rope
+    if ROPE:  # before the wait: no kernel of the step writes seq_lens, the cos / sin cache or the norm weights
+        seq_len = tl.load(seq_lens_ptr + req)
+        rope_row = rope_ptr + (seq_len - 1).to(tl.int64) * stride_rope
+        cos = tl.load(rope_row + d % (HEAD_DIM // 2), mask=d_mask, other=0.0)
+        sin = tl.load(rope_row + HEAD_DIM // 2 + d % (HEAD_DIM // 2), mask=d_mask, other=0.0)
+        if NORM:
+            qw, qwp = _load_pair(qw_ptr, d, HEAD_DIM)
+            kw, kwp = _load_pair(kw_ptr, d, HEAD_DIM)
+        else:  # unread
+            qw = qwp = kw = kwp = cos
+        pdl_start(PDL)
+    else:
+        pdl_start(PDL)
+        seq_len = tl.load(seq_lens_ptr + req)
+    new_pos = seq_len - 1
     if QLEN == 1:
         k_row = k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh
         k_new = tl.load(k_row + d, mask=d_mask, other=0.0)
         if ROPE:
             k_new = _norm_rope(k_new, tl.load(k_row + (d + HEAD_DIM // 2) % HEAD_DIM, mask=d_mask, other=0.0), d,
-                               kw_ptr, rope_row, norm_eps, HEAD_DIM, NORM)
+                               cos, sin, kw, kwp, norm_eps, HEAD_DIM, NORM)
         v_new = tl.load(v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + d, mask=d_mask, other=0.0)
         if KV_FP8:  # to e4m3: the values the cache holds, in units of the scales
             k_new = _fp8_units(k_new, k_scale)
@@ -268,7 +282,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     if ROPE:
         q = _norm_rope(q, tl.load(q_rows + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
                                   mask=h_mask[:, None] & d_mask[None, :], other=0.0),
-                       d[None, :], qw_ptr, rope_row, norm_eps, HEAD_DIM, NORM)
+                       d[None, :], cos[None, :], sin[None, :], qw[None, :], qwp[None, :], norm_eps, HEAD_DIM, NORM)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
