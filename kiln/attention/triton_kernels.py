@@ -241,7 +241,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
             qw, qwp = _load_pair(qw_ptr, d, HEAD_DIM)
             kw, kwp = _load_pair(kw_ptr, d, HEAD_DIM)
         else:  # unread
-            qw = qwp = kw = kwp = cos
+            qw, qwp, kw, kwp = cos, cos, cos, cos
         pdl_start(PDL)
     else:
         pdl_start(PDL)
