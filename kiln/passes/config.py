@@ -46,27 +46,34 @@ CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_si
 # batch 8 (its kernel in programmatic dependent launch; before PDL it measured 1.00x, and 0.92x at prefill, so it
 # stays out of the range above 16).
 # On the H200 (smollm2-135m, triton attention) add_rmsnorm and silu_mul slow prefill down and leave decode
-# as it was, noop changes nothing; on CPU rope_kv and noop are slower. rope_kv's GPU measurement needs
-# the flashinfer backend (`bench_passes --backend flashinfer`, and `--kernels` for the kernel alone).
+# as it was; on CPU rope_kv and noop are slower. With the flashinfer backend rope_kv rotates and writes the cache in
+# one kernel before attention (unmeasured there).
+# rope_kv on a GPU (the Triton decode kernel rotates q and the new key itself, with Qwen3's q/k norms: qk_norm_rope
+# lets rope_kv take them; noop drops the copy of v that Inductor's RoPE kernel used to absorb): one H200, 2026-12-04,
+# `bench_profile` at batch 1 in one call, a step 4.162 -> 4.134 ms on Llama-3-8B (327 -> 295 kernels), GPU busy
+# 0.602 -> 0.562 ms on SmolLM2-135M (0.674 -> 0.588 at batch 8), Qwen3-30B-A3B 2.887 -> 2.839 (without noop).
+_ROPE_IN_ATTENTION = ("noop", "rope_kv", "qk_norm_rope")
 _DECODE_EPILOGUES = ("gemm_add_rmsnorm<=16", "gate_up_silu_mul<=16", "silu_mul_quant<=16")
 LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
     0: (),
     1: (),
-    2: ("allreduce_rmsnorm", *_DECODE_EPILOGUES),
-    3: ("allreduce_rmsnorm", *_DECODE_EPILOGUES),
+    2: ("allreduce_rmsnorm", *_DECODE_EPILOGUES, *_ROPE_IN_ATTENTION),
+    3: ("allreduce_rmsnorm", *_DECODE_EPILOGUES, *_ROPE_IN_ATTENTION),
 }
 
 
 def level_defaults(level: int, on_gpu: bool = True, mixture_of_experts: bool = False) -> tuple[str, ...]:
     """The level's default passes, or those KILN_PASSES names (separated by "," or "+"; empty: none): an A/B of a
     pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key.
-    Off a GPU, without the CUDA-only ones; off a GPU and for a mixture of experts, without the decode-size epilogues
-    (whose bound would cut a CPU's one compile range in two)."""
+    Off a GPU, without the CUDA-only ones and rope_kv's; off a GPU and for a mixture of experts, without the
+    decode-size epilogues (whose bound would cut a CPU's one compile range in two)."""
     names = os.environ.get("KILN_PASSES")
     if names is None:
         chosen = LEVEL_DEFAULTS.get(level, ())
         if mixture_of_experts or not on_gpu:
             chosen = tuple(n for n in chosen if n not in _DECODE_EPILOGUES)
+        if not on_gpu:  # on a CPU (the torch backend) rope_kv and noop are slower
+            chosen = tuple(n for n in chosen if n not in _ROPE_IN_ATTENTION)
     else:
         chosen = tuple(n.strip() for n in re.split(r"[,+]", names) if n.strip())
     return chosen if on_gpu else tuple(n for n in chosen if n.partition("<=")[0].strip() not in CUDA_ONLY_PASSES)
