@@ -69,12 +69,8 @@ class ModelRunner:
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  device: torch.device, eos_token_ids: frozenset[int],
                  block_ids_of: Callable[[Request], list[int]],
-                 kv_scales: tuple[tuple[float, float], ...] | None = None, rope_in_kernel: bool = True) -> None:
+                 kv_scales: tuple[tuple[float, float], ...] | None = None) -> None:
         self.model = model
-        # kiln::rope_attention may rotate inside the backend's decode kernel (supports_rope). Off with speculative
-        # decoding: a verify rotates in kiln's norm + RoPE kernel and a decode must match it bit for bit, which the
-        # decode kernel's own rotation did not on the H200 (tests/gpu/test_spec_decode_gpu.py, 2026-12-04)
-        self.rope_in_kernel = rope_in_kernel
         # per layer (k_scale, v_scale) of an fp8 cache (kiln/models/kv_quant.py); None: 1.0 everywhere
         self.kv_scales = kv_scales
         self.block_ids_of = block_ids_of
@@ -320,8 +316,7 @@ class ModelRunner:
         return ForwardContext(attention=run_attention, metadata=backend_metadata, num_tokens=num_tokens,
                               kv_caches=kv_cache, slot_mapping=metadata.slot_mapping,
                               cache_only_attention=backend.supports_cache_only,
-                              rope_attention=run_rope_attention if backend.supports_rope and self.rope_in_kernel
-                              else None, kv_scales=kv_scales)
+                              rope_attention=run_rope_attention if backend.supports_rope else None, kv_scales=kv_scales)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
