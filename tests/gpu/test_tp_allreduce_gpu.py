@@ -31,6 +31,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _join(rank: int, port: int) -> tuple[torch.device, str]:
+    """This rank's GPU and the NCCL group of two it joined: (device, the group's name)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+    return device, dist.group.WORLD.group_name
+
+
 def _rank(rank: int, port: int, results: dict) -> None:
     import torch.distributed as dist
 
@@ -38,11 +49,7 @@ def _rank(rank: int, port: int, results: dict) -> None:
     from kiln.passes.ops import all_reduce_add_rms_norm, rms_norm_ref
 
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
-        name = dist.group.WORLD.group_name
+        device, name = _join(rank, port)
         comm = P2PAllReduce(dist.group.WORLD, AllReducePolicy("one_shot", 1 << 20, 1 << 20, 1 << 20), device)
         for dtype in (torch.bfloat16, torch.float32):
             for numel in (8, 4096, 64 * 4096, 256 * 1024):
@@ -141,11 +148,7 @@ def _flashinfer_rank(rank: int, port: int, results: dict) -> None:
     from kiln.passes.ops import rms_norm_ref
 
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
-        name = dist.group.WORLD.group_name
+        device, name = _join(rank, port)
         norm = flashinfer_norm(dist.group.WORLD, AllReducePolicy(fused_norm_kernel="flashinfer"), device)
         assert norm is not None
 
