@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kiln.models.pdl import pdl_start
+from kiln.models.rope_triton import rotate
 
 
 @triton.jit
@@ -176,8 +177,8 @@ def _norm_rope(x, partner, d, cos, sin, w, wp, eps, HEAD_DIM: tl.constexpr, NORM
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / HEAD_DIM + eps)
         x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         partner = (wp * (partner * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
-    return tl.where(d < HEAD_DIM // 2, x * cos - partner * sin, x * cos + partner * sin).to(dtype)
+    # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (kiln/models/rope_triton.py: rounded as that kernel)
+    return rotate(x, tl.where(d < HEAD_DIM // 2, -partner, partner), cos, sin).to(dtype)
 
 
 @triton.jit

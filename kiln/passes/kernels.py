@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kiln.models.pdl import pdl_launch, pdl_start
+from kiln.models.rope_triton import rotate
 
 
 @triton.jit
@@ -57,8 +58,8 @@ def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_ou
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * s_cs + offs, mask=mask, other=0.0)
     sin = tl.load(cs_ptr + pos * s_cs + HALF + offs, mask=mask, other=0.0)
-    o1 = (x1 * cos - x2 * sin).to(dtype)
-    o2 = (x2 * cos + x1 * sin).to(dtype)
+    o1 = rotate(x1, -x2, cos, sin).to(dtype)
+    o2 = rotate(x2, x1, cos, sin).to(dtype)
     if is_q:
         dst = q_out_ptr + t * s_qot + h * s_qoh
         tl.store(dst + offs, o1, mask=mask)

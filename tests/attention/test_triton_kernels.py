@@ -213,7 +213,8 @@ def _rope_inputs(batch, norm: bool, seed: int):
 @pytest.mark.parametrize(("dtype", "norm"), [(torch.float32, False), (torch.float32, True), (torch.float16, True)])
 def test_the_decode_kernel_rotates_q_and_the_new_key_itself(dtype: torch.dtype, norm: bool) -> None:
     """forward_rope on a decode step (RoPE, with Qwen3's q/k norms, inside the decode kernel) against rotating first
-    (the torch reference of kiln's norm + RoPE kernel) and then forward(): the same output and cache, to rounding."""
+    (the torch reference of kiln's norm + RoPE kernel) and then forward(): the same output and cache, to rounding;
+    without norms, bit for bit what rotating in kiln's norm + RoPE kernel first gives."""
     import dataclasses
 
     from kiln.passes.ops import norm_rope_ref
@@ -232,6 +233,13 @@ def test_the_decode_kernel_rotates_q_and_the_new_key_itself(dtype: torch.dtype, 
     assert rel_err(out[: batch.num_tokens], reference(rotated)[0]) <= tol
     written = ~ref_cache[1:].isnan()
     torch.testing.assert_close(cache[1:][written].float(), ref_cache[1:][written].float(), atol=tol, rtol=tol)
+    if not norm:  # kiln's norm + RoPE kernel (a verify's, a prefill's) rounds the rotation as the decode kernel does
+        from kiln.passes.kernels import norm_rope_triton
+
+        q_k, k_k = norm_rope_triton(batch.q, batch.k, rope.positions, rope.cos_sin_cache, None, None, 0.0)
+        kernel_out, kernel_cache = run_backend(backend, dataclasses.replace(batch, q=q_k, k=k_k))
+        assert torch.equal(cache[1:].nan_to_num(), kernel_cache[1:].nan_to_num())
+        assert torch.equal(out[: batch.num_tokens], kernel_out)
 
 
 def test_only_a_decode_step_rotates_in_the_kernel() -> None:
