@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from kiln.passes.add_rmsnorm import norms_of_sums, replace_norm_of_sum
+from kiln.passes.add_rmsnorm import fuse_norms_of_sums
 from kiln.passes.base import KilnPass, is_call
 
 
-def _expert_rows(node: object) -> fx.Node | None:
-    """The [T, k, H] rows when `node` is their sum over dim 1 (nothing else using it), else None."""
+def _expert_rows(node: object) -> tuple[fx.Node, tuple, list[fx.Node]] | None:
+    """(the [T, k, H] rows, no extra args, the sum) when `node` is their sum over dim 1 used only once, else None."""
     if not is_call(node, torch.ops.aten.sum.dim_IntList) or len(node.users) != 1 or node.kwargs:
         return None
     rows, dims = node.args[0], list(node.args[1])
@@ -31,7 +31,7 @@ def _expert_rows(node: object) -> fx.Node | None:
     value = rows.meta.get("val") if isinstance(rows, fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() != 3 or dims not in ([1], [-2]) or keepdim:
         return None
-    return rows
+    return rows, (), [node]  # type: ignore[return-value]
 
 
 class MoESumRMSNormPass(KilnPass):
@@ -40,15 +40,4 @@ class MoESumRMSNormPass(KilnPass):
     def apply_post_grad(self, graph: fx.Graph) -> int:
         import kiln.passes.ops  # noqa: F401 - registers the ops
 
-        op = torch.ops.kiln.fused_add_rms_norm.default
-        count = 0
-        for summed, weight, eps, out, dead in norms_of_sums(graph):
-            a, b = summed.args[:2]
-            rows, experts, residual = _expert_rows(a), a, b
-            if rows is None:
-                rows, experts, residual = _expert_rows(b), b, a
-            if rows is None:
-                continue
-            replace_norm_of_sum(graph, op, (rows, residual, weight, eps), summed, out, dead, [experts])
-            count += 1
-        return count
+        return fuse_norms_of_sums(graph, torch.ops.kiln.fused_add_rms_norm.default, _expert_rows)
