@@ -3,7 +3,7 @@
 # kiln/models/flashinfer_norm.py) for the H200 (sm_90a) with this machine's nvcc, into .carry/flashinfer_aot/NAME.so;
 # gpu_call.sh installs them as FlashInfer's prebuilt modules. Needs the wheels in .whl/ and a tvm-ffi wheel for this
 # machine's Python (TVM_FFI_WHEEL, default: the one in .whl/). From the repository root:
-#   bash benchmarks/gpu/flashinfer_aot.sh [MODULE...]       ~10 min on 2 cores
+#   bash benchmarks/gpu/flashinfer_aot.sh [MODULE...]       ~6 min on 2 cores
 set -euo pipefail
 site=$(mktemp -d)
 python3 -m pip install -q --no-deps --target "$site" .whl/flashinfer_python-*.whl "${TVM_FFI_WHEEL:-$(ls .whl/apache_tvm_ffi-*.whl)}" \
