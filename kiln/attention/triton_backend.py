@@ -260,13 +260,15 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonMetadata(common, splits, self._part_out, self._part_lse, query_len=query_len)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: TritonMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                kv_cache: torch.Tensor, metadata: TritonMetadata, k_scale: float = 1.0, v_scale: float = 1.0,
+                rope: Rope | None = None) -> None:
+        """`rope`: forward_rope's decode step, q and k before their rotation."""
         common = metadata.common
         assert out.stride(-1) == 1
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         scales = (float(k_scale), float(v_scale)) if _is_fp8(kv_cache) else (1.0, 1.0)
         if common.uniform_decode and common.num_reqs > 0:
-            self._decode(q, k, v, out, kv_cache, metadata, *scales)  # writes the new K/V itself
+            self._decode(q, k, v, out, kv_cache, metadata, *scales, rope=rope)  # writes the new K/V itself
             return
         if metadata.query_len > 1:  # the decode kernel reads every new key from the cache
             reshape_and_cache(k, v, kv_cache, common.slot_mapping, *scales)
@@ -291,10 +293,7 @@ class TritonAttentionBackend(AttentionBackend):
         if not (common.uniform_decode and common.num_reqs > 0 and metadata.query_len == 1) \
                 or rope.cos_sin_cache.shape[-1] != self.layout.head_dim or self.layout.head_dim % 2:
             return False
-        assert out.stride(-1) == 1
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        scales = (float(k_scale), float(v_scale)) if _is_fp8(kv_cache) else (1.0, 1.0)
-        self._decode(q, k, v, out, kv_cache, metadata, *scales, rope=rope)
+        self.forward(q, k, v, out, kv_cache, metadata, k_scale, v_scale, rope=rope)
         return True
 
     def _common_args(self, kv_cache: torch.Tensor, common: CommonAttentionMetadata) -> tuple:

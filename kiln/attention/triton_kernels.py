@@ -243,9 +243,8 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
             kw, kwp = _load_pair(kw_ptr, d, HEAD_DIM)
         else:  # unread
             qw, qwp, kw, kwp = cos, cos, cos, cos
-        pdl_start(PDL)
-    else:
-        pdl_start(PDL)
+    pdl_start(PDL)
+    if not ROPE:
         seq_len = tl.load(seq_lens_ptr + req)
     new_pos = seq_len - 1
     if QLEN == 1:
