@@ -255,6 +255,25 @@ set_tp_ab() {  # two GPUs: bench_tp's decode (TP_AB_CONFIGS, default llama3-8b:2
 set_spec_tests() {  # the speculative-decoding GPU tests (greedy equality with graphs, bf16 bit-for-bit at batch 1)
   step spec_tests 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_spec_decode_gpu.py
 }
+set_test_trees() {  # one GPU test (TREE_TEST, pytest's node id) in several source trees at once, for a bisect: each arm of
+  # TREES is a commit whose tree is in .ab/t/COMMIT (`git archive COMMIT kiln tests | tar -x -C .ab/t/COMMIT`, carried)
+  # with optional environment variables, COMMIT[:NAME=VALUE[,NAME=VALUE]]; every arm a process with its own caches
+  # (the processes share the GPU; a tiny model's test takes ~3.5 min with 12 of them), all bounded by TREE_TEST_S (450)
+  local arm tree vars tag pids=()
+  for arm in $TREES; do
+    tree=${arm%%:*}; vars=""; [ "$arm" != "$tree" ] && vars=${arm#*:}
+    tag=tree_${arm//[^A-Za-z0-9_]/_}
+    (
+      [ -n "$vars" ] && { IFS=, read -ra kv <<< "$vars"; export "${kv[@]}"; }
+      export KILN_CACHE_DIR=/tmp/trees/$tag/kiln TORCHINDUCTOR_CACHE_DIR=/tmp/trees/$tag/inductor \
+        TRITON_CACHE_DIR=/tmp/trees/$tag/triton PYTHONPATH=$PWD/.ab/t/$tree:/tmp/site
+      step "$tag" "${TREE_TEST_S:-450}" bash -c "cd .ab/t/$tree && exec python3 -m pytest -q -p no:cacheprovider -rfE \
+        $TREE_TEST"
+    ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+}
 set_tests() {  # the GPU tests (GPU_TESTS: a subset, pytest's arguments split at spaces; in a -k expression write " or " as
   # "_or_", e.g. -k residual_or_dispatch; GPU_TESTS_S: the step's bound, default 500 s)
   local args=() word

@@ -18,8 +18,8 @@ from typing import Any
 # allreduce_rmsnorm and gemm_add_rmsnorm precede add_rmsnorm, which would otherwise take their norms alone.
 # silu_mul_quant and gate_up_silu_mul precede silu_mul for the same reason.
 # qkv_rope follows rope_kv and qk_norm_rope, which take the rotations they match first.
-ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "moe_sum_rmsnorm",
-                               "gemm_add_rmsnorm", "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "silu_mul")
+ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "gemm_add_rmsnorm",
+                               "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "silu_mul")
 
 # Passes that rewrite only the captured graph, which serves every token count: a token bound cannot gate them.
 GRAPH_ONLY_PASSES: tuple[str, ...] = ("rope_kv", "qk_norm_rope")
@@ -86,7 +86,6 @@ class PassConfig:
     qk_norm_rope: bool = False
     qkv_rope: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm (post-grad since 2026-12-04)
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
-    moe_sum_rmsnorm: bool = False  # a mixture of experts only (one rank): its top-k sum + add + norm
     gemm_add_rmsnorm: bool = False  # CUDA only: matches kiln::dense_gemm and kiln::fp8_gemm
     add_rmsnorm: bool = False
     silu_mul_quant: bool = False  # FP8 models only: matches nothing without the activation quantization

@@ -137,21 +137,14 @@ def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, s_x, s_r, s_o, s_s, n, eps, s_term,
-                         BLOCK: tl.constexpr, ADD: tl.constexpr, TERMS: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """One program per row, the whole row in registers: one read of x (and r), one write of each output. TERMS > 1:
-    x's row is the sum of TERMS rows s_term apart (a mixture's top-k expert rows), in fp32 in order, then rounded."""
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, s_x, s_r, s_o, s_s, n, eps,
+                         BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per row, the whole row in registers: one read of x (and r), one write of each output."""
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    if TERMS == 1:
-        x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
-    else:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for term in tl.static_range(TERMS):
-            acc += tl.load(x_ptr + row * s_x + term * s_term + offs, mask=mask, other=0.0).to(tl.float32)
-        x = acc.to(x_ptr.dtype.element_ty)
+    x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
     if ADD:
         r = tl.load(r_ptr + row * s_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -165,22 +158,20 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, s_x, s_r, s_o, s
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [T, N] (+ residual) -> (rms_norm(x [+ residual]), x + residual or None); x [T, K, N]: its K rows of a token
-    summed first (x.sum(1), as a mixture of experts sums its top-k rows)."""
+    """x [T, N] (+ residual) -> (rms_norm(x [+ residual]), x + residual or None)."""
     x = _unit_last(x)
-    rows, n = x.shape[0], x.shape[-1]
+    rows, n = x.shape
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
-    summed = torch.empty((rows, n), dtype=x.dtype, device=x.device) if residual is not None else None
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if rows == 0:
         return out, summed
-    r = _unit_last(residual) if residual is not None else out
+    r = _unit_last(residual) if residual is not None else x
     s = summed if summed is not None else out
     block = triton.next_power_of_2(n)
-    terms = x.shape[1] if x.dim() == 3 else 1
     _add_rms_norm_kernel[(rows,)](x, r, weight, out, s, x.stride(0), r.stride(0), out.stride(0), s.stride(0), n, eps,
-                                  x.stride(1) if terms > 1 else 0, BLOCK=block, ADD=residual is not None,
-                                  TERMS=terms, num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device))
+                                  BLOCK=block, ADD=residual is not None,
+                                  num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device))
     return out, summed
 
 

@@ -31,7 +31,6 @@ def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.allreduce_rmsnorm import AllReduceRMSNormPass
     from kiln.passes.gate_up_silu_mul import GateUpSiluMulPass
     from kiln.passes.gemm_add_rmsnorm import GemmAddRMSNormPass
-    from kiln.passes.moe_sum_rmsnorm import MoESumRMSNormPass
     from kiln.passes.noop import NoOpEliminationPass
     from kiln.passes.qk_norm_rope import QKNormRopePass
     from kiln.passes.qkv_rope import QKVRopePass
@@ -40,7 +39,7 @@ def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.silu_mul_quant import SiluMulQuantPass
 
     classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, QKVRopePass, AllReduceRMSNormPass,
-               MoESumRMSNormPass, GemmAddRMSNormPass, AddRMSNormPass, SiluMulQuantPass, GateUpSiluMulPass, SiluMulPass]
+               GemmAddRMSNormPass, AddRMSNormPass, SiluMulQuantPass, GateUpSiluMulPass, SiluMulPass]
     return {cls.name: cls for cls in classes}
 
 

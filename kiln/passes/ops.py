@@ -140,7 +140,7 @@ def _rms_norm_fake(x, weight, eps):
 @torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (rms_norm(x + residual), x + residual); x [T, K, N] (a mixture's top-k expert rows): x.sum(1) for x."""
+    """-> (rms_norm(x + residual), x + residual)."""
     return _add_rms_norm(x, residual, weight, eps)
 
 
@@ -152,14 +152,14 @@ def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         normed, summed = add_rms_norm_triton(x, residual, weight, eps)
         assert summed is not None
         return normed, summed
-    summed = (x.sum(1) if x.dim() == 3 else x) + residual
+    summed = x + residual
     return rms_norm_ref(summed, weight, eps), summed
 
 
 @fused_add_rms_norm.register_fake
 def _fused_add_rms_norm_fake(x, residual, weight, eps):
-    return (torch.empty_like(residual, memory_format=torch.contiguous_format),
-            torch.empty_like(residual, memory_format=torch.contiguous_format))
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 # -- SiLU-and-mul over the merged gate_up output -----------------------------------------------------------

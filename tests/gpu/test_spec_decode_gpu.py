@@ -45,8 +45,11 @@ def test_ngram_async_matches_plain_with_graphs(tiny_checkpoint) -> None:
 def test_bf16_verify_at_batch_one_reproduces_decoding_bit_for_bit(tiny_checkpoint) -> None:
     runtime = Runtime(str(tiny_checkpoint("tiny-llama")[0]), device="cuda", dtype="bf16", level=2,
                       compile_sizes=(), max_num_batched_tokens=128, max_num_seqs=8, kv_cache_bytes=64 << 20,
-                      cudagraph_capture_sizes=(1, 2, 4, 8, 16),
+                      cudagraph_capture_sizes=(1, 2, 4, 8, 16), enable_prefix_caching=False,
                       speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    # No prefix cache: the second run of a prompt would prefill only its tail, a chunk of <= 16 tokens that -O2's
+    # decode-size passes (gemm_add_rmsnorm<=16) compute in another order than the whole prompt's, so the first
+    # token's logprob could part there (seen on the H200, 2026-12-04), before any verify runs.
     engine, spec = runtime.engine, runtime.engine.speculation
     prompts = [p * 2 for p in random_prompts([6, 11, 20], 256, seed=5)]
     param = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -56,6 +59,10 @@ def test_bf16_verify_at_batch_one_reproduces_decoding_bit_for_bit(tiny_checkpoin
             engine.speculation = spec if speculate else None
             out = runtime.generate([prompt], param)[0].outputs[0]
             runs[speculate] = (out.token_ids, [step.sampled.logprob for step in out.logprobs])
-        assert runs[True] == runs[False]
+        (spec_ids, spec_lps), (plain_ids, plain_lps) = runs[True], runs[False]
+        parted = next((i for i, pair in enumerate(zip(spec_lps, plain_lps)) if pair[0] != pair[1]), None)
+        assert spec_ids == plain_ids and parted is None, (
+            f"prompt of {len(prompt)}: tokens equal {spec_ids == plain_ids}; first logprob apart at output {parted}: "
+            f"{None if parted is None else (spec_lps[parted], plain_lps[parted])}")
     assert spec.stats.num_accepted_tokens > 0
     runtime.shutdown()
