@@ -49,34 +49,24 @@ class Fp8GemmConfig:
 
 
 # (N, K, largest M) -> config, measured on an H200 (benchmarks/bench_gemm.py --part small-m). The first
-# entry whose N, K match and whose largest M is >= M wins; shapes not listed fall back to the rule below.
-# H200, 2026-11-30 (docs/BENCHMARKS.md), before the kernel promoted its fp8 MMA accumulator to fp32 every 32
-# products; re-swept 2026-12-03 (`bench_gemm --part small-m`, benchmarks/results/2026-12-03-h200-eb449ad) where the
-# winner moved: gate_up at M <= 32 (128x128, 8 warps -> 64x256: 41.8 -> 30.4 us at M = 1, 42.1 -> 31.1 at 8; M = 64
-# kept its tile), qkv at M = 1 and 8 (10.1 -> 9.1 us) and o at M = 8 (9.9 -> 6.9). The other entries were re-swept at
-# M = 1 and 8 only (qkv's M = 2 and 4 not at all) and kept.
+# entry whose N, K match and whose largest M is >= M wins (entries of a shape in ascending M); shapes not listed
+# fall back to the rule below. Llama-3-8B's projections (o 4096 x 4096, down 4096 x 14336, qkv 6144 x 4096, gate_up
+# 28672 x 4096), us, the sweep's best tile: M = 1 and 8 re-swept 2026-12-03 after the kernel promoted its fp8 MMA
+# accumulator to fp32 every 32 products (benchmarks/results/2026-12-03-h200-eb449ad; gate_up 41.8 -> 30.4 at M = 1,
+# qkv 10.1 -> 9.1, o at M = 8 9.9 -> 6.9), M = 16 / 32 / 64 on 2026-12-04 (`GEMM_M="16 32 64" run.sh gemm`,
+# benchmarks/results/2026-12-04-h200x2-8726e90, one H200), where the table's older tiles took o 9.8 / 11.5 / 9.7 ->
+# 6.9 / 7.5 / 8.9, qkv 10.2 / 11.8 / 14.8 -> 9.1 / 9.8 / 12.6, down 17.4 / 20.8 / 25.1 -> 17.4 / 18.5 / 20.7 (gate_up
+# kept its tiles); FP8 8B decode then 3.21 / 3.72 / 4.44 -> 3.11 / 3.48 / 4.17 ms at batch 16 / 32 / 64 (one H200,
+# 2026-12-04, two processes per arm, benchmarks/results/2026-12-04-h200-78809a5). qkv's M = 2 and 4 were never swept.
 TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {
-    (4096, 4096, 1): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (4096, 4096, 2): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (4096, 4096, 4): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (4096, 4096, 8): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (4096, 4096, 16): Fp8GemmConfig(64, 256, 1, 4, 4),
-    (4096, 4096, 32): Fp8GemmConfig(64, 256, 1, 4, 4),
-    (4096, 4096, 64): Fp8GemmConfig(64, 128, 2, 4, 6),
-    (4096, 14336, 1): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (4096, 14336, 2): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 4096, 64): Fp8GemmConfig(64, 128, 4, 4, 6),
     (4096, 14336, 4): Fp8GemmConfig(64, 128, 4, 4, 6),
     (4096, 14336, 8): Fp8GemmConfig(64, 256, 4, 4, 4),
-    (4096, 14336, 16): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (4096, 14336, 32): Fp8GemmConfig(64, 256, 2, 4, 4),
-    (4096, 14336, 64): Fp8GemmConfig(64, 256, 2, 4, 4),
+    (4096, 14336, 64): Fp8GemmConfig(64, 128, 4, 4, 6),
     (6144, 4096, 1): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (6144, 4096, 2): Fp8GemmConfig(64, 256, 1, 4, 4),
     (6144, 4096, 4): Fp8GemmConfig(64, 256, 1, 4, 4),
-    (6144, 4096, 8): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (6144, 4096, 16): Fp8GemmConfig(64, 256, 1, 4, 4),
-    (6144, 4096, 32): Fp8GemmConfig(64, 256, 1, 4, 4),
-    (6144, 4096, 64): Fp8GemmConfig(64, 256, 1, 4, 4),
+    (6144, 4096, 32): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (6144, 4096, 64): Fp8GemmConfig(64, 128, 2, 4, 6),
     (28672, 4096, 32): Fp8GemmConfig(64, 256, 1, 4, 4),
     (28672, 4096, 64): Fp8GemmConfig(128, 128, 1, 8, 4),
 }
