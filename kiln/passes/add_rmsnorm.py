@@ -16,7 +16,7 @@ qk_norm_rope.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import fx
@@ -71,24 +71,6 @@ def norms_of_sums(graph: fx.Graph) -> Iterator[tuple[fx.Node, fx.Node, float, fx
         match = rms_norm_match(rsqrt) if is_call(rsqrt, aten.rsqrt.default) else None
         if match is not None and is_call(match[0], aten.add.Tensor) and fusable_add(match[0]):
             yield match
-
-
-def fuse_norms_of_sums(graph: fx.Graph, op: object,
-                       source: Callable[[object], tuple[fx.Node, tuple, list[fx.Node]] | None]) -> int:
-    """Each norm of `a + b` where `source` recognises an operand (-> its input, extra args, its nodes) becomes
-    op(input, the other operand, weight, eps, *extra) -> (normed, sum); returns how many."""
-    count = 0
-    for summed, weight, eps, out, dead in norms_of_sums(graph):
-        a, b = summed.args[:2]
-        found, residual = source(a), b
-        if found is None:
-            found, residual = source(b), a
-        if found is None:
-            continue
-        value, extra, nodes = found
-        replace_norm_of_sum(graph, op, (value, residual, weight, eps, *extra), summed, out, dead, nodes)
-        count += 1
-    return count
 
 
 def replace_norm_of_sum(graph: fx.Graph, op: object, args: tuple, summed: fx.Node, out: fx.Node,

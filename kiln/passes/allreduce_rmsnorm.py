@@ -22,23 +22,23 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from kiln.passes.add_rmsnorm import fuse_norms_of_sums
+from kiln.passes.add_rmsnorm import norms_of_sums, replace_norm_of_sum
 from kiln.passes.base import KilnPass, is_call
 
 
-def _all_reduce_source(node: object) -> tuple[fx.Node, tuple[str], list[fx.Node]] | None:
-    """(the all-reduced input, (group name,), the all-reduce's nodes) when `node` is an all-reduce's result
+def _all_reduce_source(node: object) -> tuple[fx.Node, str, list[fx.Node]] | None:
+    """(the all-reduced input, group name, the all-reduce's nodes) when `node` is an all-reduce's result
     used only once, else None."""
     if not isinstance(node, fx.Node) or len(node.users) != 1:
         return None
     kiln_all_reduce = getattr(torch.ops.kiln, "all_reduce", None)
     if kiln_all_reduce is not None and is_call(node, kiln_all_reduce.default):
-        return node.args[0], (str(node.args[1]),), [node]  # type: ignore[return-value]
+        return node.args[0], str(node.args[1]), [node]  # type: ignore[return-value]
     functional = torch.ops._c10d_functional
     if is_call(node, functional.wait_tensor.default):
         reduce = node.args[0]
         if is_call(reduce, functional.all_reduce.default) and len(reduce.users) == 1 and reduce.args[1] == "sum":
-            return reduce.args[0], (str(reduce.args[2]),), [node, reduce]  # type: ignore[union-attr,return-value]
+            return reduce.args[0], str(reduce.args[2]), [node, reduce]  # type: ignore[union-attr,return-value]
     return None
 
 
@@ -48,4 +48,17 @@ class AllReduceRMSNormPass(KilnPass):
     def apply_post_grad(self, graph: fx.Graph) -> int:
         import kiln.passes.ops  # noqa: F401 - registers the ops
 
-        return fuse_norms_of_sums(graph, torch.ops.kiln.all_reduce_add_rms_norm.default, _all_reduce_source)
+        op = torch.ops.kiln.all_reduce_add_rms_norm.default
+        count = 0
+        for summed, weight, eps, out, dead in norms_of_sums(graph):
+            a, b = summed.args[:2]
+            source, residual = _all_reduce_source(a), b
+            if source is None:
+                source, residual = _all_reduce_source(b), a
+            if source is None:
+                continue
+            partial, group_name, reduce_nodes = source
+            replace_norm_of_sum(graph, op, (partial, residual, weight, eps, group_name), summed, out, dead,
+                                reduce_nodes)
+            count += 1
+        return count
