@@ -11,6 +11,10 @@
 # the GPUs the caller makes visible; `tp` needs two. These are the commands docs/BENCHMARKS.md cites. The
 # sourced gpu_call.sh sets the multicast-off variables and installs the wheels carried in .whl/.
 set -u
+export_vars() {  # an arm's NAME=VALUE[,NAME=VALUE] exported (an arm without "=", e.g. "new" or "default": nothing)
+  local vars
+  case $1 in *=*) IFS=, read -ra vars <<< "$1"; export "${vars[@]}";; esac
+}
 set_decode() {  # Llama-3-8B and SmolLM2-135M decode at default settings, floors and transformers beside, then the
   # gpt-fast-style anchor (a plain Llama-3-8B compiled whole) at batch 1 and 8
   step decode 360 python3 -m benchmarks.bench_gpu decode --defaults --backend triton --models llama3-8b smollm2-135m \
@@ -49,12 +53,12 @@ set_profile() {  # a decode step's kernels by kind, bf16 and FP8, batch 1 and 64
   # process per config: in one process the configs after the first got a KV budget of 0 bytes (2026-12-03).
   # PROFILE_ARMS: "default" and/or NAME=VALUE[,NAME=VALUE] (those environment variables), one process each;
   # PROFILE_ARGS: more bench_profile arguments (e.g. --host: a cProfile of the host's steps)
-  local config arm tag vars
+  local config arm tag
   for arm in ${PROFILE_ARMS:-default}; do
     for config in ${PROFILE_CONFIGS:-llama3-8b:1:bf16 llama3-8b:1:fp8}; do
       tag=profile_${config//[^A-Za-z0-9_]/_}; [ "$arm" = default ] || tag=${tag}_${arm//[^A-Za-z0-9_]/_}
       (
-        case $arm in *=*) IFS=, read -ra vars <<< "$arm"; export "${vars[@]}";; esac
+        export_vars "$arm"
         step "$tag" 200 python3 -m benchmarks.bench_profile --configs "$config" \
           --batches ${PROFILE_BATCHES:-1 64} ${PROFILE_ARGS:-} --json "$R/$tag.json"
       )
@@ -216,13 +220,13 @@ set_spec_ab() {  # spec-tasks with the code in .ab/base (`git archive <commit> k
 each_arm() {  # FN for each arm of ARMS ("base": .ab/base's code, "new": the working tree, NAME=VALUE[,NAME=VALUE]:
   # the working tree with those environment variables), processes alternated ROUNDS times; FN gets the code's
   # directory and the arm's tag and round
-  local run arm dir tag vars
+  local run arm dir tag
   for run in $(seq "$ROUNDS"); do
     for arm in $ARMS; do
       dir=$PWD; [ "$arm" = base ] && dir=$PWD/.ab/base
       tag=${arm//[^A-Za-z0-9_]/_}
       (
-        case $arm in *=*) IFS=, read -ra vars <<< "$arm"; export "${vars[@]}";; esac
+        export_vars "$arm"
         export PYTHONPATH=$dir:/tmp/site
         "$1" "$dir" "$tag" "$run"
       )
@@ -264,7 +268,7 @@ set_test_trees() {  # one GPU test (TREE_TEST, pytest's node id) in several sour
     tree=${arm%%:*}; vars=""; [ "$arm" != "$tree" ] && vars=${arm#*:}
     tag=tree_${arm//[^A-Za-z0-9_]/_}
     (
-      [ -n "$vars" ] && { IFS=, read -ra kv <<< "$vars"; export "${kv[@]}"; }
+      export_vars "$vars"
       export KILN_CACHE_DIR=/tmp/trees/$tag/kiln TORCHINDUCTOR_CACHE_DIR=/tmp/trees/$tag/inductor \
         TRITON_CACHE_DIR=/tmp/trees/$tag/triton PYTHONPATH=$PWD/.ab/t/$tree:/tmp/site
       step "$tag" "${TREE_TEST_S:-450}" bash -c "cd .ab/t/$tree && exec python3 -m pytest -q -p no:cacheprovider -rfE \
