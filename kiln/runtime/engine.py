@@ -259,18 +259,21 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
+        vocab = self.loaded.spec.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             token_ids = self.tokenize(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-            vocab = self.loaded.spec.vocab_size
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:  # an id past the logits would index out of bounds on the device
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
         check_request_fits(len(token_ids), params, self.max_model_len, self.config.scheduler.max_n)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")

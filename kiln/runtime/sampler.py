@@ -1,6 +1,6 @@
 """Turns one step's logits into next tokens (and logprobs), with vLLM/OpenAI semantics.
 
-Order: raw logprobs -> min_tokens mask -> repetition/presence/frequency penalties -> greedy argmax, or
+Order: raw logprobs -> min_tokens mask -> logit bias -> repetition/presence/frequency penalties -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> sample. Everything is batched over rows except the random draw of
 seeded rows: a seeded request must reproduce no matter what shares its batch, so it draws exactly one
 exponential per vocab entry from its own generator each step (an exponential race, equivalent to sampling
@@ -71,6 +71,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
         apply_min_tokens(logits, batch)
+        apply_logit_bias(logits, batch.params)
         apply_penalties(logits, batch)
 
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -93,7 +94,7 @@ class Sampler:
 def plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing that edits or reports the logits: the raw argmax is the token."""
     return (p.greedy and p.logprobs is None and p.min_tokens == 0 and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.logit_bias)
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -113,6 +114,17 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     if rows:
         index = (_device_tensor(rows, torch.long, logits.device), _device_tensor(cols, torch.long, logits.device))
         logits[index] = _NEG_INF
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Add each row's logit_bias to its tokens' logits (ids were checked against the vocabulary on admission)."""
+    rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+    if not rows:
+        return
+    cols = [token for p in params for token, _ in p.logit_bias]
+    bias = [value for p in params for _, value in p.logit_bias]
+    index = (_device_tensor(rows, torch.long, logits.device), _device_tensor(cols, torch.long, logits.device))
+    logits.index_put_(index, _device_tensor(bias, logits.dtype, logits.device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:

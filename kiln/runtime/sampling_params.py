@@ -31,6 +31,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
+    # added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans, +100 forces); given
+    # as {token_id: bias}, kept as sorted (token_id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +67,7 @@ class SamplingParams:
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
                    f"must be None or an integer in [0, 20], got {value!r}")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -81,6 +85,22 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**values)
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """{token_id: bias} (or pairs) -> sorted (int, float) pairs; ids >= 0, biases finite and in [-100, 100]."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias or ())
+    out = {}
+    for pair in pairs:
+        _check(isinstance(pair, (tuple, list)) and len(pair) == 2, "logit_bias",
+               f"must map token ids to biases, got {pair!r}")
+        token, value = pair
+        _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0, "logit_bias",
+               f"keys must be token ids (integers >= 0), got {token!r}")
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool) and -100.0 <= value <= 100.0,
+               "logit_bias", f"values must be numbers in [-100, 100], got {value!r} for token {token}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _check(ok: bool, name: str, message: str) -> None:

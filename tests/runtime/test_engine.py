@@ -126,6 +126,24 @@ def test_stop_token_ids_and_min_tokens(runtime) -> None:
     assert length.outputs[0].finish_reason == "length" and len(length.outputs[0].token_ids) == 5
 
 
+def test_logit_bias_matches_transformers_sequence_bias(checkpoint, runtime) -> None:
+    """Greedy with a logit bias == transformers' generate with the same single-token sequence_bias (added to the
+    logits before the argmax every step); in one batch with an unbiased request, which keeps its own tokens."""
+    prompt = random_prompts([13], 256, seed=12)[0]
+    base = runtime.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    bias = {base[1]: -100.0, 200: 2.5}
+    biased = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias=bias)
+    outs = runtime.generate([prompt, prompt], [biased, GREEDY])
+    hf = checkpoint[1].generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                sequence_bias={(t,): b for t, b in bias.items()})[0, len(prompt):].tolist()
+    assert outs[0].outputs[0].token_ids == hf and base[1] not in hf and hf != base
+    assert outs[1].outputs[0].token_ids == base
+    with pytest.raises(ValueError, match="^logit_bias token ids"):
+        runtime.generate([prompt], SamplingParams(max_tokens=2, logit_bias={100000: 1.0}))
+    assert_pool_clean(runtime)
+
+
 def test_eos_stops_unless_ignored(checkpoint) -> None:
     runtime = make(checkpoint)
     prompt = random_prompts([10], 256, seed=9)[0]

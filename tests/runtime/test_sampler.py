@@ -224,3 +224,28 @@ def test_seeded_rows_follow_softmax() -> None:
     observed = torch.bincount(torch.tensor(out.token_ids), minlength=3).double()
     expected = torch.softmax(logits, dim=-1).double() * rows
     assert float(((observed - expected) ** 2 / expected).sum()) < 13.8  # 2 dof, p = 0.001
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows_alone() -> None:
+    """A bias is added to its own row's logits only (after the raw logprobs are taken): +100 forces a token in a
+    sampled row, -100 bans the argmax of a greedy one, a small bias reorders close logits, other rows keep theirs."""
+    logits = torch.zeros(4, VOCAB)
+    logits[:, 5], logits[:, 6] = 4.0, 3.5
+    params = [SamplingParams(temperature=0.0, logit_bias={6: 1.0}),
+              SamplingParams(temperature=0.0, logit_bias={5: -100.0}, logprobs=0),
+              SamplingParams(temperature=1.0, seed=3, logit_bias={40: 100.0}),
+              SamplingParams(temperature=0.0)]
+    out = Sampler()(logits.clone(), make_batch(params, generators=[None, None, seeded(3), None]))
+    assert out.token_ids == [6, 6, 40, 5]
+    raw = torch.log_softmax(logits[1], dim=-1)
+    assert out.logprobs[1].sampled.logprob == pytest.approx(raw[6].item())  # the model's, not the biased one
+    assert Sampler()(logits[:1].clone(), make_batch([SamplingParams(temperature=0.0, logit_bias={6: 0.4})])
+                     ).token_ids == [5]
+
+
+def test_logit_bias_is_validated_and_kept_as_sorted_pairs() -> None:
+    assert SamplingParams(logit_bias={9: 1, 2: -3.5}).logit_bias == ((2, -3.5), (9, 1.0))
+    assert SamplingParams(logit_bias=[(4, 2.0)]) == SamplingParams(logit_bias={4: 2.0})
+    for bad in ({-1: 1.0}, {"7": 1.0}, {3: 101.0}, {3: float("nan")}, {3: "high"}):
+        with pytest.raises(ValueError, match="^logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -82,6 +82,9 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise APIError.bad_request(f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}",
+                                   "top_logprobs")
 
 
 def _usage(final: RequestOutput) -> UsageInfo:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -37,8 +38,6 @@ def new_id(prefix: str) -> str:
 
 def check_common(req: _SamplingRequest) -> None:
     """Reject what kiln would otherwise silently ignore while changing the answer."""
-    if req.logit_bias:
-        raise APIError.bad_request("logit_bias is not supported", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError.bad_request("stream_options can only be set when stream is true", "stream_options")
     if req.n < 1:
@@ -59,10 +58,27 @@ def sampling_fields(req: _SamplingRequest) -> dict[str, Any]:
         fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     if req.stop_token_ids:
         fields["stop_token_ids"] = tuple(req.stop_token_ids)
-    structured = structured_params(req.response_format, req.structured_outputs)
+    if req.logit_bias:
+        fields["logit_bias"] = logit_bias(req.logit_bias)
+    structured = structured_params(req.response_format, req.structured_outputs, req.model_extra or {})
     if structured is not None:
         fields["structured_outputs"] = structured
     return fields
+
+
+def logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (JSON keys are strings) -> {id: bias}, each bias clamped to [-100, 100] as vLLM
+    does; a key that is not an integer or a bias that is not finite is a 400."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError.bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not math.isfinite(value):
+            raise APIError.bad_request(f"logit_bias values must be finite, got {value} for {key!r}", "logit_bias")
+        out[token] = min(100.0, max(-100.0, value))
+    return out
 
 
 def make_params(fields: dict[str, Any]) -> SamplingParams:

@@ -133,6 +133,24 @@ def test_chat_logprobs(served: Served) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def test_logit_bias_through_the_official_client(served: Served) -> None:
+    """logit_bias (OpenAI's field, string token ids) bans the greedy first token and forces another; a bias past
+    100 is clamped as vLLM does; the logprobs stay the model's own."""
+    client = served.openai()
+    tokenizer = served.engine.tokenizer
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1)
+    first = tokenizer(plain.choices[0].logprobs.tokens[0], add_special_tokens=False)["input_ids"][0]
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert not banned.choices[0].text.startswith(plain.choices[0].logprobs.tokens[0])
+    forced_id = tokenizer(" blue", add_special_tokens=False)["input_ids"][0]
+    forced = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0.9, seed=1,
+                                            logit_bias={str(forced_id): 250}, logprobs=True)
+    content = forced.choices[0].logprobs.content
+    assert forced.choices[0].message.content == tokenizer.decode([forced_id] * 3)
+    assert all(c.logprob < -1e-3 for c in content)  # the model's own log-probabilities, not the forced ones
+
+
 def test_multiple_and_token_id_prompts(served: Served) -> None:
     client = served.openai()
     ids = served.engine.tokenizer(PROMPT)["input_ids"]

@@ -102,6 +102,20 @@ def test_completions_structured_outputs_choice_regex_grammar(served: Served) -> 
     City.model_validate_json(out.choices[0].text)
 
 
+def test_vllm_legacy_guided_fields_constrain_as_structured_outputs(served: Served) -> None:
+    """guided_choice / guided_regex / guided_json (vLLM before 0.12) constrain like the structured_outputs key of
+    the same kind: the same seeded text; guided_decoding_backend is accepted and ignored."""
+    client = served.openai()
+    cases = [("guided_choice", ["Paris", "Lyon", "Nice"], "choice"), ("guided_regex", r"\d{4}-\d{2}", "regex"),
+             ("guided_json", SCHEMA, "json")]
+    for legacy, spec, key in cases:
+        bodies = ({legacy: spec, "guided_decoding_backend": "xgrammar"}, {"structured_outputs": {key: spec}})
+        texts = [client.completions.create(model=MODEL, prompt="The answer is", max_tokens=60, temperature=0.8,
+                                           seed=6, extra_body=body).choices[0].text for body in bodies]
+        assert texts[0] == texts[1], (legacy, texts)
+    City.model_validate_json(texts[0])
+
+
 def test_tool_choice_required_and_named(served: Served) -> None:
     client = served.openai()
     out = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME],
@@ -170,6 +184,10 @@ def test_tool_choice_auto_renders_tools_and_answers(served: Served) -> None:
     ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"extra_body": {"guided_regex": "(ab"}}, "guided_regex"),
+    ({"extra_body": {"guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}}}, "guided_choice"),
+    ({"extra_body": {"guided_choice": ["a"], "guided_regex": "a"}}, "guided_choice"),
+    ({"extra_body": {"guided_json": SCHEMA, "guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
 ])
 def test_invalid_specs_are_400s_naming_the_field(served: Served, kwargs, param) -> None:
     with pytest.raises(openai.BadRequestError) as info:
