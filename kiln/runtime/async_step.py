@@ -44,6 +44,8 @@ class LaunchedStep:
     needs_drain: bool = False  # the next step must not launch before these tokens are on the host
     # a speculative verify step: row -> (proposals verified, proposals accepted); its rows repeat per token
     verified: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # prompt logprobs scored this step: row -> (the first prompt position scored, its entries and the next ones')
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     _token_ids: list[int] | None = field(default=None, repr=False)
 
     def token_ids(self) -> list[int]:

@@ -489,6 +489,9 @@ class Engine:
         """Append a launched step's tokens (waiting for them), check stops, and build the outputs."""
         now = time.time()
         touched: dict[str, ParentRequest] = {}
+        for row, (first, entries) in step.prompt_logprobs.items():
+            if not step.sched.requests[row].finished:
+                step.sched.requests[row].add_prompt_logprobs(first, entries)
         for row, token, logprobs in zip(step.rows, step.token_ids(), step.logprobs):
             req = step.sched.requests[row]
             req.num_pending_tokens -= 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,8 +24,9 @@ from kiln.models.forward_context import ForwardContext, Rope, set_forward_contex
 from kiln.models.parallel import tp_size
 from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
 from kiln.runtime.input_upload import ORDER, Counts, pack, staging_capacity, unpack
+from kiln.runtime.outputs import TokenLogprobs
 from kiln.runtime.request import Request
-from kiln.runtime.sampler import Sampler, SamplingBatch, plain_greedy
+from kiln.runtime.sampler import Sampler, SamplingBatch, plain_greedy, score_prompt
 from kiln.runtime.scheduler import SchedulerOutput
 from kiln.runtime.spec_decode.verify import verify_step
 from kiln.runtime.structured.bitmask import apply_token_mask
@@ -46,18 +47,49 @@ class BatchShape:
     uniform_decode: bool
     max_blocks: int  # block-table columns in use
     verify_len: int = 0  # > 1: every request verifies this many tokens in a FULL graph (speculative decoding)
+    num_prompt_logits: int = 0  # rows of logits for prompt logprobs, beside the sampling ones
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the forward computes: a request's prompt-logprob rows, then its sampling rows, in token
+        order."""
+        return self.num_sampling + self.num_prompt_logits
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """A prefill chunk's positions whose logits give prompt logprobs (SamplingParams.prompt_logprobs): `count`
+    logits rows from `first_row`, scoring the prompt tokens from position `first_target` on."""
+
+    request: int  # scheduler index
+    first_row: int
+    first_target: int
+    count: int
+
+
+@dataclass
+class HostBatch:
+    """What `fill_host` wrote: the shape, which requests sample, and which logits rows score the prompt."""
+
+    shape: BatchShape
+    sampling_rows: list[int]  # scheduler indices of the requests that sample
+    num_pending: int  # input tokens still on the device (filled there from the previous step's samples)
+    prompt_rows: list[PromptRows]
+    sample_logit_rows: list[int]  # each sampling row's row of logits
 
 
 @dataclass
 class PreparedBatch:
     shape: BatchShape
     metadata: CommonAttentionMetadata
-    logits_indices: torch.Tensor  # [num sampling requests], device
+    logits_indices: torch.Tensor  # [shape.num_logits], device
     sampling_rows: list[int]  # scheduler indices of the requests that sample
     context: ForwardContext | None = None  # built ahead of the forward by `execute`
     # tensor parallel, every sampling row plain greedy: each rank takes the argmax of its own vocabulary shard
     # and one tiny all-gather picks the winners (no logits gather to rank 0, no broadcast of its tokens)
     local_greedy: bool = False
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    sample_logit_rows: list[int] = field(default_factory=list)  # each sampling row's logits row, with prompt rows
 
     @property
     def num_padded_tokens(self) -> int:
@@ -129,22 +161,24 @@ class ModelRunner:
     # -- input preparation -------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> PreparedBatch:
         """Host buffers filled (and sent to tensor-parallel workers), copied to the device, pending tokens in."""
-        shape, sampling_rows, num_pending = self.fill_host(sched)
-        # a constrained row needs its logits masked on rank 0: no local argmax
-        local_greedy = tp_size() > 1 and bool(sampling_rows) and all(
+        host = self.fill_host(sched)
+        sampling_rows = host.sampling_rows
+        # a constrained row needs its logits masked on rank 0, prompt logprobs need whole rows: no local argmax
+        local_greedy = tp_size() > 1 and bool(sampling_rows) and not host.prompt_rows and all(
             plain_greedy(sched.requests[i].params) and sched.requests[i].grammar is None for i in sampling_rows)
         if self.on_batch is not None:
-            self.on_batch(shape, num_pending, local_greedy)
-        batch = self.to_device(shape, sampling_rows, num_pending)
+            self.on_batch(host.shape, host.num_pending, local_greedy)
+        batch = self.to_device(host.shape, sampling_rows, host.num_pending)
         batch.local_greedy = local_greedy
+        batch.prompt_rows, batch.sample_logit_rows = host.prompt_rows, host.sample_logit_rows
         return batch
 
     def wait_host_buffers_free(self) -> None:
         """The previous step's non-blocking uploads have read the host buffers: they may be overwritten."""
         self._inputs_consumed.synchronize()
 
-    def fill_host(self, sched: SchedulerOutput) -> tuple[BatchShape, list[int], int]:
-        """Write the step's flat inputs into the host buffers; also returns how many input tokens are pending."""
+    def fill_host(self, sched: SchedulerOutput) -> HostBatch:
+        """Write the step's flat inputs into the host buffers."""
         self.wait_host_buffers_free()
         num_reqs, num_tokens = len(sched.requests), sched.total_tokens
         if num_reqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
@@ -161,6 +195,10 @@ class ModelRunner:
         logits_indices = views["logits_indices"]
         bs = self.block_size
         sampling_rows: list[int] = []
+        # logits rows in token order: a request's prompt-logprob rows, then its sampling row(s)
+        prompt_rows: list[PromptRows] = []
+        sample_logit_rows: list[int] = []
+        num_logits = 0
         qsl[0] = 0
         cursor = max_blocks = num_pending = 0
         owners = self._row_owner
@@ -200,23 +238,27 @@ class ModelRunner:
             cursor += n
             qsl[i + 1] = cursor
             seq_lens[i] = start + n
+            scored = min(start + n, req.num_prompt_tokens - 1) - start if req.prompt_logprobs is not None else 0
+            if scored > 0:  # position p's logits score prompt token p + 1 (the last one's are the sampling row's)
+                prompt_rows.append(PromptRows(i, num_logits, start + 1, scored))
+                logits_indices[num_logits:num_logits + scored] = np.arange(cursor - n, cursor - n + scored)
+                num_logits += scored
             if sched.samples(i):
                 drafts = sched.num_drafts(i) if sched.num_spec_tokens else 0
-                if drafts:  # a verify chunk: logits at the last known token and at each proposal, a row each
-                    first = len(sampling_rows)
-                    logits_indices[first:first + drafts + 1] = np.arange(cursor - 1 - drafts, cursor)
-                    sampling_rows += [i] * (drafts + 1)
-                else:
-                    logits_indices[len(sampling_rows)] = cursor - 1
-                    sampling_rows.append(i)
+                # a verify chunk: logits at the last known token and at each proposal, a row each
+                logits_indices[num_logits:num_logits + drafts + 1] = np.arange(cursor - 1 - drafts, cursor)
+                sample_logit_rows += range(num_logits, num_logits + drafts + 1)
+                sampling_rows += [i] * (drafts + 1)
+                num_logits += drafts + 1
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = 0  # padding writes into the null block
         if mode is RunMode.FULL:  # a FULL graph runs 1 (decode) or verify_len tokens a request: pad the requests
             num_reqs = self._pad_requests(num_reqs, padded // max(verify_len, 1), max(verify_len, 1))
         shape = BatchShape(num_tokens, padded, num_reqs, len(sampling_rows), max(sched.num_new_tokens, default=0),
-                           int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks, verify_len)
-        return shape, sampling_rows, num_pending
+                           int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks, verify_len,
+                           num_logits - len(sampling_rows))
+        return HostBatch(shape, sampling_rows, num_pending, prompt_rows, sample_logit_rows)
 
     def run_mode(self, num_tokens: int, uniform_decode: bool, verify_len: int = 0) -> RunMode:
         if self.graphs is None:
@@ -272,7 +314,7 @@ class ModelRunner:
         """Upload the host buffers into the device ones (with the `num_pending` input tokens the step in flight
         samples, from `last_sampled`) and describe them for attention."""
         num_reqs, padded = shape.num_reqs, shape.num_padded_tokens
-        self._upload(Counts(padded, num_reqs, shape.num_sampling, shape.max_blocks), num_pending)
+        self._upload(Counts(padded, num_reqs, shape.num_logits, shape.max_blocks), num_pending)
         metadata = CommonAttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=shape.num_tokens,
@@ -286,7 +328,7 @@ class ModelRunner:
             max_seq_len=shape.max_seq_len,
             uniform_decode=shape.uniform_decode,
         )
-        return PreparedBatch(shape, metadata, self.logits_indices[: shape.num_sampling], sampling_rows)
+        return PreparedBatch(shape, metadata, self.logits_indices[: shape.num_logits], sampling_rows)
 
     def _upload(self, counts: Counts, num_pending: int) -> None:
         """One copy of the packed inputs and one unpacking kernel (kiln/runtime/input_upload.py). Pending tokens
@@ -333,7 +375,7 @@ class ModelRunner:
         """The hidden rows that get logits. Where every token samples (decode, a verify of whole chunks) they
         are the first rows in order: a view, not a gather kernel."""
         shape = batch.shape
-        if shape.num_sampling == shape.num_tokens:
+        if shape.num_logits == shape.num_tokens:
             return hidden[: shape.num_tokens]
         return hidden[batch.logits_indices]
 
@@ -395,36 +437,65 @@ class ModelRunner:
                grammar_mask: Callable[[list[Request]], torch.Tensor | None] | None = None) -> LaunchedStep:
         """The forward, sampling and read-back of a step `prepare_step` prepared (see `execute`)."""
         if batch.local_greedy:
-            tokens = self.forward_greedy(batch)
-        else:
-            logits = self.forward(batch)
+            return self._read_back(sched, batch.sampling_rows, self.forward_greedy(batch), None)
+        logits = self.forward(batch)
+        scored: dict[int, tuple[int, list[TokenLogprobs]]] = {}
+        if batch.prompt_rows:  # read back now (synchronous, as logprobs are); the sampling rows' logits go on
+            scored = self._score_prompt(logits, batch.prompt_rows, sched)
+            logits = logits[batch.sample_logit_rows]
+        step = self._sample(batch, sched, logits, grammar_mask)
+        step.prompt_logprobs = scored
+        return step
+
+    @staticmethod
+    def _score_prompt(logits: torch.Tensor, spans: list[PromptRows],
+                      sched: SchedulerOutput) -> dict[int, tuple[int, list[TokenLogprobs]]]:
+        """scheduler index -> (the first prompt position scored, its logprobs and the next ones')."""
+        rows, targets, top = [], [], []
+        for span in spans:
+            req = sched.requests[span.request]
+            rows += range(span.first_row, span.first_row + span.count)
+            targets += req.prompt_token_ids[span.first_target:span.first_target + span.count]
+            top += [req.params.prompt_logprobs] * span.count
+        entries = score_prompt(logits[rows], targets, top)
+        out, at = {}, 0
+        for span in spans:
+            out[span.request] = (span.first_target, entries[at:at + span.count])
+            at += span.count
+        return out
+
+    def _sample(self, batch: PreparedBatch, sched: SchedulerOutput, logits: torch.Tensor,
+                grammar_mask: Callable[[list[Request]], torch.Tensor | None] | None) -> LaunchedStep:
         if sched.num_spec_tokens:  # synchronous: how many tokens each request gets is read back here
             self.last_sampled = None
             return verify_step(self.sampler, sched, batch.sampling_rows, logits, self.eos_token_ids)
         reqs = [sched.requests[i] for i in batch.sampling_rows]
-        self._last_rows = {r.request_id: j for j, r in enumerate(reqs)}
         if not reqs:
+            self._last_rows = {}
             self.last_sampled = None
             return LaunchedStep(sched, [], [])
-        if batch.local_greedy:
-            logprobs: list = [None] * len(reqs)
-        else:
-            mask = grammar_mask(reqs) if grammar_mask is not None else None
-            if mask is not None:
-                apply_token_mask(logits, mask)
-            tokens, logprobs = self.sampler.sample(logits, SamplingBatch(
-                params=[r.params for r in reqs],
-                generators=[r.generator for r in reqs],
-                prompt_token_ids=[r.prompt_token_ids for r in reqs],
-                output_token_ids=[r.output_token_ids for r in reqs],
-                eos_token_ids=self.eos_token_ids,
-                num_pending_tokens=[r.num_pending_tokens for r in reqs],
-            ))
-            if self.on_sampled is not None:
-                self.on_sampled(tokens)
+        mask = grammar_mask(reqs) if grammar_mask is not None else None
+        if mask is not None:
+            apply_token_mask(logits, mask)
+        tokens, logprobs = self.sampler.sample(logits, SamplingBatch(
+            params=[r.params for r in reqs],
+            generators=[r.generator for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            eos_token_ids=self.eos_token_ids,
+            num_pending_tokens=[r.num_pending_tokens for r in reqs],
+        ))
+        if self.on_sampled is not None:
+            self.on_sampled(tokens)
+        return self._read_back(sched, batch.sampling_rows, tokens, logprobs)
+
+    def _read_back(self, sched: SchedulerOutput, rows: list[int], tokens: torch.Tensor,
+                   logprobs: list[TokenLogprobs | None] | None) -> LaunchedStep:
+        """Keep the sampled tokens on the device for the next step's inputs and start their copy to the host."""
+        self._last_rows = {sched.requests[i].request_id: j for j, i in enumerate(rows)}
         self.last_sampled = tokens
         host, landed = self._readback.start(tokens)
-        return LaunchedStep(sched, batch.sampling_rows, logprobs, host, landed)
+        return LaunchedStep(sched, rows, logprobs if logprobs is not None else [None] * len(rows), host, landed)
 
     @torch.inference_mode()
     def execute_replica(self, shape: BatchShape, num_pending: int, local_greedy: bool = False) -> torch.Tensor | None:

@@ -66,6 +66,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt position, its token's logprob and the top alternatives given the
+    # positions before (None at position 0), as vLLM's RequestOutput.prompt_logprobs; complete from the first output
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

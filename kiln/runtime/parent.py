@@ -51,4 +51,4 @@ class ParentRequest:
             ))
         first = self.children[0]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             self.finished, first.metrics, first.num_cached_tokens)
+                             self.finished, first.metrics, first.num_cached_tokens, first.prompt_logprobs)

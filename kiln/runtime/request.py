@@ -40,6 +40,9 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, in order
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # per prompt position, its token's logprob given the positions before (the first has none)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None \
+            else None
         self.num_computed_tokens = 0
         # tokens sampled by a launched step whose values have not reached the host yet (overlapped scheduling)
         self.num_pending_tokens = 0
@@ -85,6 +88,12 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
+
+    def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """Entries for prompt positions first, first + 1, ...; positions already held (a prefill run again after
+        preemption) are skipped."""
+        assert self.prompt_logprobs is not None and first <= len(self.prompt_logprobs)
+        self.prompt_logprobs += entries[len(self.prompt_logprobs) - first:]
 
     def check_stop_token(self) -> RequestStatus | None:
         """After a new token: EOS / stop token ids / max_tokens / max_model_len."""

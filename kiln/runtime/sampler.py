@@ -86,7 +86,8 @@ class Sampler:
 
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         if raw_logprobs is not None:
-            for row, entry in zip(lp_rows, _gather_logprobs(raw_logprobs, tokens[lp_rows], params, lp_rows)):
+            top = [params[i].logprobs for i in lp_rows]
+            for row, entry in zip(lp_rows, gather_logprobs(raw_logprobs, tokens[lp_rows], top)):
                 logprobs[row] = entry
         return tokens, logprobs
 
@@ -197,22 +198,29 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return torch.empty_like(logits).scatter_(1, order, ascending)
 
 
-def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
-                     rows: list[int]) -> list[TokenLogprobs]:
+def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top_counts: list[int]) -> list[TokenLogprobs]:
+    """Per row of log-probabilities [rows, vocab]: the logprob and rank of `tokens[row]` and the `top_counts[row]`
+    most likely tokens (read back now)."""
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
     # Rank 1 is the most likely token; ties share the better rank, as in vLLM.
     ranks = (logprobs > chosen).sum(dim=-1) + 1
-    k = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[1])
+    k = min(max(top_counts, default=0), logprobs.shape[1])
     top_values, top_ids = logprobs.topk(k, dim=-1)
     chosen_l, ranks_l, tokens_l = chosen.squeeze(1).tolist(), ranks.tolist(), tokens.tolist()
     top_values_l, top_ids_l = top_values.tolist(), top_ids.tolist()
     out = []
-    for j, row in enumerate(rows):
-        n_top = params[row].logprobs or 0
+    for j, n_top in enumerate(top_counts):
         top = [Logprob(token_id=t, logprob=v, rank=r + 1)
                for r, (t, v) in enumerate(zip(top_ids_l[j][:n_top], top_values_l[j][:n_top]))]
         out.append(TokenLogprobs(sampled=Logprob(tokens_l[j], chosen_l[j], ranks_l[j]), top=top))
     return out
+
+
+def score_prompt(logits: torch.Tensor, targets: list[int], top_counts: list[int]) -> list[TokenLogprobs]:
+    """Prompt logprobs: row j of `logits` is the position before prompt token `targets[j]`; its raw logprob, rank
+    and the top `top_counts[j]`, as `logprobs` reports a sampled token's."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    return gather_logprobs(raw, _device_tensor(targets, torch.long, logits.device), top_counts)
 
 
 def _token_index(logits: torch.Tensor, rows: list[int],

@@ -110,6 +110,35 @@ def test_logprobs_match_reference_log_softmax(checkpoint, runtime) -> None:
         assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 8, "num_blocks": 64},
+                                     {"max_num_batched_tokens": 8, "num_blocks": 64, "async_scheduling": True}],
+                         ids=["one chunk", "chunked", "chunked, overlapped"])
+def test_prompt_logprobs_match_transformers_teacher_forced(checkpoint, options) -> None:
+    """prompt_logprobs=k: at each prompt position after the first, its token's logprob and rank and the top k, as
+    transformers' log-softmax over the prompt gives them; in one chunk or in chunks of 8, beside a request without
+    them (whose tokens do not change), and again for a prompt whose blocks are in the prefix cache (scored anew:
+    cached positions would have no logits)."""
+    runtime = make(checkpoint, **options)
+    prompts = random_prompts([21, 9], 256, seed=14)
+    with torch.no_grad():
+        ref = torch.log_softmax(checkpoint[1](torch.tensor([prompts[0]])).logits[0].float(), dim=-1)
+    plain = runtime.generate([prompts[1]], GREEDY)[0].outputs[0].token_ids
+    scored = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    for _ in range(2):  # the second time the prompt's blocks are cached
+        outs = runtime.generate(prompts, [scored, GREEDY])
+        got = outs[0].prompt_logprobs
+        assert outs[1].prompt_logprobs is None and outs[1].outputs[0].token_ids == plain
+        assert len(got) == len(prompts[0]) and got[0] is None
+        for pos, entry in enumerate(got[1:], start=1):
+            row, token = ref[pos - 1], prompts[0][pos]
+            assert entry.sampled.token_id == token
+            assert entry.sampled.logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry.sampled.rank == int((row > row[token]).sum()) + 1
+            assert [t.token_id for t in entry.top] == torch.topk(row, 2).indices.tolist()
+    assert outs[0].outputs[0].token_ids == hf_greedy(checkpoint[1], prompts[0], 4)
+    assert_pool_clean(runtime)
+
+
 def test_stop_token_ids_and_min_tokens(runtime) -> None:
     prompt = random_prompts([10], 256, seed=9)[0]
     base = runtime.generate([prompt], GREEDY)[0].outputs[0].token_ids

@@ -213,7 +213,8 @@ class EngineLoop:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if stream.params is not None and stream.params.logprobs is not None:
+            if stream.params is not None and (stream.params.logprobs is not None
+                                              or stream.params.prompt_logprobs is not None):
                 self._token_texts.fill(out)
             self._observe(stream, out, now)
             if out.finished:

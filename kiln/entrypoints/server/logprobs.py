@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.entrypoints.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from kiln.entrypoints.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 from kiln.runtime.outputs import Logprob, RequestOutput, TokenLogprobs
 
 # JSON has no -inf; vLLM clamps to the same floor, so clients see identical numbers.
@@ -31,6 +38,22 @@ def completion_logprobs(positions: list[TokenLogprobs], text_offset: int = 0) ->
         # the sampled token is always listed too (as vLLM does), so logprobs=0 still yields a dict per token
         out.top_logprobs.append({token: _value(pos.sampled), **{_text(lp): _value(lp) for lp in pos.top}})
     return out
+
+
+def echo_logprobs(first_token: str, prompt: list[TokenLogprobs | None], positions: list[TokenLogprobs],
+                  text_offset: int = 0) -> CompletionLogprobs:
+    """`echo`: the prompt's tokens, the first without a logprob (none exists; vLLM reports it so), then the
+    completion's `positions`. `prompt` is RequestOutput.prompt_logprobs (its first entry None)."""
+    rest = completion_logprobs([*prompt[1:], *positions], text_offset + len(first_token))  # type: ignore[list-item]
+    return CompletionLogprobs(text_offset=[text_offset, *rest.text_offset], token_logprobs=[None, *rest.token_logprobs],
+                              tokens=[first_token, *rest.tokens], top_logprobs=[None, *rest.top_logprobs])
+
+
+def prompt_logprobs(prompt: list[TokenLogprobs | None]) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: {token id: logprob, rank, text}, the prompt's token then the top k."""
+    return [None if pos is None else {lp.token_id: PromptLogprob(logprob=_value(lp), rank=lp.rank,
+                                                                 decoded_token=lp.decoded)
+                                      for lp in (pos.sampled, *pos.top)} for pos in prompt]
 
 
 def next_offset(logprobs: CompletionLogprobs) -> int:
@@ -65,8 +88,11 @@ class TokenTexts:
         return text
 
     def fill(self, out: RequestOutput) -> None:
-        for comp in out.outputs:
-            for position in comp.delta_logprobs or []:
-                for lp in (position.sampled, *position.top):
-                    if lp.decoded is None:
-                        lp.decoded = self.text(lp.token_id)
+        positions = [p for comp in out.outputs for p in comp.delta_logprobs or []]
+        prompt = out.prompt_logprobs
+        if prompt and prompt[-1] is not None and prompt[-1].sampled.decoded is None:  # complete, not yet filled
+            positions += prompt[1:]
+        for position in positions:
+            for lp in (position.sampled, *position.top):
+                if lp.decoded is None:
+                    lp.decoded = self.text(lp.token_id)

@@ -47,6 +47,7 @@ class _SamplingRequest(_Lenient):
     user: str | None = None
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, json_object, regex, choice, grammar
+    prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob and the top k, from the second token on
 
 
 class CompletionRequest(_SamplingRequest):
@@ -139,12 +140,24 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position, None (the first) or {token id: its logprob}, the prompt's own token
+# first, then the top k
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM extension)
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension
 
 
 class CompletionResponse(BaseModel):
@@ -204,6 +217,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension
 
 
 class DeltaFunctionCall(BaseModel):

@@ -9,7 +9,7 @@ from typing import Any
 from kiln.entrypoints.server.async_engine import RequestStream
 from kiln.entrypoints.server.context import ServerContext
 from kiln.entrypoints.server.errors import APIError
-from kiln.entrypoints.server.logprobs import chat_logprobs
+from kiln.entrypoints.server.logprobs import chat_logprobs, prompt_logprobs
 from kiln.entrypoints.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -82,6 +82,9 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError.bad_request("prompt_logprobs is not supported with stream in chat completions "
+                                   "(/v1/completions streams them)", "prompt_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError.bad_request(f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}",
                                    "top_logprobs")
@@ -143,7 +146,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             logprobs=chat_logprobs(c.logprobs or [], top_k) if req.logprobs else None,
             finish_reason=_finish_reason(c, calls), stop_reason=c.stop_reason))
     response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                      usage=_usage(final))
+                                      usage=_usage(final), prompt_logprobs=prompt_logprobs(final.prompt_logprobs)
+                                      if final.prompt_logprobs is not None else None)
     return JSONResponse(response.model_dump())
 
 

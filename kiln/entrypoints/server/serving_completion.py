@@ -9,7 +9,7 @@ from typing import Any
 from kiln.entrypoints.server.async_engine import PromptSource, RequestStream
 from kiln.entrypoints.server.context import ServerContext
 from kiln.entrypoints.server.errors import APIError
-from kiln.entrypoints.server.logprobs import completion_logprobs, next_offset
+from kiln.entrypoints.server.logprobs import completion_logprobs, echo_logprobs, next_offset, prompt_logprobs
 from kiln.entrypoints.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from kiln.entrypoints.server.serving_common import (
     SSE_DONE,
@@ -48,8 +48,6 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Any
 
     model = ctx.resolve_model(req.model)
     check_common(req)
-    if req.echo:
-        raise APIError.bad_request("echo is not supported", "echo")
     if req.suffix:
         raise APIError.bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -58,6 +56,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Any
     fields = sampling_fields(req)
     if req.logprobs is not None:
         fields["logprobs"] = req.logprobs
+        if req.echo:  # the echoed prompt's tokens get logprobs too (the log-likelihood of a text, e.g. lm-eval's)
+            fields.setdefault("prompt_logprobs", req.logprobs)
     if req.max_tokens is not None:
         params: Any = make_params({**fields, "max_tokens": req.max_tokens})
     else:  # fill the context, like vLLM; validate the rest now so errors don't wait for the engine
@@ -77,18 +77,45 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Any
         raise to_api_error(exc) from exc
     choices = []
     for i, final in enumerate(finals):
+        echo = await _echo(ctx, final) if req.echo else None
         for comp in final.outputs:
-            logprobs = completion_logprobs(comp.logprobs or []) if req.logprobs is not None else None
-            choices.append(CompletionChoice(index=i * req.n + comp.index, text=comp.text, logprobs=logprobs,
-                                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+            choice = _choice(i * req.n + comp.index, comp.text, comp.logprobs or [], req, final, echo, opening=True)
+            choice.finish_reason, choice.stop_reason = comp.finish_reason, comp.stop_reason
+            choices.append(choice)
     response = CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=_usage(finals))
     return JSONResponse(response.model_dump())
 
 
+async def _echo(ctx: ServerContext, out: RequestOutput) -> tuple[str, str]:
+    """(the prompt as text, its first token's text): what `echo` puts before the completion. A token-id prompt is
+    decoded, on the engine thread (which owns the tokenizer)."""
+    ids, prompt = out.prompt_token_ids, out.prompt
+    tokenizer = ctx.tokenizer
+    if tokenizer is None:
+        return prompt or "", f"token_id:{ids[0]}"
+    return await ctx.engine.call(lambda: (prompt if prompt is not None else str(tokenizer.decode(ids)),
+                                          str(tokenizer.decode(ids[:1]))))
+
+
+def _choice(index: int, text: str, positions: list, req: CompletionRequest, out: RequestOutput,
+            echo: tuple[str, str] | None, opening: bool, text_offset: int = 0) -> CompletionChoice:
+    """A choice's text and logprobs (`positions`, from `text_offset`); its `opening` part (a whole response, or a
+    stream's first chunk) also carries the echoed prompt before them and vLLM's prompt_logprobs where asked."""
+    logprobs = None
+    if echo is not None:
+        text = echo[0] + text
+        if req.logprobs is not None:
+            logprobs = echo_logprobs(echo[1], out.prompt_logprobs or [None], positions)
+    elif req.logprobs is not None:
+        logprobs = completion_logprobs(positions, text_offset)
+    scored = prompt_logprobs(out.prompt_logprobs) if opening and out.prompt_logprobs is not None else None
+    return CompletionChoice(index=index, text=text, logprobs=logprobs, prompt_logprobs=scored)
+
+
 async def _stream(ctx: ServerContext, streams: list[RequestStream], request_id: str, created: int, model: str,
                   req: CompletionRequest, include_usage: bool) -> AsyncIterator[str]:
-    offsets: dict[int, int] = {}
+    offsets: dict[int, int] = {}  # a choice's next text offset; a choice is in it once its first chunk is out
     done: set[int] = set()
     finals: list[RequestOutput] = []
     try:
@@ -97,17 +124,18 @@ async def _stream(ctx: ServerContext, streams: list[RequestStream], request_id: 
                 index = i * req.n + comp.index
                 finish = comp.finish_reason if comp.finished and index not in done else None
                 new_logprobs = req.logprobs is not None and bool(comp.delta_logprobs)
-                if not (comp.delta_text or finish or new_logprobs):
+                # a choice's first chunk opens with the echoed prompt and the prompt's logprobs, if asked for
+                opening = index not in offsets and (req.echo or out.prompt_logprobs is not None)
+                if not (comp.delta_text or finish or new_logprobs or opening):
                     continue  # tokens still held back by the detokenizer (partial UTF-8, possible stop string)
                 if finish:
                     done.add(index)
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = completion_logprobs(comp.delta_logprobs or [], offsets.get(index, 0))
-                    if logprobs.tokens:
-                        offsets[index] = next_offset(logprobs)
-                choice = CompletionChoice(index=index, text=comp.delta_text, logprobs=logprobs,
-                                          finish_reason=finish, stop_reason=comp.stop_reason if finish else None)
+                echo = await _echo(ctx, out) if opening and req.echo else None
+                choice = _choice(index, comp.delta_text, comp.delta_logprobs or [], req, out, echo, opening,
+                                 offsets.get(index, 0))
+                offsets[index] = next_offset(choice.logprobs) if choice.logprobs is not None \
+                    and choice.logprobs.tokens else offsets.get(index, 0)
+                choice.finish_reason, choice.stop_reason = finish, comp.stop_reason if finish else None
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
             if out.finished:
                 finals.append(out)

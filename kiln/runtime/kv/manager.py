@@ -32,9 +32,10 @@ class KVCacheManager:
     def find_prefix(self, req: Request) -> tuple[list[Block], int]:
         """The longest run of cached full blocks at the start of req, and how many tokens that lets it skip.
 
-        The skip stops one token short of the end so the last token is always computed (it needs logits).
+        The skip stops one token short of the end so the last token is always computed (it needs logits). A
+        request that asks for prompt logprobs skips nothing: every prompt position needs its logits.
         """
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or req.prompt_logprobs is not None:
             return [], 0
         self._update_hashes(req)
         hit: list[Block] = []

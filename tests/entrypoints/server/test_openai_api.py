@@ -151,6 +151,46 @@ def test_logit_bias_through_the_official_client(served: Served) -> None:
     assert all(c.logprob < -1e-3 for c in content)  # the model's own log-probabilities, not the forced ones
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(served: Served, embedded_dir) -> None:
+    """The log-likelihood request of lm-eval's local-completions (echo, logprobs=1, max_tokens=1, token-id prompt):
+    the text and tokens start with the prompt's, the first without a logprob; every other prompt token's logprob
+    is transformers' teacher-forced one, its top entry the argmax's; the streamed form says the same; vLLM's
+    prompt_logprobs field carries the same numbers by token id."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    client = served.openai()
+    ids = served.engine.tokenizer(PROMPT)["input_ids"]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPT) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and "".join(lp.tokens) == choice.text
+    hf = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for pos in range(1, len(ids)):
+        assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=2e-3)
+        assert max(lp.top_logprobs[pos].values()) == pytest.approx(ref[pos - 1].max().item(), abs=2e-3)
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1)
+    assert lp.token_logprobs[-1] == pytest.approx(plain.choices[0].logprobs.token_logprobs[0], abs=1e-4)
+    streamed = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                              echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
+    body = httpx.post(f"{served.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1,
+                                                             "prompt_logprobs": 0}).json()
+    scored = body["choices"][0]["prompt_logprobs"]
+    assert body["choices"][0]["text"] and not body["choices"][0]["text"].startswith(PROMPT)  # no echo asked
+    assert scored[0] is None and len(scored) == len(ids)
+    for pos in range(1, len(ids)):
+        assert list(scored[pos]) == [str(ids[pos])]
+        assert scored[pos][str(ids[pos])]["logprob"] == pytest.approx(lp.token_logprobs[pos], abs=1e-4)
+    chat = httpx.post(f"{served.url}/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 1,
+                                                                  "prompt_logprobs": 2}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(p) in (2, 3) for p in chat["prompt_logprobs"][1:])
+
+
 def test_multiple_and_token_id_prompts(served: Served) -> None:
     client = served.openai()
     ids = served.engine.tokenizer(PROMPT)["input_ids"]
