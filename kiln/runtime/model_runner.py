@@ -245,11 +245,16 @@ class ModelRunner:
                 num_logits += scored
             if sched.samples(i):
                 drafts = sched.num_drafts(i) if sched.num_spec_tokens else 0
-                # a verify chunk: logits at the last known token and at each proposal, a row each
-                logits_indices[num_logits:num_logits + drafts + 1] = np.arange(cursor - 1 - drafts, cursor)
-                sample_logit_rows += range(num_logits, num_logits + drafts + 1)
-                sampling_rows += [i] * (drafts + 1)
-                num_logits += drafts + 1
+                if drafts:  # a verify chunk: logits at the last known token and at each proposal, a row each
+                    logits_indices[num_logits:num_logits + drafts + 1] = np.arange(cursor - 1 - drafts, cursor)
+                    sample_logit_rows += range(num_logits, num_logits + drafts + 1)
+                    sampling_rows += [i] * (drafts + 1)
+                    num_logits += drafts + 1
+                else:  # scalar writes: this runs for every decoding request every step
+                    logits_indices[num_logits] = cursor - 1
+                    sample_logit_rows.append(num_logits)
+                    sampling_rows.append(i)
+                    num_logits += 1
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = 0  # padding writes into the null block
