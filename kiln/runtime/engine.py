@@ -271,9 +271,15 @@ class Engine:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         if not token_ids:
             raise ValueError("prompt must not be empty")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:  # an id past the logits would index out of bounds on the device
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
+        if params.truncate_prompt_tokens is not None:  # the last k tokens (left truncation, as vLLM)
+            # -1: as many as the model takes while one token is still generated
+            k = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            token_ids = token_ids[-k:]
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:  # an id past the logits would index out of bounds on the device
+                raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
         check_request_fits(len(token_ids), params, self.max_model_len, self.config.scheduler.max_n)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")

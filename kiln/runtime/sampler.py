@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens (and logprobs), with vLLM/OpenAI semantics.
 
-Order: raw logprobs -> min_tokens mask -> logit bias -> repetition/presence/frequency penalties -> greedy argmax, or
+Order: raw logprobs -> allowed_token_ids -> min_tokens mask -> logit bias -> repetition/presence/frequency penalties
+-> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> sample. Everything is batched over rows except the random draw of
 seeded rows: a seeded request must reproduce no matter what shares its batch, so it draws exactly one
 exponential per vocab entry from its own generator each step (an exponential race, equivalent to sampling
@@ -70,6 +71,7 @@ class Sampler:
         # Logprobs describe the model's own distribution, before any penalty or filter (OpenAI/vLLM).
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
+        apply_allowed_tokens(logits, batch.params)
         apply_min_tokens(logits, batch)
         apply_logit_bias(logits, batch.params)
         apply_penalties(logits, batch)
@@ -95,7 +97,8 @@ class Sampler:
 def plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing that edits or reports the logits: the raw argmax is the token."""
     return (p.greedy and p.logprobs is None and p.min_tokens == 0 and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.logit_bias)
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.logit_bias
+            and p.allowed_token_ids is None)
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -115,6 +118,16 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     if rows:
         index = (_device_tensor(rows, torch.long, logits.device), _device_tensor(cols, torch.long, logits.device))
         logits[index] = _NEG_INF
+
+
+def apply_allowed_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """A row with allowed_token_ids keeps only those ids' logits (the rest -inf): its sample is one of them."""
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            keep = _device_tensor(list(p.allowed_token_ids), torch.long, logits.device)
+            allowed = logits[row, keep]
+            logits[row].fill_(_NEG_INF)
+            logits[row, keep] = allowed
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:

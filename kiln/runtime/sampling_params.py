@@ -34,6 +34,8 @@ class SamplingParams:
     # added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans, +100 forces); given
     # as {token_id: bias}, kept as sorted (token_id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # sample only among these ids (vLLM's), kept sorted
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (vLLM's; -1: max_model_len - 1)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +70,14 @@ class SamplingParams:
                    f"must be None or an integer in [0, 20], got {value!r}")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = tuple(sorted(set(self.allowed_token_ids)))
+            _check(bool(allowed) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed),
+                   "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        k = self.truncate_prompt_tokens
+        _check(k is None or (isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1)),
+               "truncate_prompt_tokens", f"must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),

@@ -173,6 +173,25 @@ def test_logit_bias_matches_transformers_sequence_bias(checkpoint, runtime) -> N
     assert_pool_clean(runtime)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(checkpoint, runtime) -> None:
+    """truncate_prompt_tokens=k generates what the prompt's last k tokens alone generate (transformers' greedy on
+    them); -1 keeps as many as leave room for one generated token, so a prompt past max_model_len still runs."""
+    prompt = random_prompts([30], 256, seed=15)[0]
+    out = runtime.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                    truncate_prompt_tokens=11))[0]
+    assert out.prompt_token_ids == prompt[-11:]
+    assert out.outputs[0].token_ids == hf_greedy(checkpoint[1], prompt[-11:], 6)
+    long = random_prompts([runtime.engine.max_model_len + 40], 256, seed=16)[0]
+    kept = runtime.generate([long], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))[0]
+    assert kept.prompt_token_ids == long[-(runtime.engine.max_model_len - 1):]
+    assert len(kept.outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="^allowed_token_ids token ids"):
+        runtime.generate([prompt], SamplingParams(max_tokens=2, allowed_token_ids=[5, 100000]))
+    assert_pool_clean(runtime)
+
+
 def test_eos_stops_unless_ignored(checkpoint) -> None:
     runtime = make(checkpoint)
     prompt = random_prompts([10], 256, seed=9)[0]

@@ -249,3 +249,21 @@ def test_logit_bias_is_validated_and_kept_as_sorted_pairs() -> None:
     for bad in ({-1: 1.0}, {"7": 1.0}, {3: 101.0}, {3: float("nan")}, {3: "high"}):
         with pytest.raises(ValueError, match="^logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def test_allowed_token_ids_confine_greedy_and_sampled_rows() -> None:
+    """Only the allowed ids can come out (greedy takes the best of them), logprobs stay the model's, and the ids
+    are checked and kept sorted."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
+    allowed = (3, 17, 40)
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[40, 3, 17], logprobs=0),
+              SamplingParams(temperature=1.0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0)]
+    out = Sampler()(logits.clone(), make_batch(params))
+    assert out.token_ids[0] == max(allowed, key=lambda t: logits[0, t].item())
+    assert out.token_ids[1] in allowed and out.token_ids[2] == int(logits[2].argmax())
+    assert out.logprobs[0].sampled.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[out.token_ids[0]].item())
+    assert params[0].allowed_token_ids == allowed
+    for bad in ([], [-1], ["7"]):
+        with pytest.raises(ValueError, match="^allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)

@@ -48,6 +48,8 @@ class _SamplingRequest(_Lenient):
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, json_object, regex, choice, grammar
     prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob and the top k, from the second token on
+    allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
+    truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens
 
 
 class CompletionRequest(_SamplingRequest):
@@ -80,6 +82,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: the last (assistant) message is continued, not closed
+    echo: bool = False  # vLLM: a response continuing the last message's role starts with that message
+    chat_template: str | None = None  # vLLM's, refused: kiln renders with the model's own template
     chat_template_kwargs: dict[str, Any] | None = None
 
 

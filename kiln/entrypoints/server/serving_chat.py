@@ -42,7 +42,8 @@ from kiln.entrypoints.server.serving_common import (
 from kiln.entrypoints.server.tool_calls import ToolCall, ToolPlan, plan_tools
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 
-_RESERVED_TEMPLATE_ARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict", "tools"}
+_RESERVED_TEMPLATE_ARGS = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                           "return_dict", "tools"}
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -85,6 +86,12 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     if req.prompt_logprobs is not None and req.stream:
         raise APIError.bad_request("prompt_logprobs is not supported with stream in chat completions "
                                    "(/v1/completions streams them)", "prompt_logprobs")
+    if req.chat_template is not None:
+        raise APIError.bad_request("chat_template in a request is not supported: the model's own template renders "
+                                   "the messages", "chat_template")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError.bad_request("continue_final_message and add_generation_prompt cannot both be true "
+                                   "(set add_generation_prompt to false)", "continue_final_message")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError.bad_request(f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}",
                                    "top_logprobs")
@@ -102,6 +109,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     messages = message_dicts(req.messages)
     template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
                        if k not in _RESERVED_TEMPLATE_ARGS}
+    if req.continue_final_message:
+        template_kwargs["continue_final_message"] = True
+    # echo: the reply continues the last message's role, so it is shown from that message's start (vLLM's rule)
+    echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
     tokenizer = ctx.tokenizer
     fields = sampling_fields(req)
     plan = plan_tools(req.tools, req.tool_choice)
@@ -129,7 +140,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     top_k = req.top_logprobs or 0
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(ctx, streams[0], request_id, created, model, req, top_k, include_usage, plan)
+        body = _stream(ctx, streams[0], request_id, created, model, req, top_k, include_usage, plan, echo)
         return StreamingResponse(body, media_type="text/event-stream")
     try:
         final = (await unless_disconnected(raw, collect(streams), lambda: abort_all(ctx, streams)))[0]
@@ -138,7 +149,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         raise to_api_error(exc) from exc
     choices = []
     for c in final.outputs:
-        content, calls = plan.parse(c.text) if plan is not None else (c.text, [])
+        content, calls = plan.parse(c.text) if plan is not None else (echo + c.text, [])
         choices.append(ChatChoice(
             index=c.index, message=AssistantMessage(content=content, tool_calls=[
                 ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls]
@@ -170,7 +181,7 @@ def _tool_deltas(content: str | None, calls: list[ToolCall]) -> list[DeltaMessag
 
 async def _stream(ctx: ServerContext, stream: RequestStream, request_id: str, created: int, model: str,
                   req: ChatCompletionRequest, top_k: int, include_usage: bool,
-                  plan: ToolPlan | None = None) -> AsyncIterator[str]:
+                  plan: ToolPlan | None = None, echo: str = "") -> AsyncIterator[str]:
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
 
@@ -178,6 +189,8 @@ async def _stream(ctx: ServerContext, stream: RequestStream, request_id: str, cr
     try:
         for i in range(req.n):  # the role first, as OpenAI does, before any content
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            if echo and plan is None:
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))])
         final: RequestOutput | None = None
         async for out in stream:
             for comp in out.outputs:

@@ -50,7 +50,8 @@ def sampling_fields(req: _SamplingRequest) -> dict[str, Any]:
                               "include_stop_str_in_output": req.include_stop_str_in_output,
                               "skip_special_tokens": req.skip_special_tokens}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed", "cache_salt", "prompt_logprobs"):
+                 "repetition_penalty", "seed", "cache_salt", "prompt_logprobs", "allowed_token_ids",
+                 "truncate_prompt_tokens"):
         value = getattr(req, name)
         if value is not None:
             fields[name] = value

@@ -191,6 +191,41 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(served: Serve
     assert chat["prompt_logprobs"][0] is None and all(len(p) in (2, 3) for p in chat["prompt_logprobs"][1:])
 
 
+def test_continue_final_message_and_echo_in_chat(served: Served) -> None:
+    """continue_final_message renders the last (assistant) message open, as transformers' template does: the same
+    text as /v1/completions on that rendering; echo puts the continued message before the reply (streamed too)."""
+    client = served.openai()
+    messages = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    rendered = served.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                                           continue_final_message=True, tokenize=False)
+    want = client.completions.create(model=MODEL, prompt=rendered, max_tokens=5, temperature=0).choices[0].text
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                         extra_body=extra)
+    assert out.choices[0].message.content == want
+    echoed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                            extra_body={**extra, "echo": True})
+    assert echoed.choices[0].message.content == "The capital of France is" + want
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                            stream=True, extra_body={**extra, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed.choices[0].message.content
+
+
+def test_allowed_token_ids_and_truncate_prompt_tokens(served: Served) -> None:
+    client = served.openai()
+    tokenizer = served.engine.tokenizer
+    allowed = [tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" yes", " no")]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=2,
+                                    extra_body={"allowed_token_ids": allowed})
+    assert out.choices[0].text and set(out.choices[0].text.split()) <= {"yes", "no"}
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    ids = tokenizer(PROMPT)["input_ids"]
+    assert cut.usage.prompt_tokens == 3
+    assert cut.choices[0].text == client.completions.create(model=MODEL, prompt=ids[-3:], max_tokens=2,
+                                                            temperature=0).choices[0].text
+
+
 def test_multiple_and_token_id_prompts(served: Served) -> None:
     client = served.openai()
     ids = served.engine.tokenizer(PROMPT)["input_ids"]
