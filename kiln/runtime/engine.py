@@ -33,7 +33,7 @@ from kiln.runtime.model_runner import PreparedBatch
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.parent import ParentRequest
 from kiln.runtime.request import Request, RequestStatus
-from kiln.runtime.sampler import needs_output_tokens
+from kiln.runtime.sampler import bad_word_sequences, needs_output_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.spec_decode.decoder import SpecDecoder, SpecDecodeStats, build_spec_decoder
@@ -283,6 +283,9 @@ class Engine:
         check_request_fits(len(token_ids), params, self.max_model_len, self.config.scheduler.max_n)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model has none (use logit_bias)")
+        bad_words = bad_word_sequences(self.tokenizer, params.bad_words) if params.bad_words else ()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -299,6 +302,7 @@ class Engine:
             child = Request(child_id, token_ids, params, self.eos_token_ids, self.max_model_len, generator,
                             arrival_time)
             child.parent_id, child.child_index = request_id, i
+            child.bad_words_token_ids = bad_words
             if params.structured_outputs is not None:
                 child.grammar = self.structured.new_state(params.structured_outputs)
             children.append(child)

@@ -489,6 +489,7 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in reqs],
             eos_token_ids=self.eos_token_ids,
             num_pending_tokens=[r.num_pending_tokens for r in reqs],
+            bad_words=[r.bad_words_token_ids for r in reqs] if any(r.bad_words_token_ids for r in reqs) else None,
         ))
         if self.on_sampled is not None:
             self.on_sampled(tokens)

@@ -65,6 +65,8 @@ class Request:
         self.parent_id = request_id
         self.child_index = 0
         self.grammar: GrammarState | None = None  # structured outputs: this sample's matcher (Engine.add_request)
+        # SamplingParams.bad_words as token sequences (Engine.add_request tokenizes them)
+        self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:

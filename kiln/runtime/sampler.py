@@ -1,7 +1,7 @@
 """Turns one step's logits into next tokens (and logprobs), with vLLM/OpenAI semantics.
 
-Order: raw logprobs -> allowed_token_ids -> min_tokens mask -> logit bias -> repetition/presence/frequency penalties
--> greedy argmax, or
+Order: raw logprobs -> allowed_token_ids -> bad words -> min_tokens mask -> logit bias -> repetition/presence/
+frequency penalties -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> sample. Everything is batched over rows except the random draw of
 seeded rows: a seeded request must reproduce no matter what shares its batch, so it draws exactly one
 exponential per vocab entry from its own generator each step (an exponential race, equivalent to sampling
@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +39,8 @@ class SamplingBatch:
     eos_token_ids: frozenset[int]  # the model's EOS ids
     # per row, generated tokens not on the host yet (overlapped scheduling): they count towards min_tokens
     num_pending_tokens: list[int] | None = None
+    # per row, SamplingParams.bad_words as token sequences (bad_word_sequences); None: no row has any
+    bad_words: list[tuple[tuple[int, ...], ...]] | None = None
 
 
 @dataclass
@@ -48,7 +51,8 @@ class SamplerOutput:
 
 def needs_output_tokens(params: SamplingParams) -> bool:
     """Sampling reads the values of earlier generated tokens, so they must all be on the host first."""
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or bool(params.bad_words))
 
 
 class Sampler:
@@ -72,6 +76,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
         apply_allowed_tokens(logits, batch.params)
+        apply_bad_words(logits, batch)
         apply_min_tokens(logits, batch)
         apply_logit_bias(logits, batch.params)
         apply_penalties(logits, batch)
@@ -98,7 +103,7 @@ def plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing that edits or reports the logits: the raw argmax is the token."""
     return (p.greedy and p.logprobs is None and p.min_tokens == 0 and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.logit_bias
-            and p.allowed_token_ids is None)
+            and p.allowed_token_ids is None and not p.bad_words)
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -128,6 +133,37 @@ def apply_allowed_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> 
             allowed = logits[row, keep]
             logits[row].fill_(_NEG_INF)
             logits[row, keep] = allowed
+
+
+def bad_word_sequences(tokenizer: Any, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as token sequences: as written (leading space dropped) and after a space, as vLLM tokenizes
+    them; distinct sequences only."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)
+
+
+def apply_bad_words(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Ban the token that would complete a bad word: a one-token word always, a longer one where the output ends
+    with the rest of it."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, sequences in enumerate(batch.bad_words or ()):
+        output = batch.output_token_ids[i]
+        for seq in sequences:
+            head = len(seq) - 1
+            if head == 0 or (len(output) >= head and tuple(output[len(output) - head:]) == seq[:-1]):
+                rows.append(i)
+                cols.append(seq[-1])
+    if rows:
+        keep = [j for j, c in enumerate(cols) if c < logits.shape[1]]
+        index = (_device_tensor([rows[j] for j in keep], torch.long, logits.device),
+                 _device_tensor([cols[j] for j in keep], torch.long, logits.device))
+        logits[index] = _NEG_INF
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:

@@ -35,6 +35,8 @@ class SamplingParams:
     # as {token_id: bias}, kept as sorted (token_id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # sample only among these ids (vLLM's), kept sorted
+    bad_words: tuple[str, ...] = ()  # never completed in the output (vLLM's: a word's last token is banned where the
+    # tokens before it were just generated; the word with and without a leading space)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (vLLM's; -1: max_model_len - 1)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -75,6 +77,10 @@ class SamplingParams:
             _check(bool(allowed) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed),
                    "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
             object.__setattr__(self, "allowed_token_ids", allowed)
+        object.__setattr__(self, "bad_words", (self.bad_words,) if isinstance(self.bad_words, str)
+                           else tuple(self.bad_words or ()))
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+               f"must be non-blank strings, got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
         _check(k is None or (isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1)),
                "truncate_prompt_tokens", f"must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")

@@ -73,3 +73,22 @@ def test_stream_deltas_concatenate_to_text(runtime) -> None:
     final = runtime.generate([prompt], params)[0].outputs[0]
     assert last is not None and last.finished
     assert "".join(deltas) == final.text == last.outputs[0].text
+
+
+def test_bad_words_match_transformers_bad_words_ids(runtime, hf_model) -> None:
+    """bad_words=["Paris"] on the capital question: the word never comes, and the greedy tokens are transformers'
+    with the same sequences as bad_words_ids (one-token words: banned at every step by both)."""
+    from kiln.runtime.sampler import bad_word_sequences
+
+    tok = runtime.tokenizer
+    prompt = tok.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt)["input_ids"]
+    plain = runtime.generate([ids], SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0]
+    assert "Paris" in plain.text
+    sequences = bad_word_sequences(tok, ("Paris",))
+    assert all(len(s) == 1 for s in sequences)  # a word of one token either way in this vocabulary
+    out = runtime.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, bad_words=["Paris"]))[0].outputs[0]
+    hf = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=16, do_sample=False, bad_words_ids=[list(s) for s in sequences],
+                           pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    assert "Paris" not in out.text and out.token_ids == hf[: len(out.token_ids)]

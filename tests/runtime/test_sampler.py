@@ -267,3 +267,17 @@ def test_allowed_token_ids_confine_greedy_and_sampled_rows() -> None:
     for bad in ([], [-1], ["7"]):
         with pytest.raises(ValueError, match="^allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
+
+
+def test_bad_words_ban_the_token_that_completes_them() -> None:
+    """A one-token word is banned at every step; a longer one only where the output ends with the rest of it."""
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 9], logits[:, 4] = 5.0, 4.0
+    words = ((9,), (2, 3, 4))
+    params = [SamplingParams(temperature=0.0, bad_words=("x",))] * 3
+    outputs = [[1, 2], [2, 3], [3, 2]]
+    out = Sampler()(logits, SamplingBatch(params, [None] * 3, [[]] * 3, outputs, frozenset({EOS}),
+                                          bad_words=[words] * 3))
+    assert out.token_ids == [4, 0, 4]  # row 1 ends with (2, 3): 4 is banned too, and 0 leads the tied rest
+    with pytest.raises(ValueError, match="^bad_words"):
+        SamplingParams(bad_words=[" "])

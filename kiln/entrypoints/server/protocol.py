@@ -48,8 +48,10 @@ class _SamplingRequest(_Lenient):
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, json_object, regex, choice, grammar
     prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob and the top k, from the second token on
+    use_beam_search: bool = False  # vLLM's, refused when true: kiln has no beam search
     allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
     truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens
+    bad_words: list[str] | None = None  # vLLM: never complete these words
 
 
 class CompletionRequest(_SamplingRequest):
@@ -60,6 +62,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (e.g. BOS) around a text prompt
 
 
 class TextContentPart(_Lenient):

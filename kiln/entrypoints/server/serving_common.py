@@ -38,6 +38,8 @@ def new_id(prefix: str) -> str:
 
 def check_common(req: _SamplingRequest) -> None:
     """Reject what kiln would otherwise silently ignore while changing the answer."""
+    if req.use_beam_search:
+        raise APIError.bad_request("beam search is not supported", "use_beam_search")
     if req.stream_options is not None and not req.stream:
         raise APIError.bad_request("stream_options can only be set when stream is true", "stream_options")
     if req.n < 1:
@@ -51,7 +53,7 @@ def sampling_fields(req: _SamplingRequest) -> dict[str, Any]:
                               "skip_special_tokens": req.skip_special_tokens}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed", "cache_salt", "prompt_logprobs", "allowed_token_ids",
-                 "truncate_prompt_tokens"):
+                 "truncate_prompt_tokens", "bad_words"):
         value = getattr(req, name)
         if value is not None:
             fields[name] = value

@@ -29,14 +29,21 @@ from kiln.entrypoints.server.serving_common import (
 from kiln.runtime.outputs import RequestOutput
 
 
-def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[PromptSource]:
+def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[PromptSource]:
+    prompt = req.prompt
     if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
+        prompts: list = [prompt]
+    elif not prompt:
         raise APIError.bad_request("prompt must not be empty", "prompt")
-    if isinstance(prompt[0], int):
+    elif isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
-    return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+    else:
+        prompts = [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+    if req.add_special_tokens:
+        return prompts
+    tokenizer = ctx.tokenizer  # without the special tokens: encoded here, on the engine thread when it admits them
+    return [(lambda text=p: list(tokenizer(text, add_special_tokens=False)["input_ids"])) if isinstance(p, str)
+            else p for p in prompts]
 
 
 def _usage(finals: list[RequestOutput]) -> UsageInfo:
@@ -52,7 +59,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Any
         raise APIError.bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError.bad_request("best_of must equal n (beam search and best-of are not supported)", "best_of")
-    prompts = _prompts(req.prompt)
+    prompts = _prompts(ctx, req)
     fields = sampling_fields(req)
     if req.logprobs is not None:
         fields["logprobs"] = req.logprobs

@@ -47,8 +47,9 @@ def sample_rows(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput, 
         outputs.append(req.output_token_ids + req.spec_token_ids[:j] if j else req.output_token_ids)
     # a request verified behind the step in flight has that step's token pending (min_tokens counts it)
     pending = [sched.requests[i].num_pending_tokens for i in rows]
+    bad_words = [sched.requests[i].bad_words_token_ids for i in rows]
     tokens, logprobs = sampler.sample(logits, SamplingBatch(params, generators, prompts, outputs, eos_token_ids,
-                                                            pending))
+                                                            pending, bad_words if any(bad_words) else None))
     return tokens.tolist(), logprobs
 
 

@@ -68,6 +68,8 @@ def test_bad_json(served: Served) -> None:
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 50}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999999]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
      "chat_template"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},

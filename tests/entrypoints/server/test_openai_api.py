@@ -211,13 +211,19 @@ def test_continue_final_message_and_echo_in_chat(served: Served) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed.choices[0].message.content
 
 
-def test_allowed_token_ids_and_truncate_prompt_tokens(served: Served) -> None:
+def test_allowed_token_ids_bad_words_special_tokens_and_truncation(served: Served) -> None:
     client = served.openai()
     tokenizer = served.engine.tokenizer
     allowed = [tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" yes", " no")]
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=2,
                                     extra_body={"allowed_token_ids": allowed})
     assert out.choices[0].text and set(out.choices[0].text.split()) <= {"yes", "no"}
+    unmarked = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                         extra_body={"add_special_tokens": False, "bad_words": ["blue"]})
+    plain_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    assert unmarked.usage.prompt_tokens == len(plain_ids) and "blue" not in unmarked.choices[0].text
+    assert unmarked.choices[0].text == client.completions.create(
+        model=MODEL, prompt=plain_ids, max_tokens=3, temperature=0, extra_body={"bad_words": ["blue"]}).choices[0].text
     cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
                                     extra_body={"truncate_prompt_tokens": 3})
     ids = tokenizer(PROMPT)["input_ids"]
