@@ -32,6 +32,7 @@ from kiln.runtime.spec_decode.verify import verify_step
 from kiln.runtime.structured.bitmask import apply_token_mask
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_SCORE_ROWS = 256  # prompt-logprob rows scored at a time (each a vocabulary of fp32 log-softmax)
 
 
 @dataclass(frozen=True)
@@ -462,7 +463,10 @@ class ModelRunner:
             rows += range(span.first_row, span.first_row + span.count)
             targets += req.prompt_token_ids[span.first_target:span.first_target + span.count]
             top += [req.params.prompt_logprobs] * span.count
-        entries = score_prompt(logits[rows], targets, top)
+        entries = []
+        for at in range(0, len(rows), _SCORE_ROWS):  # bounded fp32 copies: a row is a whole vocabulary
+            part = slice(at, at + _SCORE_ROWS)
+            entries += score_prompt(logits[rows[part]], targets[part], top[part])
         out, at = {}, 0
         for span in spans:
             out[span.request] = (span.first_target, entries[at:at + span.count])

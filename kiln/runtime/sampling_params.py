@@ -73,10 +73,10 @@ class SamplingParams:
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
-            allowed = tuple(sorted(set(self.allowed_token_ids)))
+            allowed = list(self.allowed_token_ids)
             _check(bool(allowed) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed),
                    "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
-            object.__setattr__(self, "allowed_token_ids", allowed)
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         object.__setattr__(self, "bad_words", (self.bad_words,) if isinstance(self.bad_words, str)
                            else tuple(self.bad_words or ()))
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",

@@ -264,7 +264,7 @@ def test_allowed_token_ids_confine_greedy_and_sampled_rows() -> None:
     assert out.token_ids[1] in allowed and out.token_ids[2] == int(logits[2].argmax())
     assert out.logprobs[0].sampled.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[out.token_ids[0]].item())
     assert params[0].allowed_token_ids == allowed
-    for bad in ([], [-1], ["7"]):
+    for bad in ([], [-1], ["7"], [1, "7"]):
         with pytest.raises(ValueError, match="^allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
 
