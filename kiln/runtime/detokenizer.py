@@ -82,10 +82,12 @@ class IncrementalDetokenizer:
         """The stop string that ended the output, if any."""
         return self._stop_str
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
         """Append generated tokens; return the stop string if the output now contains one.
 
-        Once a stop string has matched, the output is final and later tokens are ignored.
+        Once a stop string has matched, the output is final and later tokens are ignored. With `check_stop` false
+        (fewer outputs than min_tokens, as vLLM) the new text is not searched; a later search only finds a stop
+        string that ends in text committed from then on.
         """
         if self._finished:
             raise RuntimeError("update() after take_delta(finished=True)")
@@ -94,14 +96,14 @@ class IncrementalDetokenizer:
         if not self._stop:
             self._unread.extend(new_token_ids)
             return None
-        return self._append(new_token_ids)
+        return self._append(new_token_ids, check_stop)
 
     def _decode_unread(self) -> None:
         if self._unread:
             unread, self._unread = self._unread, []
             self._append(unread)
 
-    def _append(self, new_token_ids: list[int]) -> str | None:
+    def _append(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
         self._ids.extend(new_token_ids)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._ids))[len(prefix_text) :]
@@ -117,7 +119,7 @@ class IncrementalDetokenizer:
         else:
             self._window_committed = len(complete)
         # Text before an incomplete character decodes the same whatever bytes follow, so it is final.
-        return self._commit(complete[committed:])
+        return self._commit(complete[committed:], check_stop)
 
     def take_delta(self, finished: bool = False) -> str:
         """Return the text that is safe to stream since the last call.
@@ -152,7 +154,7 @@ class IncrementalDetokenizer:
         self._text.seek(start)
         return self._text.read(end - start)
 
-    def _commit(self, text: str) -> str | None:
+    def _commit(self, text: str, check_stop: bool = True) -> str | None:
         """Append final text to the output and truncate it at the first stop string, if one appears."""
         if not text:
             return None
@@ -160,7 +162,7 @@ class IncrementalDetokenizer:
         start = max(self._text_len - self._max_stop_len + 1, 0)
         self._text.seek(self._text_len)
         self._text_len += self._text.write(text)
-        if not self._stop:
+        if not self._stop or not check_stop:
             return None
         window = self._read(start, self._text_len)
         best: tuple[int, str] | None = None

@@ -529,7 +529,8 @@ class Engine:
             status = RequestStatus.FINISHED_STOPPED
         detok = parent.detokenizers[req.child_index]
         if detok is not None:
-            stop = detok.update(req.output_token_ids[-1:])
+            # stop strings, like stop tokens, wait for min_tokens outputs (vLLM)
+            stop = detok.update(req.output_token_ids[-1:], len(req.output_token_ids) >= req.params.min_tokens)
             if stop is not None and status is None:
                 req.stop_reason = stop
                 status = RequestStatus.FINISHED_STOPPED

@@ -92,3 +92,15 @@ def test_bad_words_match_transformers_bad_words_ids(runtime, hf_model) -> None:
                            max_new_tokens=16, do_sample=False, bad_words_ids=[list(s) for s in sequences],
                            pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
     assert "Paris" not in out.text and out.token_ids == hf[: len(out.token_ids)]
+
+
+def test_stop_strings_wait_for_min_tokens(runtime) -> None:
+    """As vLLM: a stop string, like a stop token, cannot end the output before min_tokens tokens; it does after."""
+    prompt = runtime.tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
+    stopped = runtime.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, stop=["."]))[0].outputs[0]
+    k = len(stopped.token_ids)
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "." and k < 20
+    held = runtime.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, stop=["."],
+                                                     min_tokens=k + 3))[0].outputs[0]
+    assert len(held.token_ids) >= k + 3 and held.text.startswith(stopped.text + ".")
+    assert held.finish_reason == "length" or held.stop_reason == "."
