@@ -59,7 +59,7 @@ def step_slices(buffers: Sequence[Any], shape: BatchShape, num_pending: int) -> 
     ids, pos, slots, qsl, seq_lens, tables, logits_idx, pending_dst, pending_src = buffers
     n, r = shape.num_padded_tokens, shape.num_reqs
     return [ids[:n], pos[:n], slots[:n], qsl[: r + 1], seq_lens[:r], tables[:r, : shape.max_blocks],
-            logits_idx[: shape.num_sampling], pending_dst[:num_pending], pending_src[:num_pending]]
+            logits_idx[: shape.num_logits], pending_dst[:num_pending], pending_src[:num_pending]]
 
 
 def host_views(runner: ModelRunner, shape: BatchShape, num_pending: int) -> list[torch.Tensor]:

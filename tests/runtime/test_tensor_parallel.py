@@ -129,6 +129,9 @@ def test_tp2_greedy_ids_per_rank_and_gathered_logits_agree(reference, async_sche
     gather, no broadcast). A batch with a request that wants logprobs: the logits are gathered to rank 0,
     which samples and (overlapped steps) broadcasts the ids; each step's pending input tokens reach the worker
     either way and are put into its input_ids in place exactly as on rank 0."""
+    scored = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    # one rank's, built first: kiln's tensor-parallel state is per process
+    alone = Runtime("tiny-qwen3", level=0, device="cpu", max_num_batched_tokens=32).generate(PROMPTS[1:2], scored)
     runtime = Runtime("tiny-qwen3", level=0, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=32,
                       async_scheduling=async_scheduling)
     model = runtime.engine.runner.model
@@ -145,6 +148,13 @@ def test_tp2_greedy_ids_per_rank_and_gathered_logits_agree(reference, async_sche
         outs = runtime.generate(PROMPTS, [wants_logprobs] + [PARAMS] * (len(PROMPTS) - 1))
         assert [o.outputs[0].token_ids for o in outs] == reference
         assert len(outs[0].outputs[0].logprobs) == 8 and not calls  # every step held the logprobs request
+        # prompt logprobs: their chunks' logits rows beside the sampling ones, on every rank alike
+        outs = runtime.generate(PROMPTS[1:3], [scored, PARAMS])
+        assert [o.outputs[0].token_ids for o in outs] == reference[1:3]
+        assert len(outs[0].prompt_logprobs) == len(PROMPTS[1]) and outs[1].prompt_logprobs is None
+        for got, want in zip(outs[0].prompt_logprobs[1:], alone[0].prompt_logprobs[1:]):
+            assert got.sampled.token_id == want.sampled.token_id and got.sampled.rank == want.sampled.rank
+            assert got.sampled.logprob == pytest.approx(want.sampled.logprob, abs=1e-4)
         if async_scheduling:
             assert runtime.engine.stats.overlapped_steps > 0
     finally:
