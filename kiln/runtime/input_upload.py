@@ -33,15 +33,16 @@ def device_dtype(name: str) -> torch.dtype:
 @dataclass(frozen=True)
 class Counts:
     """How much of each array a step uses: tokens (ids, positions, slots), requests (seq_lens; query_start_loc has
-    one more), sampling rows (logits_indices), and the block tables' rows x width."""
+    one more), logits rows (logits_indices: the sampling rows, and prompt-logprob rows), and the block tables' rows x
+    width."""
 
     tokens: int
     reqs: int
-    sampling: int
+    logits: int
     width: int
 
     def lengths(self) -> tuple[int, ...]:
-        return (self.tokens, self.tokens, self.tokens, self.reqs + 1, self.reqs, self.sampling)
+        return (self.tokens, self.tokens, self.tokens, self.reqs + 1, self.reqs, self.logits)
 
     @property
     def total(self) -> int:

@@ -13,9 +13,9 @@ BLOCK = 1024
 
 
 # the counts change every step: not specialized, one compile serves them all
-@triton.jit(do_not_specialize=["tokens", "reqs", "sampling", "width", "s_bt", "total"])
+@triton.jit(do_not_specialize=["tokens", "reqs", "logit_rows", "width", "s_bt", "total"])
 def _unpack_kernel(src_ptr, ids_ptr, pos_ptr, slot_ptr, qsl_ptr, seq_ptr, logit_ptr, bt_ptr, sampled_ptr, tokens,
-                   reqs, sampling, width, s_bt, total, PENDING: tl.constexpr, BLOCK: tl.constexpr,
+                   reqs, logit_rows, width, s_bt, total, PENDING: tl.constexpr, BLOCK: tl.constexpr,
                    PDL: tl.constexpr = False):
     """Program i: staged ints [i * BLOCK, (i + 1) * BLOCK), each written to the array its offset falls in."""
     pdl_start(PDL)
@@ -27,7 +27,7 @@ def _unpack_kernel(src_ptr, ids_ptr, pos_ptr, slot_ptr, qsl_ptr, seq_ptr, logit_
     end_slot = end_pos + tokens
     end_qsl = end_slot + reqs + 1
     end_seq = end_qsl + reqs
-    end_logit = end_seq + sampling
+    end_logit = end_seq + logit_rows
     ids = v.to(tl.int64)
     in_ids = live & (offs < end_ids)
     if PENDING:  # -1 - row: the token the step in flight samples into that row
@@ -57,5 +57,5 @@ def unpack_triton(staged: torch.Tensor, dst: dict[str, torch.Tensor], counts: Co
     _unpack_kernel[(triton.cdiv(total, BLOCK),)](
         staged, dst["input_ids"], dst["positions"], dst["slot_mapping"], dst["query_start_loc"], dst["seq_lens"],
         dst["logits_indices"], tables, sampled if sampled is not None else dst["input_ids"], counts.tokens,
-        counts.reqs, counts.sampling, max(counts.width, 1), tables.stride(0), total, PENDING=sampled is not None,
+        counts.reqs, counts.logits, max(counts.width, 1), tables.stride(0), total, PENDING=sampled is not None,
         BLOCK=BLOCK, num_warps=4, **pdl_launch(staged.device))

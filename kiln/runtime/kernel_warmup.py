@@ -199,7 +199,7 @@ def run_step_kernels(device: torch.device, logits_dtype: torch.dtype) -> int:
 
     arrays = {name: torch.zeros(4, dtype=device_dtype(name), device=device) for name in ORDER}
     arrays["block_tables"] = torch.zeros(2, 4, dtype=device_dtype("block_tables"), device=device)
-    counts = Counts(tokens=1, reqs=1, sampling=1, width=1)
+    counts = Counts(tokens=1, reqs=1, logits=1, width=1)
     staged = torch.zeros(counts.total, dtype=torch.int32, device=device)
     for sampled in (None, torch.zeros(1, dtype=torch.int64, device=device)):
         unpack_triton(staged, arrays, counts, sampled)

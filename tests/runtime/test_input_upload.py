@@ -47,10 +47,10 @@ def expected(host: dict[str, np.ndarray], counts: Counts, dst: np.ndarray, src: 
 
 @pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("counts,pending", [
-    (Counts(tokens=1, reqs=1, sampling=1, width=3), [(0, 2)]),  # a decode step behind the one in flight
-    (Counts(tokens=40, reqs=8, sampling=8, width=6), [(3, 0), (17, 5), (39, 1)]),
-    (Counts(tokens=16, reqs=8, sampling=0, width=1), []),  # a capture's dummy batch: nothing samples
-    (Counts(tokens=0, reqs=0, sampling=0, width=0), []),
+    (Counts(tokens=1, reqs=1, logits=1, width=3), [(0, 2)]),  # a decode step behind the one in flight
+    (Counts(tokens=40, reqs=8, logits=8, width=6), [(3, 0), (17, 5), (39, 1)]),
+    (Counts(tokens=16, reqs=8, logits=0, width=1), []),  # a capture's dummy batch: nothing samples
+    (Counts(tokens=0, reqs=0, logits=0, width=0), []),
 ])
 def test_unpacked_arrays_equal_the_uploads_of_each(kernel: bool, counts: Counts, pending: list) -> None:
     rng = np.random.default_rng(counts.tokens)
