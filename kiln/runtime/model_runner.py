@@ -76,7 +76,6 @@ class HostBatch:
     sampling_rows: list[int]  # scheduler indices of the requests that sample
     num_pending: int  # input tokens still on the device (filled there from the previous step's samples)
     prompt_rows: list[PromptRows]
-    sample_logit_rows: list[int]  # each sampling row's row of logits
 
 
 @dataclass
@@ -90,7 +89,11 @@ class PreparedBatch:
     # and one tiny all-gather picks the winners (no logits gather to rank 0, no broadcast of its tokens)
     local_greedy: bool = False
     prompt_rows: list[PromptRows] = field(default_factory=list)
-    sample_logit_rows: list[int] = field(default_factory=list)  # each sampling row's logits row, with prompt rows
+
+    def sample_logit_rows(self) -> list[int]:
+        """Each sampling row's row of logits: those the prompt spans leave, in order."""
+        scored = {r for span in self.prompt_rows for r in range(span.first_row, span.first_row + span.count)}
+        return [r for r in range(self.shape.num_logits) if r not in scored]
 
     @property
     def num_padded_tokens(self) -> int:
@@ -171,7 +174,7 @@ class ModelRunner:
             self.on_batch(host.shape, host.num_pending, local_greedy)
         batch = self.to_device(host.shape, sampling_rows, host.num_pending)
         batch.local_greedy = local_greedy
-        batch.prompt_rows, batch.sample_logit_rows = host.prompt_rows, host.sample_logit_rows
+        batch.prompt_rows = host.prompt_rows
         return batch
 
     def wait_host_buffers_free(self) -> None:
@@ -198,7 +201,6 @@ class ModelRunner:
         sampling_rows: list[int] = []
         # logits rows in token order: a request's prompt-logprob rows, then its sampling row(s)
         prompt_rows: list[PromptRows] = []
-        sample_logit_rows: list[int] = []
         num_logits = 0
         qsl[0] = 0
         cursor = max_blocks = num_pending = 0
@@ -248,12 +250,10 @@ class ModelRunner:
                 drafts = sched.num_drafts(i) if sched.num_spec_tokens else 0
                 if drafts:  # a verify chunk: logits at the last known token and at each proposal, a row each
                     logits_indices[num_logits:num_logits + drafts + 1] = np.arange(cursor - 1 - drafts, cursor)
-                    sample_logit_rows += range(num_logits, num_logits + drafts + 1)
                     sampling_rows += [i] * (drafts + 1)
                     num_logits += drafts + 1
                 else:  # scalar writes: this runs for every decoding request every step
                     logits_indices[num_logits] = cursor - 1
-                    sample_logit_rows.append(num_logits)
                     sampling_rows.append(i)
                     num_logits += 1
         ids[num_tokens:padded] = 0
@@ -264,7 +264,7 @@ class ModelRunner:
         shape = BatchShape(num_tokens, padded, num_reqs, len(sampling_rows), max(sched.num_new_tokens, default=0),
                            int(seq_lens[:num_reqs].max()) if num_reqs else 0, uniform_decode, max_blocks, verify_len,
                            num_logits - len(sampling_rows))
-        return HostBatch(shape, sampling_rows, num_pending, prompt_rows, sample_logit_rows)
+        return HostBatch(shape, sampling_rows, num_pending, prompt_rows)
 
     def run_mode(self, num_tokens: int, uniform_decode: bool, verify_len: int = 0) -> RunMode:
         if self.graphs is None:
@@ -448,7 +448,7 @@ class ModelRunner:
         scored: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         if batch.prompt_rows:  # read back now (synchronous, as logprobs are); the sampling rows' logits go on
             scored = self._score_prompt(logits, batch.prompt_rows, sched)
-            logits = logits[batch.sample_logit_rows]
+            logits = logits[batch.sample_logit_rows()]
         step = self._sample(batch, sched, logits, grammar_mask)
         step.prompt_logprobs = scored
         return step

@@ -108,7 +108,6 @@ def plain_greedy(p: SamplingParams) -> bool:
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """Forbid ending (EOS, stop_token_ids) while a row has fewer than min_tokens outputs."""
-    vocab = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
     pending = batch.num_pending_tokens or [0] * len(batch.params)
@@ -117,11 +116,17 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
             continue
         # ignore_eos rows never stop on EOS anyway (the caller handles that), so EOS stays samplable.
         banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | batch.eos_token_ids
-        banned = {t for t in banned if 0 <= t < vocab}
         rows += [i] * len(banned)
         cols += sorted(banned)
-    if rows:
-        index = (_device_tensor(rows, torch.long, logits.device), _device_tensor(cols, torch.long, logits.device))
+    _ban(logits, rows, cols)
+
+
+def _ban(logits: torch.Tensor, rows: list[int], cols: list[int]) -> None:
+    """logits[rows[j], cols[j]] = -inf for each pair whose id is a column of the logits."""
+    keep = [j for j, c in enumerate(cols) if 0 <= c < logits.shape[1]]
+    if keep:
+        index = (_device_tensor([rows[j] for j in keep], torch.long, logits.device),
+                 _device_tensor([cols[j] for j in keep], torch.long, logits.device))
         logits[index] = _NEG_INF
 
 
@@ -159,11 +164,7 @@ def apply_bad_words(logits: torch.Tensor, batch: SamplingBatch) -> None:
             if head == 0 or (len(output) >= head and tuple(output[len(output) - head:]) == seq[:-1]):
                 rows.append(i)
                 cols.append(seq[-1])
-    if rows:
-        keep = [j for j, c in enumerate(cols) if c < logits.shape[1]]
-        index = (_device_tensor([rows[j] for j in keep], torch.long, logits.device),
-                 _device_tensor([cols[j] for j in keep], torch.long, logits.device))
-        logits[index] = _NEG_INF
+    _ban(logits, rows, cols)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:

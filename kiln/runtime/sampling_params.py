@@ -41,10 +41,7 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop", _strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
@@ -77,8 +74,7 @@ class SamplingParams:
             _check(bool(allowed) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed),
                    "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
-        object.__setattr__(self, "bad_words", (self.bad_words,) if isinstance(self.bad_words, str)
-                           else tuple(self.bad_words or ()))
+        object.__setattr__(self, "bad_words", _strings(self.bad_words))
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
                f"must be non-blank strings, got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
@@ -101,6 +97,11 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**values)
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    """A string or a sequence of them (stop, bad_words) -> a tuple."""
+    return (value,) if isinstance(value, str) else tuple(value or ())
 
 
 def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
