@@ -1,5 +1,6 @@
 """Overlapped scheduling on the GPU: the same greedy tokens as synchronous steps, with CUDA graphs, on a tiny
-fp32 model (exact) for each GPU attention backend, while steps really overlap (skipped without a GPU)."""
+model for each GPU attention backend (fp32, exact, on Triton; bf16 on FlashInfer, which has no fp32 kernels), while
+steps really overlap (skipped without a GPU)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 def test_async_matches_sync_with_graphs(tiny_checkpoint, backend: str) -> None:
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
-    runtime = Runtime(str(tiny_checkpoint("tiny-llama")[0]), device="cuda", dtype="fp32", level=2,
+    dtype = "bf16" if backend == "flashinfer" else "fp32"
+    runtime = Runtime(str(tiny_checkpoint("tiny-llama")[0]), device="cuda", dtype=dtype, level=2,
                       compile_sizes=(), attention_backend=backend, max_num_batched_tokens=128, max_num_seqs=16,
                       kv_cache_bytes=64 << 20, cudagraph_capture_sizes=(1, 2, 4, 8, 16))
     prompts = random_prompts([5, 17, 1, 40, 9, 3, 60, 2, 33, 12], 256, seed=9)
