@@ -31,7 +31,7 @@ MAX_PAIRS = 64  # arrival counters kept per device: a token's top-k pairs
 
 @dataclass(frozen=True)
 class OneTokenConfig:
-    block_i: int = 32  # intermediate columns a program owns (the slice)
+    block_i: int = 32  # intermediate columns a program owns (the slice; >= 16, tl.dot's least K)
     block_k: int = 128  # hidden columns a gate/up step reads
     block_h: int = 128  # output rows a down step writes
     num_warps: int = 4
@@ -62,44 +62,54 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 models: no TF32 rounding
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _one_token_moe_kernel(x_ptr, w13_ptr, w2_ptr, ws13_ptr, ws2_ptr, tw_ptr, ids_ptr, part_ptr, count_ptr, y_ptr,
                           H, INTER, NUM_E, s_we13, s_wn13, s_we2, s_wn2, SLICES: tl.constexpr,
                           BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                          SCALED: tl.constexpr, PDL: tl.constexpr = False):
+                          SCALED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     pair = tl.program_id(0)
     piece = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     local = expert < NUM_E  # else another rank's expert: the pair's row is zeros
     part_row = part_ptr + (pair * SLICES + piece).to(tl.int64) * H
-    if local:
+    if local:  # the token is row 0 of a 16-row tile (tl.dot's least; the rest are zeros): MMAs keep the weight
+        # loads asynchronous and pipelined, which a matrix-vector product in registers did not (the pair kernels)
+        rows = tl.arange(0, 16)[:, None]
         offs_i = piece * BLOCK_I + tl.arange(0, BLOCK_I)
         i_mask = offs_i < INTER
         offs_k = tl.arange(0, BLOCK_K)
-        g_ptrs = w13_ptr + expert * s_we13 + offs_i[:, None].to(tl.int64) * s_wn13 + offs_k[None, :]
+        g_ptrs = w13_ptr + expert * s_we13 + offs_i[None, :].to(tl.int64) * s_wn13 + offs_k[:, None]
         u_ptrs = g_ptrs + INTER * s_wn13
-        acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        acc_g = tl.zeros((16, BLOCK_I), dtype=tl.float32)
+        acc_u = tl.zeros((16, BLOCK_I), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k_mask = k0 + offs_k < H
-            a = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            g = tl.load(g_ptrs, mask=i_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            u = tl.load(u_ptrs, mask=i_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            acc_g += tl.sum(g * a[None, :], axis=1)
-            acc_u += tl.sum(u * a[None, :], axis=1)
+            a = tl.load(x_ptr + rows * 0 + k0 + offs_k[None, :], mask=(rows == 0) & k_mask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_mask[:, None] & i_mask[None, :], other=0.0).to(a.dtype)
+            u = tl.load(u_ptrs, mask=k_mask[:, None] & i_mask[None, :], other=0.0).to(a.dtype)
+            acc_g = _dot(a, g, acc_g, IEEE)
+            acc_u = _dot(a, u, acc_u, IEEE)
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
         if SCALED:
-            acc_g *= tl.load(ws13_ptr + expert * 2 * INTER + offs_i, mask=i_mask, other=0.0)
-            acc_u *= tl.load(ws13_ptr + expert * 2 * INTER + INTER + offs_i, mask=i_mask, other=0.0)
+            acc_g *= tl.load(ws13_ptr + expert * 2 * INTER + offs_i, mask=i_mask, other=0.0)[None, :]
+            acc_u *= tl.load(ws13_ptr + expert * 2 * INTER + INTER + offs_i, mask=i_mask, other=0.0)[None, :]
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        h = tl.where(i_mask, h.to(x_ptr.dtype.element_ty).to(tl.float32), 0.0)  # as the stored h is rounded
+        h = tl.where(i_mask[None, :], h, 0.0).to(x_ptr.dtype.element_ty)  # rounded as the stored h is
         offs_n = tl.arange(0, BLOCK_H)
-        d_ptrs = w2_ptr + expert * s_we2 + offs_n[:, None].to(tl.int64) * s_wn2 + offs_i[None, :]
+        d_ptrs = w2_ptr + expert * s_we2 + offs_n[None, :].to(tl.int64) * s_wn2 + offs_i[:, None]
         for n0 in range(0, H, BLOCK_H):
             n_mask = n0 + offs_n < H
-            w = tl.load(d_ptrs, mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
-            tl.store(part_row + n0 + offs_n, tl.sum(w * h[None, :], axis=1), mask=n_mask)
+            w = tl.load(d_ptrs, mask=i_mask[:, None] & n_mask[None, :], other=0.0).to(h.dtype)
+            partial = _dot(h, w, tl.zeros((16, BLOCK_H), dtype=tl.float32), IEEE)
+            tl.store(part_row + rows * 0 + n0 + offs_n[None, :], partial, mask=(rows == 0) & n_mask[None, :])
             d_ptrs += BLOCK_H * s_wn2
     tl.debug_barrier()  # every warp's partial is stored before this program's arrival is counted
     arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
@@ -129,6 +139,8 @@ def fused_moe_one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     top_k = topk_ids.shape[1]
     if x.shape[0] != 1 or top_k > MAX_PAIRS:
         raise ValueError(f"one token of at most {MAX_PAIRS} pairs, got ids of shape {tuple(topk_ids.shape)}")
+    if min(config.block_i, config.block_k, config.block_h) < 16:
+        raise ValueError(f"{config}: every block must be at least 16 (tl.dot's least)")
     slices = triton.cdiv(inter, config.block_i)
     tw = topk_weights.float().contiguous()
     scaled = ws13 is not None
@@ -138,5 +150,6 @@ def fused_moe_one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         x.contiguous(), w13, w2, ws13 if scaled else tw, ws2 if scaled else tw, tw, topk_ids.contiguous(), partials,
         arrival_counters(x.device), y, hidden, inter, num_experts, w13.stride(0), w13.stride(1), w2.stride(0),
         w2.stride(1), SLICES=slices, BLOCK_I=config.block_i, BLOCK_K=config.block_k, BLOCK_H=config.block_h,
-        SCALED=scaled, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
+        SCALED=scaled, IEEE=x.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(x.device))
     return y.view(1, top_k, hidden)
