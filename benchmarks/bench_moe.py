@@ -139,7 +139,7 @@ def part_one_token(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
     for dtype, copies in (("bf16", bf16), ("fp8", fp8)):
         def args(i: int, copies=copies) -> tuple:
             c = copies[i % 4]
-            return (c[0], c[1], None, None) if len(c) == 2 else (c[0], c[2], c[1].float(), c[3].float())
+            return (c[0], c[1], None, None) if len(c) == 2 else (c[0], c[2], c[1], c[3])
 
         def two(i: int) -> torch.Tensor:
             w13, w2, s13, s2 = args(i)

@@ -130,11 +130,11 @@ def test_one_token_kernel_matches_reference(config: OneTokenConfig, fp8: bool) -
         (w13, s13), (w2, s2) = quantize_weight(w13), quantize_weight(w2)
         scales = [s13, s2]
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, *scales)]
-    float_scales = [s.float() for s in args[5:]] or [None, None]
-    first = fused_moe_one_token(*args[:5], *float_scales, config)
+    scale_args = args[5:] or [None, None]
+    first = fused_moe_one_token(*args[:5], *scale_args, config)
     assert torch.equal(first[0, 2], torch.zeros_like(first[0, 2]))
     torch.testing.assert_close(first, fused_moe_reference(*args), rtol=1e-4, atol=1e-5)
-    assert torch.equal(fused_moe_one_token(*args[:5], *float_scales, config), first)
+    assert torch.equal(fused_moe_one_token(*args[:5], *scale_args, config), first)
     assert int(arrival_counters(first.device).abs().sum()) == 0
 
 

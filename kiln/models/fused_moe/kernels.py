@@ -27,7 +27,7 @@ import triton.language as tl
 from kiln.models.fused_moe.align import align_by_expert
 from kiln.models.fused_moe.align_triton import MAX_PAIRS, align_by_expert_triton
 from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
-from kiln.models.fused_moe.one_token import fused_moe_one_token, one_token_config
+from kiln.models.fused_moe.one_token import fused_moe_one_token, mma, one_token_config
 from kiln.models.pdl import pdl_launch, pdl_start
 
 # Steps of up to this many tokens run the grouped kernels on one pair a block: block j holds pair j in its first row,
@@ -85,12 +85,8 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, 
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
         u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
-        if IEEE:  # fp32 models: no TF32 rounding
-            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
+        acc_g = mma(a, g, acc_g, IEEE)
+        acc_u = mma(a, u, acc_u, IEEE)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -124,10 +120,7 @@ def _grouped_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, sorted_ptr, block_expert_
         k_mask = k0 + offs_k < INTER
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = mma(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if SCALED:
@@ -222,8 +215,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if num_tokens == 0:
         return x.new_empty((0, top_k, hidden))
     if one_token is not None:
-        return fused_moe_one_token(x, w13, w2, topk_weights, ids, ws13 if scaled else None, ws2 if scaled else None,
-                                   one_token)
+        return fused_moe_one_token(x, w13, w2, tw, ids, w13_scale, w2_scale, one_token)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
     if config.block_m == 1:

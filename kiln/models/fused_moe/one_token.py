@@ -62,7 +62,8 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
+def mma(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b (this package's kernels' one product)."""
     if IEEE:  # fp32 models: no TF32 rounding
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -94,8 +95,8 @@ def _one_token_moe_kernel(x_ptr, w13_ptr, w2_ptr, ws13_ptr, ws2_ptr, tw_ptr, ids
             a = tl.load(x_ptr + rows * 0 + k0 + offs_k[None, :], mask=(rows == 0) & k_mask[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_mask[:, None] & i_mask[None, :], other=0.0).to(a.dtype)
             u = tl.load(u_ptrs, mask=k_mask[:, None] & i_mask[None, :], other=0.0).to(a.dtype)
-            acc_g = _dot(a, g, acc_g, IEEE)
-            acc_u = _dot(a, u, acc_u, IEEE)
+            acc_g = mma(a, g, acc_g, IEEE)
+            acc_u = mma(a, u, acc_u, IEEE)
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
         if SCALED:
@@ -108,7 +109,7 @@ def _one_token_moe_kernel(x_ptr, w13_ptr, w2_ptr, ws13_ptr, ws2_ptr, tw_ptr, ids
         for n0 in range(0, H, BLOCK_H):
             n_mask = n0 + offs_n < H
             w = tl.load(d_ptrs, mask=i_mask[:, None] & n_mask[None, :], other=0.0).to(h.dtype)
-            partial = _dot(h, w, tl.zeros((16, BLOCK_H), dtype=tl.float32), IEEE)
+            partial = mma(h, w, tl.zeros((16, BLOCK_H), dtype=tl.float32), IEEE)
             tl.store(part_row + rows * 0 + n0 + offs_n[None, :], partial, mask=(rows == 0) & n_mask[None, :])
             d_ptrs += BLOCK_H * s_wn2
     tl.debug_barrier()  # every warp's partial is stored before this program's arrival is counted
@@ -131,9 +132,9 @@ def _one_token_moe_kernel(x_ptr, w13_ptr, w2_ptr, ws13_ptr, ws2_ptr, tw_ptr, ids
 
 
 def fused_moe_one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, ws13: torch.Tensor | None, ws2: torch.Tensor | None,
+                        topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
                         config: OneTokenConfig) -> torch.Tensor:
-    """x [1, H] -> each pair's weighted row [1, K, H] (kernels.py's contract); ws13 / ws2: fp32 scales or None."""
+    """x [1, H] -> each pair's weighted row [1, K, H]: kernels.py's contract (e4m3 weights with their scales)."""
     hidden = x.shape[1]
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -143,11 +144,12 @@ def fused_moe_one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         raise ValueError(f"{config}: every block must be at least 16 (tl.dot's least)")
     slices = triton.cdiv(inter, config.block_i)
     tw = topk_weights.float().contiguous()
-    scaled = ws13 is not None
+    scaled = w13_scale is not None
+    ws13, ws2 = (w13_scale.float().contiguous(), w2_scale.float().contiguous()) if scaled else (tw, tw)
     partials = torch.empty((top_k * slices, hidden), dtype=torch.float32, device=x.device)
     y = torch.empty((top_k, hidden), dtype=x.dtype, device=x.device)
     _one_token_moe_kernel[(top_k, slices)](
-        x.contiguous(), w13, w2, ws13 if scaled else tw, ws2 if scaled else tw, tw, topk_ids.contiguous(), partials,
+        x.contiguous(), w13, w2, ws13, ws2, tw, topk_ids.contiguous(), partials,
         arrival_counters(x.device), y, hidden, inter, num_experts, w13.stride(0), w13.stride(1), w2.stride(0),
         w2.stride(1), SLICES=slices, BLOCK_I=config.block_i, BLOCK_K=config.block_k, BLOCK_H=config.block_h,
         SCALED=scaled, IEEE=x.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages,
