@@ -1,6 +1,7 @@
 """Overlapped scheduling on the GPU: the same greedy tokens as synchronous steps, with CUDA graphs, on a tiny
-model for each GPU attention backend (fp32, exact, on Triton; bf16 on FlashInfer, which has no fp32 kernels), while
-steps really overlap (skipped without a GPU)."""
+model for each GPU attention backend (a tiny fp32 model, exact, on Triton; the embedded SmolLM2-135M in bf16 on
+FlashInfer, which has neither fp32 kernels nor the tiny model's head size 16), while steps really overlap (skipped
+without a GPU)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 def test_async_matches_sync_with_graphs(tiny_checkpoint, backend: str) -> None:
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
-    dtype = "bf16" if backend == "flashinfer" else "fp32"
-    runtime = Runtime(str(tiny_checkpoint("tiny-llama")[0]), device="cuda", dtype=dtype, level=2,
+    tiny = backend == "triton"
+    model, dtype = (str(tiny_checkpoint("tiny-llama")[0]), "fp32") if tiny else ("smollm2-135m", "bf16")
+    runtime = Runtime(model, device="cuda", dtype=dtype, level=2,
                       compile_sizes=(), attention_backend=backend, max_num_batched_tokens=128, max_num_seqs=16,
                       kv_cache_bytes=64 << 20, cudagraph_capture_sizes=(1, 2, 4, 8, 16))
-    prompts = random_prompts([5, 17, 1, 40, 9, 3, 60, 2, 33, 12], 256, seed=9)
+    prompts = random_prompts([5, 17, 1, 40, 9, 3, 60, 2, 33, 12], runtime.engine.loaded.spec.vocab_size, seed=9)
     params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
     runs = {}
     for overlap in (False, True):
