@@ -23,6 +23,7 @@ from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, GraphedC
 from kiln.models.forward_context import ForwardContext, Rope, set_forward_context
 from kiln.models.parallel import tp_size
 from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
+from kiln.runtime.graph_head import ForwardOutput, with_head
 from kiln.runtime.input_upload import ORDER, Counts, pack, staging_capacity, unpack
 from kiln.runtime.outputs import TokenLogprobs
 from kiln.runtime.request import Request
@@ -369,12 +370,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         """Hidden states of the sampling tokens -> logits [num sampling requests, vocab]."""
-        return self.model.compute_logits(self._sampling_rows(batch, self.run_model(batch)))
+        return self._head(batch, self.run_model(batch))[0]
+
+    def _head(self, batch: PreparedBatch, out: ForwardOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits rows' logits, and their argmax where the graph computed both (every token samples)."""
+        n = batch.shape.num_tokens
+        if out.logits is not None and batch.shape.num_logits == n:
+            return out.logits[:n], out.greedy[:n]
+        return self.model.compute_logits(self._sampling_rows(batch, out.hidden)), None
 
     @torch.inference_mode()
     def forward_greedy(self, batch: PreparedBatch) -> torch.Tensor:
         """Greedy ids of the sampling tokens, the same on every tensor-parallel rank (no logits gathered)."""
-        return self.model.greedy_tokens(self._sampling_rows(batch, self.run_model(batch)))
+        return self.model.greedy_tokens(self._sampling_rows(batch, self.run_model(batch).hidden))
 
     @staticmethod
     def _sampling_rows(batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor:
@@ -403,21 +411,26 @@ class ModelRunner:
         if not self._replays_without_metadata(*self._descriptor(batch)):
             batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
 
-    def run_model(self, batch: PreparedBatch) -> torch.Tensor:
-        """The forward over the padded batch, as a FULL graph, PIECEWISE graphs, or compiled/eager pieces."""
+    def run_model(self, batch: PreparedBatch) -> ForwardOutput:
+        """The forward over the padded batch, as a FULL graph (small ones end with the LM head and the greedy
+        argmax: kiln/runtime/graph_head.py), PIECEWISE graphs, or compiled/eager pieces."""
         n = batch.num_padded_tokens
         desc, mode = self._descriptor(batch)
         ids, pos = self.input_ids[:n], self.positions[:n]
+
+        def graphed() -> ForwardOutput:
+            return self.full_graph(desc, lambda: with_head(self.model, self.forward_fn(ids, pos)), (ids, pos))
+
         if batch.context is None and self._replays_without_metadata(desc, mode):
-            return self.full_graph(desc, lambda: self.forward_fn(ids, pos), (ids, pos))
+            return graphed()
         context = batch.context if batch.context is not None else self.forward_context(batch.metadata, n)
         with set_forward_context(context):
             if mode is RunMode.FULL:
-                return self.full_graph(desc, lambda: self.forward_fn(ids, pos), (ids, pos))
+                return graphed()
             if mode is RunMode.NONE and self.full_graph is not None:
                 self.full_graph.pool.stats.replays["NONE"] += 1  # steps that ran without any graph
             with piecewise_graphs(n if mode is RunMode.PIECEWISE else None):
-                return self.forward_fn(ids, pos)
+                return ForwardOutput(self.forward_fn(ids, pos))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -444,12 +457,12 @@ class ModelRunner:
         """The forward, sampling and read-back of a step `prepare_step` prepared (see `execute`)."""
         if batch.local_greedy:
             return self._read_back(sched, batch.sampling_rows, self.forward_greedy(batch), None)
-        logits = self.forward(batch)
+        logits, greedy = self._head(batch, self.run_model(batch))
         scored: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         if batch.prompt_rows:  # read back now (synchronous, as logprobs are); the sampling rows' logits go on
             scored = self._score_prompt(logits, batch.prompt_rows, sched)
-            logits = logits[batch.sample_logit_rows()]
-        step = self._sample(batch, sched, logits, grammar_mask)
+            logits, greedy = logits[batch.sample_logit_rows()], None
+        step = self._sample(batch, sched, logits, grammar_mask, greedy)
         step.prompt_logprobs = scored
         return step
 
@@ -474,7 +487,9 @@ class ModelRunner:
         return out
 
     def _sample(self, batch: PreparedBatch, sched: SchedulerOutput, logits: torch.Tensor,
-                grammar_mask: Callable[[list[Request]], torch.Tensor | None] | None) -> LaunchedStep:
+                grammar_mask: Callable[[list[Request]], torch.Tensor | None] | None,
+                greedy: torch.Tensor | None = None) -> LaunchedStep:
+        """`greedy`: the logits' argmax, computed in the step's graph (used where every row is plain greedy)."""
         if sched.num_spec_tokens:  # synchronous: how many tokens each request gets is read back here
             self.last_sampled = None
             return verify_step(self.sampler, sched, batch.sampling_rows, logits, self.eos_token_ids)
@@ -486,6 +501,7 @@ class ModelRunner:
         mask = grammar_mask(reqs) if grammar_mask is not None else None
         if mask is not None:
             apply_token_mask(logits, mask)
+            greedy = None
         tokens, logprobs = self.sampler.sample(logits, SamplingBatch(
             params=[r.params for r in reqs],
             generators=[r.generator for r in reqs],
@@ -494,7 +510,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             num_pending_tokens=[r.num_pending_tokens for r in reqs],
             bad_words=[r.bad_words_token_ids for r in reqs] if any(r.bad_words_token_ids for r in reqs) else None,
-        ))
+        ), greedy)
         if self.on_sampled is not None:
             self.on_sampled(tokens)
         return self._read_back(sched, batch.sampling_rows, tokens, logprobs)
