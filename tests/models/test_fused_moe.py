@@ -88,7 +88,7 @@ def test_kernels_match_reference(tokens: int, experts: int, top_k: int, config: 
 def test_pair_blocks_equal_the_align_layout(tokens: int, experts: int, top_k: int, block_m: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to PAIR_BLOCK_TOKENS tokens each pair has a block of the grouped kernels to itself: the same rows, bit
-    for bit, as through align's layout, with pairs on another rank's experts and (16 tokens) an expert holding more
+    for bit on the GPU, as through align's layout, with pairs on another rank's experts and (16 tokens) an expert holding more
     pairs than a block (ids repeated within a token). The bound is raised here to reach many tokens."""
     from kiln.models.fused_moe import kernels
 
@@ -102,7 +102,11 @@ def test_pair_blocks_equal_the_align_layout(tokens: int, experts: int, top_k: in
     pair_blocks = fused_moe_triton(x, w13, w2, weights, ids, remote_experts=True, config=config)
     monkeypatch.setattr(kernels, "PAIR_BLOCK_TOKENS", 0)
     aligned = fused_moe_triton(x, w13, w2, weights, ids, remote_experts=True, config=config)
-    assert torch.equal(pair_blocks, aligned)
+    if DEVICE == "cuda":
+        assert torch.equal(pair_blocks, aligned)
+    else:  # the interpreter's tl.dot is numpy's matmul, whose OpenBLAS kernel (picked per CPU model) may round a row
+        # by its place in the block: 1.5e-8 apart on one row of 16 tokens (OpenBLAS 0.3.31, Triton 3.9, 2026-12-05)
+        torch.testing.assert_close(pair_blocks, aligned, rtol=0, atol=1e-7)
     torch.testing.assert_close(pair_blocks, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
 
 
