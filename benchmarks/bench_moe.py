@@ -10,11 +10,9 @@ run (this GPU's copy bandwidth):
 - one MoE layer: a plain torch loop over experts (kiln's reference path) vs the fused op, per token count; the
   fused op inside a CUDA graph beside the bytes of the experts it must read, in bf16 and with FP8 experts (and, up
   to 8 tokens, with the grouped kernels' blocks laid out through the align kernel and one pair a block, one
-  process);
-- `one-token` (not in the default parts): one token's experts as one kernel (one_token.py), each tile of a sweep
-  inside a CUDA graph beside the two-kernel path and the floor, bf16 and FP8 experts, one process.
+  process).
 
-    python -m benchmarks.bench_moe --json moe.json [--model qwen3-30b-a3b] [--parts layer decode offline one-token]
+    python -m benchmarks.bench_moe --json moe.json [--model qwen3-30b-a3b] [--parts layer decode offline]
 
 Each part records its failure in the JSON instead of ending the run.
 """
@@ -34,9 +32,7 @@ from benchmarks.common import decode_step_seconds, graphed_microseconds, stamp, 
 from kiln import Runtime
 from kiln.models.base import ModelSpec
 from kiln.models.fused_moe import kernels as moe_kernels
-from kiln.models.fused_moe.configs import pick_config
 from kiln.models.fused_moe.kernels import fused_moe_triton
-from kiln.models.fused_moe.one_token import OneTokenConfig, fused_moe_one_token
 from kiln.models.fused_moe.reference import fused_moe_reference
 from kiln.models.loader.presets import preset_view
 from kiln.models.quant.fp8 import quantize_weight
@@ -119,56 +115,6 @@ def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
         print(f"layer tokens={tokens}: loop {times['torch loop']:.0f} us, fused {times['fused']:.0f} us", flush=True)
 
 
-ONE_TOKEN_SWEEP = [OneTokenConfig(i, k, hh, w, st) for i in (16, 32, 64) for k in (128, 256) for hh in (64, 128)
-                   for w in (4, 8) for st in (2, 4)]
-
-
-def part_one_token(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
-    """One token's experts inside a CUDA graph (4 weight copies rotated: past L2): the two-kernel path at its
-    shipped config, then each tile of the one-kernel path, in bf16 and with FP8 experts."""
-    moe = spec.moe
-    h, inter, e, k = spec.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k
-    bf16 = [(torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02,
-             torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(4)]
-    fp8 = [(*quantize_weight(a), *quantize_weight(b)) for a, b in bf16]  # (w13, s13, w2, s2)
-    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
-    weights, ids = torch.topk(torch.randn(1, e, device="cuda").softmax(-1), k, dim=-1)
-    ids = ids.to(torch.int32)
-    two_kernel = pick_config(e, inter, h, k, 1, torch.bfloat16)
-    floor_us = k * 3 * h * inter * 2 / copy_bps * 1e6
-    for dtype, copies in (("bf16", bf16), ("fp8", fp8)):
-        def args(i: int, copies=copies) -> tuple:
-            c = copies[i % 4]
-            return (c[0], c[1], None, None) if len(c) == 2 else (c[0], c[2], c[1], c[3])
-
-        def two(i: int) -> torch.Tensor:
-            w13, w2, s13, s2 = args(i)
-            return fused_moe_triton(x, w13, w2, weights, ids, s13, s2, config=two_kernel)
-
-        base_us = graphed_microseconds(two, calls=8)
-        ref = two(0).float()
-        dtype_floor = floor_us / (2 if dtype == "fp8" else 1)
-        rows.append(dict(part="one-token", dtype=dtype, config="two kernels", us=base_us, floor_us=dtype_floor,
-                         x_two_kernels=1.0, rel_err=0.0))
-        for config in ONE_TOKEN_SWEEP:
-            def one(i: int, config=config) -> torch.Tensor:
-                w13, w2, s13, s2 = args(i)
-                return fused_moe_one_token(x, w13, w2, weights, ids, s13, s2, config)
-
-            try:
-                us = graphed_microseconds(one, calls=8)
-            except Exception as exc:  # noqa: BLE001 - a tile that does not fit: recorded, the sweep goes on
-                rows.append(dict(part="one-token", dtype=dtype, config=str(config), error=str(exc)[:200]))
-                continue
-            err = (one(0).float() - ref).abs().max().item() / ref.abs().max().item()
-            rows.append(dict(part="one-token", dtype=dtype, config=",".join(str(v) for v in vars(config).values()),
-                             us=us, floor_us=dtype_floor, x_two_kernels=base_us / us, rel_err=err))
-        best = min((r for r in rows if r["part"] == "one-token" and r["dtype"] == dtype and "us" in r),
-                   key=lambda r: r["us"])
-        print(f"one-token {dtype}: two kernels {base_us:.1f} us, best {best['config']} {best['us']:.1f} us "
-              f"(floor {dtype_floor:.1f})", flush=True)
-
-
 def part_decode(rt: Runtime, spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
     for batch in (1, 8, 64):
         step = decode_step_seconds(rt.engine, batch, PROMPT_LEN, steps=32)
@@ -226,9 +172,6 @@ def main() -> None:
     if "layer" in args.parts:
         attempt("layer", part_layer, spec, ceil.copy_bytes_per_s, rows)
         torch.cuda.empty_cache()
-    if "one-token" in args.parts:
-        attempt("one-token", part_one_token, spec, ceil.copy_bytes_per_s, rows)
-        torch.cuda.empty_cache()
     if {"decode", "offline"} & set(args.parts):
         start = time.perf_counter()
         rt = None
@@ -249,7 +192,6 @@ def main() -> None:
     print(report["stamp"], f"copy {report['copy_gb_per_s']:.0f} GB/s", f"build {report.get('build_s', 0):.0f} s")
     for part, cols in (("layer", ["tokens", "loop_us", "fused_us", "speedup", "graphed_us", "graphed_align_us",
                                   "graphed_pair_blocks_us", "floor_us", "x_floor", "fp8_graphed_us", "rel_err"]),
-                       ("one-token", ["dtype", "config", "us", "floor_us", "x_two_kernels", "rel_err"]),
                        ("decode", ["batch", "step_ms", "active_floor_ms", "x_active_floor", "full_floor_ms",
                                    "x_full_floor"]),
                        ("offline", ["requests", "seconds", "output_tokens_per_s", "decode_floor_s", "x_floor",

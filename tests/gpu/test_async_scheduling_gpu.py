@@ -2,7 +2,8 @@
 model for each GPU attention backend (a tiny fp32 model, exact, on Triton; the embedded SmolLM2-135M in bf16 on
 FlashInfer, which has neither fp32 kernels nor the tiny model's head size 16), while steps really overlap (skipped
 without a GPU). Prefix caching is off: the second run's prompts would hit the first's blocks and be batched otherwise,
-and in bf16 another batch shape may flip a near-tie (seen on the H200: one request of ten differed from its 16th token on) without anything wrong."""
+and in bf16 another batch shape may flip a near-tie without anything wrong (seen on the H200: one request of ten
+differed from its 16th token on)."""
 
 from __future__ import annotations
 

@@ -15,14 +15,12 @@ from tests.conftest import define_interpreted  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     define_interpreted("kiln.models.fused_moe.align_triton", "kiln.models.fused_moe.kernels",
-                       "kiln.models.fused_moe.one_token",
                        "kiln.models.fused_moe.routing_triton", "kiln.models.quant.fp8_kernel")
 
 from kiln.models.fused_moe.align import align_by_expert, max_padded_pairs  # noqa: E402
 from kiln.models.fused_moe.align_triton import align_by_expert_triton  # noqa: E402
 from kiln.models.fused_moe.configs import MoeKernelConfig, heuristic, pick_config  # noqa: E402
 from kiln.models.fused_moe.kernels import fused_moe_triton  # noqa: E402
-from kiln.models.fused_moe.one_token import OneTokenConfig, arrival_counters, fused_moe_one_token  # noqa: E402
 from kiln.models.fused_moe.reference import fused_moe_reference  # noqa: E402
 from kiln.models.fused_moe.routing import moe_topk_reference  # noqa: E402
 from kiln.models.fused_moe.routing_triton import moe_route_triton, moe_topk_triton  # noqa: E402
@@ -87,9 +85,9 @@ def test_kernels_match_reference(tokens: int, experts: int, top_k: int, config: 
                                                              (3, 6, 2, 32)])
 def test_pair_blocks_equal_the_align_layout(tokens: int, experts: int, top_k: int, block_m: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to PAIR_BLOCK_TOKENS tokens each pair has a block of the grouped kernels to itself: the same rows, bit
-    for bit on the GPU, as through align's layout, with pairs on another rank's experts and (16 tokens) an expert holding more
-    pairs than a block (ids repeated within a token). The bound is raised here to reach many tokens."""
+    """Up to PAIR_BLOCK_TOKENS tokens each pair has a block of the grouped kernels to itself: the same rows (bit
+    for bit on the GPU) as through align's layout, with pairs on another rank's experts and (16 tokens) an expert
+    holding more pairs than a block (ids repeated within a token). The bound is raised here to reach many tokens."""
     from kiln.models.fused_moe import kernels
 
     x, w13, w2, weights, ids = problem(tokens, experts, top_k, 40, 24, seed=tokens + experts)
@@ -119,37 +117,6 @@ def test_kernels_with_fp8_weights_match_reference(block_m: int) -> None:
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, s13, s2)]
     got = fused_moe_triton(*args, config=MoeKernelConfig(block_m, 16, 16))
     torch.testing.assert_close(got, fused_moe_reference(*args), rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("config, fp8", [(OneTokenConfig(16, 16, 16), False), (OneTokenConfig(32, 32, 32), False),
-                                         (OneTokenConfig(16, 16, 32), True)])
-def test_one_token_kernel_matches_reference(config: OneTokenConfig, fp8: bool) -> None:
-    """One token through the one-kernel path: every pair's weighted row (slices summed by the last program to
-    arrive), an expert of another rank left zero, sizes off the tiles; called twice (the arrival counters rearm,
-    as CUDA graph replays need), the same bits both times."""
-    x, w13, w2, weights, ids = problem(1, 8, 4, 40, 40, seed=11)  # 3 slices of 16 or 2 of 32, the last one short
-    ids[0, 2] = 8
-    scales = []
-    if fp8:
-        (w13, s13), (w2, s2) = quantize_weight(w13), quantize_weight(w2)
-        scales = [s13, s2]
-    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, *scales)]
-    scale_args = args[5:] or [None, None]
-    first = fused_moe_one_token(*args[:5], *scale_args, config)
-    assert torch.equal(first[0, 2], torch.zeros_like(first[0, 2]))
-    torch.testing.assert_close(first, fused_moe_reference(*args), rtol=1e-4, atol=1e-5)
-    assert torch.equal(fused_moe_one_token(*args[:5], *scale_args, config), first)
-    assert int(arrival_counters(first.device).abs().sum()) == 0
-
-
-def test_one_token_path_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kiln.models.fused_moe import one_token
-
-    for raw, expected in (("0", None), ("1", OneTokenConfig()), ("16,64,64,8,2", OneTokenConfig(16, 64, 64, 8, 2))):
-        monkeypatch.setenv("KILN_MOE_ONE_TOKEN", raw)
-        one_token.one_token_config.cache_clear()
-        assert one_token.one_token_config() == expected
-    one_token.one_token_config.cache_clear()
 
 
 def test_align_by_expert_lays_every_pair_out_once() -> None:

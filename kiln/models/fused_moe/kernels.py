@@ -27,7 +27,6 @@ import triton.language as tl
 from kiln.models.fused_moe.align import align_by_expert
 from kiln.models.fused_moe.align_triton import MAX_PAIRS, align_by_expert_triton
 from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
-from kiln.models.fused_moe.one_token import fused_moe_one_token, mma, one_token_config
 from kiln.models.pdl import pdl_launch, pdl_start
 
 # Steps of up to this many tokens run the grouped kernels on one pair a block: block j holds pair j in its first row,
@@ -37,6 +36,14 @@ from kiln.models.pdl import pdl_launch, pdl_start
 # program deriving the sorted layout from the ids in registers (the layout this replaced, `9541c57`) and 28.5
 # through align; eight tokens: 116.6 against 116.0 and 114.7, so from two tokens on align's layout serves.
 PAIR_BLOCK_TOKENS = 1
+
+
+@triton.jit
+def mma(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b (the kernels' one product)."""
+    if IEEE:  # fp32 models: no TF32 rounding
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -204,7 +211,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden size {hidden}")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("expert weights: the input dimension must be contiguous")
-    one_token = one_token_config() if config is None and num_tokens == 1 else None
     config = config or pick_config(num_experts, inter, hidden, top_k, num_tokens, w13.dtype)
     x = x.contiguous()
     ids = topk_ids.contiguous()
@@ -214,8 +220,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
         return x.new_empty((0, top_k, hidden))
-    if one_token is not None:
-        return fused_moe_one_token(x, w13, w2, tw, ids, w13_scale, w2_scale, one_token)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
     if config.block_m == 1:
