@@ -67,6 +67,9 @@ class AttentionBackend(ABC):
     # reads, as FlashInfer's does); False: the graph reads nothing but the runner's input buffers, so a replay
     # skips it (tens of microseconds of the host's time on a step's critical path)
     replay_needs_metadata: ClassVar[bool] = True
+    # a prefill allocates its [heads, queries, keys] scores (SDPA's math path): the KV sizing's profiling forward
+    # must run this backend's attention to leave room for them; the GPU kernels allocate nothing of that order
+    materializes_scores: ClassVar[bool] = False
 
     def __init__(self, layout: AttentionLayout, device: torch.device) -> None:
         self.layout = layout

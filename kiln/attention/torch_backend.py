@@ -52,6 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
     graph_support = GraphSupport.NEVER  # groups requests by CPU-side lengths read every step
     supports_cache_only = True
     supports_fp8_kv = True  # an fp8 cache is dequantized as it is gathered (kiln/models/kv_quant.py)
+    materializes_scores = True  # with an explicit mask and grouped KV heads SDPA may take its math path
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         starts = common.query_start_loc_cpu.tolist()

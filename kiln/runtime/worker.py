@@ -99,7 +99,8 @@ class Worker:
         config, spec, layout = self.config, self.loaded.spec, self.layout
         with self.clock.phase("kv"):
             num_blocks = kv_cache_num_blocks(config.cache, spec, self.device, self.model,
-                                             config.scheduler.max_num_batched_tokens, layout, self.max_model_len)
+                                             config.scheduler.max_num_batched_tokens, layout, self.max_model_len,
+                                             self.backend.materializes_scores)
             if self._agree_num_blocks is not None:  # every rank must page the same block ids
                 num_blocks = self._agree_num_blocks(num_blocks)
             self.num_blocks = num_blocks

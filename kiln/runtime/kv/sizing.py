@@ -23,9 +23,11 @@ def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_kv
 
 
 def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.device, model: torch.nn.Module,
-                        max_num_batched_tokens: int, layout: AttentionLayout, max_model_len: int) -> int:
+                        max_num_batched_tokens: int, layout: AttentionLayout, max_model_len: int,
+                        run_attention: bool = False) -> int:
     """`layout`: this rank's share of the attention heads, its KV dtype and block size; `max_model_len` bounds
-    the positions of the profiling forward."""
+    the positions of the profiling forward; `run_attention`: the serving backend's prefill materializes its
+    scores, so the profiling forward runs attention (profile.py)."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     # the cache's own element type: an fp8 cache fits twice the blocks of a bf16 one in the same bytes
@@ -35,7 +37,7 @@ def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.devic
     elif device.type == "cpu":
         budget = CPU_DEFAULT_KV_BYTES
     else:
-        budget = _gpu_budget(cache, device, model, max_num_batched_tokens, layout, max_model_len)
+        budget = _gpu_budget(cache, device, model, max_num_batched_tokens, layout, max_model_len, run_attention)
     num_blocks = budget // per_block + 1  # + the null block
     if num_blocks < 2:
         raise ValueError(f"KV cache budget of {budget} bytes holds no block ({per_block} bytes each); "
@@ -44,7 +46,7 @@ def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.devic
 
 
 def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module, num_tokens: int,
-                layout: AttentionLayout, max_model_len: int) -> int:
+                layout: AttentionLayout, max_model_len: int, run_attention: bool) -> int:
     """Budget = total * utilisation - (what is in use now + the activation peak of one forward)."""
     from kiln.runtime.kv.peak_cache import activation_peak
 
@@ -54,7 +56,7 @@ def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    peak, cached = activation_peak(model, device, num_tokens, layout, max_model_len)
+    peak, cached = activation_peak(model, device, num_tokens, layout, max_model_len, run_attention)
     used = total - free
     budget = int(total * cache.gpu_memory_utilization) - used - peak
     logger.info("GPU memory: total %.1f GiB, in use %.1f GiB, activation peak %.2f GiB (%s) -> KV budget %.1f GiB",

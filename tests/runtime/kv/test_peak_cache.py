@@ -22,7 +22,7 @@ def profiled(monkeypatch: pytest.MonkeyPatch, tmp_path) -> list[int]:
     monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE", raising=False)
     calls: list[int] = []
 
-    def fake_profile(model, device, num_tokens, layout, max_model_len) -> int:
+    def fake_profile(model, device, num_tokens, layout, max_model_len, run_attention) -> int:
         calls.append(num_tokens)
         return 1000 * num_tokens + max_model_len
 
@@ -52,13 +52,14 @@ def test_what_changes_the_forward_misses(profiled: list[int]) -> None:
     fp8_cache = AttentionLayout(layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.scale,
                                 layout.block_size, layout.dtype, torch.float8_e4m3fn)
     peak_cache.activation_peak(model, DEVICE, 256, fp8_cache, 512)
-    assert len(profiled) == 4
+    peak_cache.activation_peak(model, DEVICE, 256, layout, 512, run_attention=True)  # the torch backend's scores
+    assert len(profiled) == 5
     # other tensors (here a half-width MLP: what a tensor-parallel shard or another checkpoint would change)
     other, _ = model_and_layout()
     first_mlp = next(m for name, m in other.named_modules() if name.endswith("down_proj"))
     first_mlp.weight = torch.nn.Parameter(first_mlp.weight[:, : first_mlp.weight.shape[1] // 2])
     assert peak_cache.activation_peak(other, DEVICE, 256, layout, 512) == (256_512, False)
-    assert len(profiled) == 5
+    assert len(profiled) == 6
 
 
 def test_an_unreadable_peak_is_measured_again(profiled: list[int]) -> None:
