@@ -136,6 +136,18 @@ set_tp_moe() {  # two GPUs: Qwen3-30B-A3B decode on one GPU, over two with exper
   step tp_moe 570 python3 -m benchmarks.bench_tp --parts decode --budget-s 540 --configs qwen3-30b-a3b:1 \
     qwen3-30b-a3b:2 qwen3-30b-a3b:2:ep --batches 1 8 64 --json "$R/tp_moe.json"
 }
+set_kv_budget() {  # the activation peak and KV budget per model (KV_BUDGET_ROWS: "model:utilization[:profile-attention]",
+  # one process each; default 8B and Qwen3-30B-A3B at 0.9, and at 0.51 (an 80 GB H100's room on an H200), each with
+  # the profile's attention run by the torch reference as the baseline)
+  local row model util flag tag
+  for row in ${KV_BUDGET_ROWS:-llama3-8b:0.9 llama3-8b:0.9:profile-attention qwen3-30b-a3b:0.51 \
+      qwen3-30b-a3b:0.51:profile-attention}; do
+    IFS=: read -r model util flag <<< "$row"
+    tag=kv_budget_${row//[^A-Za-z0-9_]/_}
+    step "$tag" 200 python3 -m benchmarks.bench_kv_budget --model "$model" --gpu-memory-utilization "$util" \
+      ${flag:+--$flag} --json "$R/$tag.json"
+  done
+}
 set_exact_sizes() {  # -O2's exact-size artifacts against the range artifact, one process, arms alternated
   step exact_sizes 300 python3 -m benchmarks.bench_exact_sizes --rounds 2 --budget-s 270 --json "$R/exact_sizes.json"
 }
