@@ -14,8 +14,13 @@ from tests.conftest import define_interpreted  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
-    define_interpreted("kiln.models.quant.fp8_kernel", "kiln.models.quant.fp8_quantizing_gemm", "kiln.passes.kernels")
+    define_interpreted("kiln.models.quant.fp8_kernel", "kiln.models.quant.fp8_quantizing_gemm", "kiln.passes.kernels",
+                       "kiln.models.gemm_epilogues")
 
+from kiln.models.gemm_epilogues import (  # noqa: E402
+    fp8_gemm_add_rms_norm_quant_triton,
+    fp8_quantizing_gemm_add_rms_norm_quant_triton,
+)
 from kiln.models.quant.fp8 import quantize_per_token, quantize_weight  # noqa: E402
 from kiln.models.quant.fp8_kernel import Fp8GemmConfig, fp8_gemm_triton, gemm_partials  # noqa: E402
 from kiln.models.quant.fp8_quantizing_gemm import quantizing_gemm  # noqa: E402
@@ -72,6 +77,22 @@ def test_partials_and_scales_for_a_kernel_after_it(silu_mul: bool) -> None:
     partials, scales = quantizing_gemm(a, w, ws, silu_mul, partials=True, config=config)
     torch.testing.assert_close(scales, scale.reshape(-1), rtol=0, atol=0)
     torch.testing.assert_close(partials, gemm_partials(q, w, (scale.reshape(-1), ws), config), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_the_add_norm_quant_epilogue_on_its_sums(silu_mul: bool) -> None:
+    """kiln::fp8_quantizing_gemm_add_rms_norm_quant's kernels: the row kernel on this GEMM's partials and scales
+    gives what it gives on the separately quantized activation's."""
+    a, w, ws = _operands(2, 64, 256, silu_mul)
+    gen = torch.Generator().manual_seed(9)
+    residual = torch.randn(2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    norm_weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    config = Fp8GemmConfig(block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=2)
+    q, scale = _quantized(a, silu_mul)
+    expected = fp8_gemm_add_rms_norm_quant_triton(q, w, scale, ws, residual, norm_weight, 1e-5, config)
+    got = fp8_quantizing_gemm_add_rms_norm_quant_triton(a, w, ws, residual, norm_weight, 1e-5, silu_mul, config)
+    for g, e in zip(got, expected):
+        assert torch.equal(g.float(), e.float())
 
 
 def test_refuses_a_k_mismatch() -> None:

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kiln.models.pdl import pdl_launch, pdl_start
 from kiln.models.quant.fp8 import FP8_MAX, MIN_SCALE
+from kiln.models.quant.fp8_gemm import use_triton_kernel
 from kiln.models.quant.fp8_kernel import (
     Fp8GemmConfig,
     block_m_for,
@@ -28,6 +29,15 @@ from kiln.models.quant.fp8_kernel import (
     reduce_split_k,
     split_k,
 )
+
+# The largest M whose activation the GEMM quantizes itself, plain and SiLU-mul: every program reads its rows' whole
+# K for their amax, a cost that grows with M while the kernel it saves does not.
+QUANTIZING_MAX_M = {False: 16, True: 16}
+
+
+def quantizes_in_gemm(a: torch.Tensor, silu_mul: bool) -> bool:
+    """Whether this activation is quantized inside the small-M GEMM (else by a kernel of its own before it)."""
+    return use_triton_kernel(a) and a.shape[0] <= QUANTIZING_MAX_M[silu_mul]
 
 
 @triton.jit
