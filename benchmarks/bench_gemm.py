@@ -21,12 +21,6 @@ Two parts:
   the process has not run before and at one it has: a warm start's capture phase spent ~0.2 ms a call there.
 
     python -m benchmarks.bench_gemm --part host --json host.json                       # H200: < 1 min
-- `quantizing` (M = 1..16): an FP8 projection whose activation is quantized per token by a kernel of its own before
-  the GEMM (the o projection: torch's quantization, compiled; down: kiln::silu_mul_quant's kernel on gate_up)
-  against kiln/models/quant/fp8_quantizing_gemm.py, which quantizes it inside the GEMM; each with its output
-  finished (split-K reduced and scaled) and as the fp32 partials a fused add + norm kernel takes.
-
-    python -m benchmarks.bench_gemm --part quantizing --json quantizing.json          # H200: < 1 min
 """
 
 from __future__ import annotations
@@ -435,49 +429,9 @@ def host_cost(args: argparse.Namespace) -> dict[str, Any]:
     return {"shapes": shapes, "rows": rows}
 
 
-def quantizing(args: argparse.Namespace) -> dict[str, Any]:
-    from kiln.models.quant.fp8_kernel import fp8_gemm_triton, gemm_partials
-    from kiln.models.quant.fp8_quantizing_gemm import quantizing_gemm
-    from kiln.passes.kernels import silu_mul_quant_triton
-
-    device = args.device
-    shapes = projection_shapes(args.preset)
-    bandwidth = copy_gb_per_s(device)
-    quantize = torch.compile(quantize_per_token, dynamic=False) if device == "cuda" else quantize_per_token
-    rows = []
-    for proj, silu_mul in (("o", False), ("down", True)):
-        n, k = shapes[proj]
-        w = [quantize_weight(t) for t in weights(n, k, device)[:4]]
-        w = [w[i % len(w)] for i in range(max(1, math.ceil(ROTATE_BYTES / (n * k))))] if device == "cuda" else w
-        for m in args.m or (1, 2, 4, 8, 16):
-            a = torch.randn(m, 2 * k if silu_mul else k, device=device, dtype=torch.bfloat16)
-            first = silu_mul_quant_triton if silu_mul else quantize
-
-            def unfused(wq, ws, partials: bool, a=a, first=first):
-                q, scale = first(a)
-                if partials:
-                    return gemm_partials(q, wq, (scale.reshape(-1), ws))
-                return fp8_gemm_triton(q, wq, scale, ws, torch.bfloat16)
-
-            row = dict(projection=proj, m=m, n=n, k=k, floor_us=n * k / bandwidth / 1e3)
-            for partials in (False, True):
-                tag = "partials" if partials else "out"
-                row[f"unfused_{tag}_us"] = graph_time_us(
-                    [lambda wq=wq, ws=ws, p=partials: unfused(wq, ws, p) for wq, ws in w], device)
-                row[f"fused_{tag}_us"] = graph_time_us(
-                    [lambda wq=wq, ws=ws, p=partials, a=a, s=silu_mul: quantizing_gemm(a, wq, ws, s, partials=p)
-                     for wq, ws in w], device)
-            rows.append(row)
-            print(row, flush=True)
-    columns = ["projection", "m", "floor_us", "unfused_out_us", "fused_out_us", "unfused_partials_us",
-               "fused_partials_us"]
-    print(table(columns, [[row[c] for c in columns] for row in rows]))
-    return {"copy_gb_per_s": bandwidth, "rows": rows}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["small-m", "mid-m", "host", "quantizing"], default="small-m")
+    parser.add_argument("--part", choices=["small-m", "mid-m", "host"], default="small-m")
     parser.add_argument("--preset", default="llama3-8b")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--m", type=int, nargs="+", default=None,
@@ -500,8 +454,6 @@ def main() -> None:
             write_table(args.table_out, table_entries(result["small_m"]["summary"]))
     elif args.part == "host":
         result["host"] = host_cost(args)
-    elif args.part == "quantizing":
-        result["quantizing"] = quantizing(args)
     else:
         result["mid_m"] = mid_m(args)
     if args.json:

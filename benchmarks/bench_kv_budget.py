@@ -39,7 +39,9 @@ class _BudgetRecord(logging.Handler):
 
 def measure(model: str, utilization: float, quantization: str | None, profile_attention: bool) -> dict:
     handler = _BudgetRecord()
-    logging.getLogger("kiln").addHandler(handler)
+    logger = logging.getLogger("kiln")
+    logger.setLevel(logging.INFO)  # the line is INFO; a script's loggers pass WARNING and above
+    logger.addHandler(handler)
     row: dict = dict(model=model, gpu_memory_utilization=utilization, quantization=quantization or "none",
                      profile_attention=profile_attention)
     if profile_attention:
@@ -59,7 +61,7 @@ def measure(model: str, utilization: float, quantization: str | None, profile_at
     except Exception as exc:  # noqa: BLE001 - the row records why the model did not build
         row.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
     finally:
-        logging.getLogger("kiln").removeHandler(handler)
+        logger.removeHandler(handler)
     print(json.dumps(row), flush=True)
     return row
 

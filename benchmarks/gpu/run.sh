@@ -105,12 +105,6 @@ set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and
       --json "$R/gemm_${preset//[^A-Za-z0-9_]/_}.json"
   done
 }
-set_quantizing_gemm() {  # the FP8 GEMM quantizing its own activation against quantization then GEMM (o, down of
-  # Llama-3-8B, M = 1..16), after its tests on the GPU (the kernel's, the pass's on a tiny FP8 model)
-  step quantizing_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/models/test_fp8_quantizing_gemm.py \
-    tests/passes/test_gpu_passes.py::test_quantizing_gemm_on_a_gpu
-  step quantizing_gemm 200 python3 -m benchmarks.bench_gemm --part quantizing --json "$R/quantizing_gemm.json"
-}
 set_argmax() {  # the greedy argmax: ATen's against kiln's split-row kernel per row count and vocabulary
   step argmax 120 python3 -m benchmarks.bench_argmax --json "$R/argmax.json"
 }

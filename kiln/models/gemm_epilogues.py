@@ -26,8 +26,6 @@ the plain GEMM's for the same weight (`pick_config`), without split-K: an epilog
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -212,38 +210,27 @@ def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torc
                        residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, quant: bool,
                        config: Fp8GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """-> (normed [M, N] in the residual's dtype, or its e4m3 values; their [M, 1] scale or None; h)."""
-    check_operands(x, weight)
-    scales = flat_scales(*scales) if scales is not None else None
-    return add_rms_norm_of_partials(lambda: (gemm_partials(x, weight, scales, config), scales), x.shape[0], residual,
-                                    norm_weight, eps, quant)
-
-
-def add_rms_norm_of_partials(partials_of: Callable[[], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]],
-                             m: int, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, quant: bool,
-                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The row kernel on a small-M GEMM's fp32 sums: `partials_of()` -> ([splits, M, N] partials, the flat
-    (x_scale, w_scale) pair or None), called unless M is 0. -> (normed or its e4m3 values, their scale or None, h)."""
     from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
-    n = norm_weight.shape[0]
-    if residual.shape != (m, n) or residual.stride(-1) != 1 or norm_weight.dim() != 1:
+    check_operands(x, weight)
+    m, n = x.shape[0], weight.shape[0]
+    if residual.shape != (m, n) or residual.stride(-1) != 1 or norm_weight.shape != (n,):
         raise ValueError(f"residual {tuple(residual.shape)} / norm weight {tuple(norm_weight.shape)}: expected "
                          f"({m}, {n}) with unit last stride / ({n},)")
-    device = residual.device
-    summed = torch.empty((m, n), dtype=residual.dtype, device=device)
-    out = torch.empty((m, n), dtype=FP8_DTYPE if quant else residual.dtype, device=device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=device) if quant else None
+    summed = torch.empty((m, n), dtype=residual.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=FP8_DTYPE if quant else residual.dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device) if quant else None
     if m == 0:
         return out, scale, summed
-    partials, scales = partials_of()
-    if partials.shape[1:] != (m, n):
-        raise ValueError(f"weight: {partials.shape[2]} output channels, the norm weight {n}")
+    scales = flat_scales(*scales) if scales is not None else None
+    partials = gemm_partials(x, weight, scales, config)  # fp32 sums, even with one split
+    split = partials.shape[0]
     xs, ws = scales if scales is not None else (partials, partials)  # unread without scales
     block = triton.next_power_of_2(n)
     _add_rms_norm_rows_kernel[(m,)](partials, xs, ws, residual, norm_weight, out, scale if quant else partials, summed,
-                                    n, m * n, residual.stride(0), eps, FP8_MAX, MIN_SCALE, SPLIT_K=partials.shape[0],
+                                    n, m * n, residual.stride(0), eps, FP8_MAX, MIN_SCALE, SPLIT_K=split,
                                     SCALED=scales is not None, QUANT=quant, BLOCK=block,
-                                    num_warps=min(16, max(1, block // 256)), **pdl_launch(device))
+                                    num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device))
     return out, scale, summed
 
 
@@ -265,22 +252,5 @@ def fp8_gemm_add_rms_norm_quant_triton(q: torch.Tensor, weight: torch.Tensor, x_
     the residual's dtype), summed as kiln::fp8_gemm's small-M kernel does for this shape."""
     out, scale, summed = _gemm_add_rms_norm(q, weight, (x_scale, weight_scale), residual, norm_weight, eps, True,
                                             config)
-    assert scale is not None
-    return out, scale, summed
-
-
-def fp8_quantizing_gemm_add_rms_norm_quant_triton(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                                                  residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                                  silu_mul: bool, config: Fp8GemmConfig | None = None,
-                                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp8_gemm_add_rms_norm_quant_triton on the 16-bit activation a (silu_mul: gate_up), which the GEMM quantizes
-    per token itself (kiln/models/quant/fp8_quantizing_gemm.py): the same sums, scales and outputs."""
-    from kiln.models.quant.fp8_quantizing_gemm import quantizing_gemm
-
-    def partials_of() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        partials, x_scale = quantizing_gemm(a, weight, weight_scale, silu_mul, partials=True, config=config)
-        return partials, flat_scales(x_scale, weight_scale)
-
-    out, scale, summed = add_rms_norm_of_partials(partials_of, a.shape[0], residual, norm_weight, eps, True)
     assert scale is not None
     return out, scale, summed

@@ -16,18 +16,17 @@ from typing import Any
 # In the order the manager runs them: graph-level passes first (they change what is split out), then the
 # post-grad ones; `noop` runs last in post-grad so it also tidies what the fusions leave behind.
 # allreduce_rmsnorm and gemm_add_rmsnorm precede add_rmsnorm, which would otherwise take their norms alone.
-# silu_mul_quant and gate_up_silu_mul precede silu_mul for the same reason; quantizing_gemm follows the ops it rewrites.
+# silu_mul_quant and gate_up_silu_mul precede silu_mul for the same reason.
 # qkv_rope follows rope_kv and qk_norm_rope, which take the rotations they match first.
 ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "gemm_add_rmsnorm",
-                               "add_rmsnorm", "silu_mul_quant", "quantizing_gemm", "gate_up_silu_mul",
-                               "silu_mul")
+                               "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "silu_mul")
 
 # Passes that rewrite only the captured graph, which serves every token count: a token bound cannot gate them.
 GRAPH_ONLY_PASSES: tuple[str, ...] = ("rope_kv", "qk_norm_rope")
 
 # Passes whose ops run on CUDA only (kiln's Triton GEMM epilogues): on a CPU they match nothing, and a token bound
 # of theirs would only cut the compile range, so the level defaults leave them out there.
-CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul", "quantizing_gemm")
+CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul")
 
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
@@ -90,7 +89,6 @@ class PassConfig:
     gemm_add_rmsnorm: bool = False  # CUDA only: matches kiln::dense_gemm and kiln::fp8_gemm
     add_rmsnorm: bool = False
     silu_mul_quant: bool = False  # FP8 models only: matches nothing without the activation quantization
-    quantizing_gemm: bool = False  # FP8 models on CUDA only: matches kiln::fp8_gemm behind a quantization
     gate_up_silu_mul: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
     silu_mul: bool = False
     # pass name -> largest token count it is compiled for; a compile range is covered only when its upper

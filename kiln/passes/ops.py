@@ -319,53 +319,6 @@ def _silu_mul_quant_fake(x):
             x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
 
 
-# -- an FP8 projection quantizing its own activation -----------------------------------------------------------
-def _quantized(a: torch.Tensor, silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token quantization the fused ops below take into their GEMM, as the unfused graph computes it."""
-    from kiln.models.quant.fp8 import quantize_per_token
-
-    return torch.ops.kiln.silu_mul_quant(a) if silu_mul else quantize_per_token(a)
-
-
-@torch.library.custom_op("kiln::fp8_quantizing_gemm", mutates_args=())
-def fp8_quantizing_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
-                        silu_mul: bool) -> torch.Tensor:
-    """kiln::fp8_gemm on quantize_per_token(a) (silu_mul: on silu_mul_quant(a), a = gate_up): the quantization in the
-    small-M GEMM's kernel where `quantizes_in_gemm`, else a kernel before it."""
-    from kiln.models.quant.fp8_quantizing_gemm import quantizes_in_gemm, quantizing_gemm
-
-    if quantizes_in_gemm(a, silu_mul):
-        return quantizing_gemm(a, weight, weight_scale, silu_mul, out_dtype)[0]
-    q, x_scale = _quantized(a, silu_mul)
-    return torch.ops.kiln.fp8_gemm(q, weight, x_scale, weight_scale, out_dtype)
-
-
-@fp8_quantizing_gemm.register_fake
-def _fp8_quantizing_gemm_fake(a, weight, weight_scale, out_dtype, silu_mul):
-    return a.new_empty((a.shape[0], weight.shape[0]), dtype=out_dtype)
-
-
-@torch.library.custom_op("kiln::fp8_quantizing_gemm_add_rms_norm_quant", mutates_args=())
-def fp8_quantizing_gemm_add_rms_norm_quant(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                                           residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                           silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kiln::fp8_gemm_add_rms_norm_quant on a's per-token quantization, taken into the GEMM as above."""
-    from kiln.models.quant.fp8_quantizing_gemm import quantizes_in_gemm
-
-    if quantizes_in_gemm(a, silu_mul):
-        from kiln.models.gemm_epilogues import fp8_quantizing_gemm_add_rms_norm_quant_triton
-
-        return fp8_quantizing_gemm_add_rms_norm_quant_triton(a, weight, weight_scale, residual, norm_weight, eps,
-                                                             silu_mul)
-    q, x_scale = _quantized(a, silu_mul)
-    return fp8_gemm_add_rms_norm_quant(q, weight, x_scale, weight_scale, residual, norm_weight, eps)
-
-
-@fp8_quantizing_gemm_add_rms_norm_quant.register_fake
-def _fp8_quantizing_gemm_add_rms_norm_quant_fake(a, weight, weight_scale, residual, norm_weight, eps, silu_mul):
-    return _fp8_gemm_add_rms_norm_quant_fake(a, weight, None, weight_scale, residual, norm_weight, eps)
-
-
 # -- tensor-parallel all-reduce + residual add + RMSNorm ----------------------------------------------------
 @torch.library.custom_op("kiln::all_reduce_add_rms_norm", mutates_args=())
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

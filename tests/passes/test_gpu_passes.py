@@ -83,25 +83,3 @@ def test_gemm_add_rmsnorm_on_a_gpu(tiny_checkpoint, quantization: str | None) ->
     for on, off in zip(logits["on"], logits["off"]):
         scale = off.abs().max().item()
         assert (on - off).abs().max().item() <= 0.02 * scale, ((on - off).abs().max().item(), scale)
-
-
-def test_quantizing_gemm_on_a_gpu(tiny_checkpoint) -> None:
-    """quantizing_gemm takes the o and down projections' per-token quantization into their FP8 GEMM: the same e4m3
-    operands (the division and rounding of Inductor's and kiln::silu_mul_quant's kernels) and the same K split, so
-    the logits equal those of the graph that quantizes first, bit for bit, at the small-M sizes and above them."""
-    from tests.conftest import prompt_logits
-
-    options = dict(level=2, device="cuda", dtype="bf16", max_num_batched_tokens=32, max_num_seqs=4,
-                   compile_sizes=(1, 4), cudagraph_capture_sizes=(1, 4), num_blocks=64, quantization="fp8")
-    path = str(tiny_checkpoint("tiny-llama")[0])
-    prompts = random_prompts([1, 5, 16, 30], 256, seed=3)
-    logits = {}
-    for label in ("off", "on"):
-        passes = ("gemm_add_rmsnorm<=16", "silu_mul_quant<=16", *(("quantizing_gemm<=16",) if label == "on" else ()))
-        rt = Runtime(path, **options, passes=passes)
-        logits[label] = [prompt_logits(rt, p) for p in prompts]
-        if label == "on":
-            assert pass_manager_of(rt.engine.worker.compiled).total("quantizing_gemm") > 0
-        del rt
-    for on, off in zip(logits["on"], logits["off"]):
-        assert torch.equal(on, off), (on - off).abs().max().item()

@@ -303,16 +303,9 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     pdl = pdl_launch(q.device)
     launch_gemm(q, weight, scales, target, config, steps, pdl)
     if split > 1:
-        reduce_split_k(target, scales, out)
+        block = 1024
+        xs, ws = scales if scales is not None else (out, out)  # unread without scales
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
+                                                             SPLIT_K=split, BLOCK=block, SCALED=scales is not None,
+                                                             num_warps=4, **pdl)
     return out
-
-
-def reduce_split_k(partials: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
-                   out: torch.Tensor) -> None:
-    """out [M, N] = the fp32 partials [splits, M, N] summed in order, times flat_scales' pair (None: unscaled)."""
-    split, m, n = partials.shape
-    block = 1024
-    xs, ws = scales if scales is not None else (out, out)  # unread without scales
-    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](partials, xs, ws, out, m, n, SPLIT_K=split, BLOCK=block,
-                                                         SCALED=scales is not None, num_warps=4,
-                                                         **pdl_launch(out.device))
