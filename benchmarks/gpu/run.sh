@@ -137,8 +137,8 @@ set_tp_moe() {  # two GPUs: Qwen3-30B-A3B decode on one GPU, over two with exper
     qwen3-30b-a3b:2 qwen3-30b-a3b:2:ep --batches 1 8 64 --json "$R/tp_moe.json"
 }
 set_kv_budget() {  # the activation peak and KV budget per model (KV_BUDGET_ROWS: "model:utilization[:profile-attention]",
-  # one process each; default 8B and Qwen3-30B-A3B at 0.9, and at 0.51 (an 80 GB H100's room on an H200), each with
-  # the profile's attention run by the torch reference as the baseline)
+  # one process each; default Llama-3-8B at 0.9 and Qwen3-30B-A3B at 0.51 (on an H200, the room 0.9 leaves on an 80 GB
+  # H100), each also with the profile's attention run by the torch reference, the old profile, as the baseline)
   local row model util flag tag
   for row in ${KV_BUDGET_ROWS:-llama3-8b:0.9 llama3-8b:0.9:profile-attention qwen3-30b-a3b:0.51 \
       qwen3-30b-a3b:0.51:profile-attention}; do
