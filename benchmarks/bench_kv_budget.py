@@ -3,8 +3,8 @@ budget, blocks and tokens, and a decode step on the engine so sized (a model tha
 build: its row records the error). `--gpu-memory-utilization` stands in for a smaller GPU of the same kind (on a
 139.8 GiB H200, 0.51 leaves what 0.9 leaves on an 80 GB H100).
 
-    python -m benchmarks.bench_kv_budget --models llama3-8b qwen3-30b-a3b [--gpu-memory-utilization 0.9 0.51]
-        --json kv.json
+    python -m benchmarks.bench_kv_budget --model qwen3-30b-a3b [--gpu-memory-utilization 0.51] [--profile-attention]
+        [--quantization fp8] --json kv.json
 
 `--profile-attention`: the profiling forward runs the torch reference's attention, as it did for every backend
 before it left attention out (whose math-path scores then counted as activation peak): the same run's baseline.
