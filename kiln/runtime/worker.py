@@ -23,7 +23,7 @@ from kiln.models.loader.load import LoadedModel, load_model
 from kiln.models.parallel import tp_size
 from kiln.passes import PassConfig
 from kiln.runtime.kernel_warmup import KernelWarmup
-from kiln.runtime.kv.sizing import kv_cache_num_blocks
+from kiln.runtime.kv.sizing import kv_cache_num_blocks, return_cached_memory
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.startup import StartupClock
 
@@ -66,6 +66,8 @@ class Worker:
         self.config = config
         self.device = device
         self.clock = clock or StartupClock(device)
+        if device.type == "cuda":
+            return_cached_memory(device)
         with self.clock.phase("load"):
             self.loaded = loaded or load_model(config.model, device=device, dtype=config.dtype,
                                                load_format=config.load_format, seed=config.seed,

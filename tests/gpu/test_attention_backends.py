@@ -126,14 +126,14 @@ def _generate(backend: str, dtype: str, model: str, prompts: list[list[int]], **
     rt = Runtime(model, level=0, device="cuda", dtype=dtype, attention_backend=backend, num_blocks=1024, **kwargs)
     assert rt.engine.backend.name == backend
     steps: list[torch.Tensor] = []
-    forward = rt.engine.runner.forward
+    head = rt.engine.runner._head  # every step's logits pass through it (`forward` is not on the step's path)
 
-    def spy(batch):
-        logits = forward(batch)
+    def spy(batch, out):
+        logits, greedy = head(batch, out)
         steps.append(logits.float().cpu())
-        return logits
+        return logits, greedy
 
-    rt.engine.runner.forward = spy
+    rt.engine.runner._head = spy
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in rt.generate(prompts, params)]
     del rt

@@ -47,3 +47,20 @@ def test_a_dropped_runtime_frees_its_memory_for_the_next() -> None:
     second = Runtime("smollm2-135m", load_format="dummy")  # a budget of 0 bytes would raise here
     assert second.generate([[1, 2, 3, 4]], greedy)[0].outputs[0].token_ids == expected
     second.engine.shutdown()
+
+
+def test_a_runtime_dropped_without_shutdown_leaves_the_next_its_budget() -> None:
+    """No shutdown, no empty_cache: the dropped runtime's KV cache sits in torch's cache as one block, which the
+    next runtime's larger weights were cut out of, so its sizing counted the whole block as in use (a budget of 0
+    bytes at gpu_memory_utilization=0.3 on an H100). The second must get about the first's KV bytes."""
+    def kv_bytes(runtime: Runtime) -> int:
+        cache = runtime.engine.worker.kv_cache
+        return cache.numel() * cache.element_size()
+
+    common = dict(level=0, device="cuda", gpu_memory_utilization=0.3)
+    first = Runtime("tiny-llama", dtype="fp32", **common)
+    dropped = kv_bytes(first)
+    del first
+    second = Runtime("smollm2-135m", dtype="bf16", load_format="dummy", **common)
+    assert kv_bytes(second) >= 0.9 * dropped, (kv_bytes(second), dropped)
+    second.engine.shutdown()

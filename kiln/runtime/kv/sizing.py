@@ -45,16 +45,22 @@ def kv_cache_num_blocks(cache: CacheConfig, spec: ModelSpec, device: torch.devic
     return int(num_blocks)
 
 
+def return_cached_memory(device: torch.device) -> None:
+    """Give torch's cached GPU blocks back to the driver before this worker allocates anything. A runtime dropped
+    earlier in the process leaves its KV cache there as one cached block; the new weights would be cut out of it,
+    and a block in part in use cannot be given back, so the KV sizing would count it all as in use (a second
+    runtime at gpu_memory_utilization=0.3 on an H100 got a budget of 0 bytes). The KV sizing calls it again."""
+    gc.collect()  # a dropped runtime may still sit in a reference cycle
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
 def _gpu_budget(cache: CacheConfig, device: torch.device, model: torch.nn.Module, num_tokens: int,
                 layout: AttentionLayout, max_model_len: int, run_attention: bool) -> int:
     """Budget = total * utilisation - (what is in use now + the activation peak of one forward)."""
     from kiln.runtime.kv.peak_cache import activation_peak
 
-    # A runtime the caller dropped may still sit in a reference cycle, and its freed blocks in torch's cache:
-    # both would count as "in use" below (a second runtime in one process got a budget of 0 on the H200)
-    gc.collect()
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
+    return_cached_memory(device)  # what a dropped runtime left in torch's cache is not in use
     free, total = torch.cuda.mem_get_info(device)
     peak, cached = activation_peak(model, device, num_tokens, layout, max_model_len, run_attention)
     used = total - free
