@@ -18,6 +18,21 @@ if not torch.cuda.is_available():
 os.environ.setdefault("KILN_DISABLE_COMPILE_CACHE", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's share of the cores for torch's, OpenMP's and BLAS's threads, set before the
+    workers start (they read it as they load): by default every worker ran one thread per core, and threads that
+    spin while they wait slowed the compute-bound tests up to eightfold on CI's two cores (the fp8-cache agreement
+    test: 31 s alone, 242 s beside the other worker, 2026-12-05). Subprocesses the tests start inherit it."""
+    workers = getattr(config.option, "numprocesses", None)
+    if workers in (None, 0) or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = str(max(1, cores // (cores if workers == "auto" else int(workers))))
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, share)
+
+
+
 def cpu_runtime(checkpoint: tuple[Path, torch.nn.Module], **kwargs):
     """A Runtime on the CPU over a `tiny_checkpoint` entry: eager (-O0) and fp32 unless kwargs say otherwise."""
     from kiln import Runtime
