@@ -24,13 +24,12 @@ def pytest_configure(config: pytest.Config) -> None:
     spin while they wait slowed the compute-bound tests up to eightfold on CI's two cores (the fp8-cache agreement
     test: 31 s alone, 242 s beside the other worker, 2026-12-05). Subprocesses the tests start inherit it."""
     workers = getattr(config.option, "numprocesses", None)
-    if workers in (None, 0) or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not workers or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = str(max(1, cores // (cores if workers == "auto" else int(workers))))
+    count = workers if isinstance(workers, int) else cores  # "auto" / "logical": about a worker a core
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(name, share)
-
+        os.environ.setdefault(name, str(max(1, cores // count)))
 
 
 def cpu_runtime(checkpoint: tuple[Path, torch.nn.Module], **kwargs):
