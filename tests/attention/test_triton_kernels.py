@@ -85,7 +85,7 @@ def test_a_merge_cut_along_the_head_dims_gives_the_same_bits(monkeypatch: pytest
 
 @pytest.mark.parametrize("min_tiles", [2, 5])
 def test_uniform_decode_with_a_floor_on_tiles_per_split(min_tiles: int) -> None:
-    # contexts of 1, 6 and 19 tiles (16 keys each in fp32) over 32 splits of >= min_tiles tiles: the later
+    # contexts of 1, 6 and 19 tiles (16 keys each in fp32) over splits of >= min_tiles tiles: the later
     # splits of a short context are empty and must weigh nothing in the merge
     check([1, 1, 1], [0, 95, 300], 4, 64, seed=min_tiles, min_tiles=min_tiles)
 
