@@ -37,7 +37,8 @@ PROMPT_LEN = 128
 
 
 def configurations(names: list[str]) -> dict[str, dict[str, Any]]:
-    """label -> Runtime options: off, default (the level's set), all, one pass alone or several joined by "+"."""
+    """label -> Runtime options: off, default (the level's set), all, one pass alone or several joined by "+",
+    "default+" and passes (the level's set and those)."""
     known = {"off": {"enable_passes": False}, "default": {"passes": LEVEL_DEFAULTS[2]},
              "all": {"passes": ALL_PASSES},
              # Inductor's horizontal fusion of independent kernels (RoPE of q and k, v's copy: one launch),
@@ -48,8 +49,9 @@ def configurations(names: list[str]) -> dict[str, dict[str, Any]]:
     for name in names:
         if name in known:
             out[name] = known[name]
-        elif all(part.partition("<=")[0] in ALL_PASSES for part in name.split("+")):  # a pass, or several by "+"
-            out[name] = {"passes": tuple(name.split("+"))}
+        elif all(part.partition("<=")[0] in ALL_PASSES for part in name.removeprefix("default+").split("+")):
+            base = LEVEL_DEFAULTS[2] if name.startswith("default+") else ()  # a pass, or several by "+"
+            out[name] = {"passes": (*base, *name.removeprefix("default+").split("+"))}
         else:
             raise SystemExit(f"unknown configuration {name!r}: {', '.join(known)} or a pass ({', '.join(ALL_PASSES)})")
     return out

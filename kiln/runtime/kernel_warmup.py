@@ -73,7 +73,8 @@ def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
 
 
 # (pass, weight rows, K, dtype, heads, KV heads, head_dim): a GEMM that a pass hands an epilogue
-# (kiln/models/gemm_epilogues.py); heads are 0 but for qkv_rope
+# (kiln/models/gemm_epilogues.py); heads are 0 but for qkv_rope; for rmsnorm_gemm (kiln/models/gemm_norm_prologue.py)
+# the three are (the partials it reads, whether it SiLU-muls, 0)
 EpilogueShape = tuple[str, int, int, torch.dtype, int, int, int]
 
 
@@ -83,7 +84,17 @@ def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[Epilo
     from kiln.models.llama import MLP, Attention
 
     passes, seen = set(passes), {}
+    last: dict[type, Any] = {}  # the latest Attention and MLP: the projections that feed the next ones' norms
     for module in model.modules():
+        if isinstance(module, (MLP, Attention)) and "rmsnorm_gemm" in passes:
+            into = last.get(Attention if isinstance(module, MLP) else MLP)
+            if into is not None:
+                shape = _rmsnorm_gemm_shape(into.o_proj.weight if isinstance(module, MLP) else into.down_proj.weight,
+                                            module.gate_up_proj.weight if isinstance(module, MLP)
+                                            else module.qkv_proj.weight, isinstance(module, MLP))
+                if shape is not None:
+                    seen[shape] = None
+            last[type(module)] = module
         if isinstance(module, (MLP, Attention)) and "gemm_add_rmsnorm" in passes:
             weight = module.down_proj.weight if isinstance(module, MLP) else module.o_proj.weight
             if _served(weight):
@@ -97,6 +108,19 @@ def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[Epilo
             seen[("qkv_rope", *weight.shape, weight.dtype, module.num_heads, module.num_kv_heads,
                   module.head_dim)] = None
     return list(seen)
+
+
+def _rmsnorm_gemm_shape(into: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> EpilogueShape | None:
+    """rmsnorm_gemm's kernel for the projection `weight` behind `into` (the projection whose norm it takes), if it
+    runs one."""
+    from kiln.models.gemm_norm_prologue import config_for, takes_whole_rows
+    from kiln.models.quant.fp8_kernel import split_k
+
+    if not (_served(into) and _served(weight) and takes_whole_rows(1, weight)):
+        return None
+    config = config_for(1, into)
+    splits = split_k(into.shape[1], config, config.split_k)[0]
+    return ("rmsnorm_gemm", *weight.shape, weight.dtype, splits, int(silu_mul), 0)
 
 
 def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device: torch.device) -> int:
@@ -114,6 +138,11 @@ def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device:
                 gate_up_silu_mul_triton(x, weight)
             elif name == "gemm_add_rmsnorm":
                 gemm_add_rms_norm_triton(x, weight, x.new_zeros(m, n), x.new_ones(n), 1e-6)
+            elif name == "rmsnorm_gemm":
+                from kiln.models.gemm_norm_prologue import rmsnorm_gemm_triton
+
+                partials = torch.zeros(heads, m, k, device=device)
+                rmsnorm_gemm_triton(partials, x, x.new_ones(k), 1e-6, weight, bool(kv_heads))
             else:
                 qkv_rope_triton(x, weight, torch.zeros(m, dtype=torch.int64, device=device),
                                 torch.zeros(2, head_dim, device=device), heads, kv_heads)
