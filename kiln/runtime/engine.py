@@ -517,9 +517,10 @@ class Engine:
             touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
-            if parent.finished:
+            finished = parent.finished
+            if finished:
                 del self.parents[parent.request_id]
-            if parent.finished or not parent.final_only:
+            if finished or not parent.final_only:
                 outputs.append(parent.make_output())
         return outputs
 
