@@ -6,8 +6,8 @@ only waits, twice a layer, for the GEMM before it and holds up the GEMM after it
 the layer's gate_up (with SiLU-mul) or the next layer's qkv. Here that next GEMM does the row kernel's work as it
 loads its operand. For each K tile it sums the partials in split order and adds the residual, rounding as the row
 kernel rounds: that is h, which the programs of the first N tile write out for the residual stream. It multiplies
-h by the norm weight into the MMA's operand, accumulates the sum of h^2 beside the dot, and scales the finished
-sums by the row's 1 / rms.
+h by the norm weight into the MMA's operand, accumulates h^2 beside the dot (element-wise: one reduction along K
+after the loop, not a cross-thread one every step), and scales the finished sums by the row's 1 / rms.
 
 The norm's rounding therefore moves: the unfused graph rounds h * rstd, then its product with the weight, to 16
 bits before the GEMM; here h * weight is rounded and rstd scales the fp32 sums. The operands differ by about an
@@ -52,7 +52,7 @@ def _rmsnorm_gemm_kernel(p_ptr, res_ptr, g_ptr, w_ptr, out_ptr, h_ptr, M, N, K, 
     row = offs_m[:, None].to(tl.int64)
     dtype = h_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # summed along K once, after the loop
     for step in range(0, k_steps):
         k = step * BLOCK_K + offs_k
         if EVEN_K:
@@ -72,11 +72,11 @@ def _rmsnorm_gemm_kernel(p_ptr, res_ptr, g_ptr, w_ptr, out_ptr, h_ptr, M, N, K, 
         if pid_n == 0:
             tl.store(h_ptr + row * K + k[None, :], h, mask=x_mask)
         hf = h.to(tl.float32)
-        squares += tl.sum(hf * hf, axis=1)
+        squares += hf * hf
         g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         acc = tl.dot(w, tl.trans((hf * g[None, :]).to(w_ptr.dtype.element_ty)), acc)
         w_ptrs += BLOCK_K
-    acc = acc * tl.math.rsqrt(squares / K + eps)[None, :]
+    acc = acc * tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[None, :]
     if SILU_MUL:
         gate, up = halves(acc, dtype, BLOCK_N, BLOCK_M)
         y = gate * tl.sigmoid(gate) * up  # in fp32 to the product, as Inductor compiles silu(gate) * up
