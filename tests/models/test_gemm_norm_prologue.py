@@ -24,10 +24,11 @@ def assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.double(), want, rtol=ULPS, atol=ULPS * want.abs().max().item())
 
 
-def assert_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
-    """The output's rounding (half an ulp) and the fp32 sums' order: within one ulp of the 16-bit output."""
+def assert_two_ulps(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The fp32 sums' order, the output's rounding and, in the SiLU-mul, gate's and up's roundings (either may land
+    on the other side of a tie): two ulps of the 16-bit output."""
     ulp = 2 ** -7 if DTYPE == torch.bfloat16 else 2 ** -10
-    torch.testing.assert_close(got.double(), want, rtol=ulp, atol=ulp * 2 ** -4)
+    torch.testing.assert_close(got.double(), want, rtol=2 * ulp, atol=ulp * 2 ** -4)
 
 if DEVICE == "cpu":
     define_interpreted("kiln.models.quant.fp8_kernel", "kiln.models.gemm_epilogues", "kiln.models.gemm_norm_prologue")
@@ -62,8 +63,8 @@ def layer_slice(m: int, k_in: int, k: int, n: int, seed: int) -> tuple[torch.Ten
 def test_the_normalising_gemm_matches_the_row_kernel_then_the_gemm(m: int, k_in: int, k: int, n: int, split: int,
                                                                     silu_mul: bool) -> None:
     """h exactly as kiln::gemm_add_rms_norm's row kernel writes it from the same partials; the output as the next
-    projection of the model's RMSNorm of h, within the moved rounding, and to an output ulp what the kernel's own
-    arithmetic gives in float64 (h * w rounded, the sums scaled by 1 / rms)."""
+    projection of the model's RMSNorm of h, within the moved rounding, and what the kernel's own arithmetic gives in
+    float64 (h * w rounded, the sums scaled by 1 / rms), to two output ulps."""
     x, w, residual, norm_weight, w_next = layer_slice(m, k_in, k, n, seed=m + k)
     config = Fp8GemmConfig(64, 64, split, 4, 2)
     partials = gemm_partials(x, w, None, config)
@@ -74,7 +75,7 @@ def test_the_normalising_gemm_matches_the_row_kernel_then_the_gemm(m: int, k_in:
     hd = want_h.double()
     rstd = torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5)
     for operand, scale, near in ((rms_norm_ref(want_h, norm_weight, 1e-5), 1.0, assert_near),
-                                 ((want_h.float() * norm_weight.float()).to(DTYPE), rstd, assert_one_ulp)):
+                                 ((want_h.float() * norm_weight.float()).to(DTYPE), rstd, assert_two_ulps)):
         y = operand.double() @ w_next.double().t() * scale
         if silu_mul:
             gate, up = y.to(DTYPE).double().chunk(2, dim=-1)
