@@ -24,7 +24,14 @@ import triton.language as tl
 
 from kiln.models.gemm_epilogues import halves
 from kiln.models.pdl import pdl_launch, pdl_start
-from kiln.models.quant.fp8_kernel import Fp8GemmConfig, block_m_for, num_sms, pick_config, split_k
+from kiln.models.quant.fp8_kernel import (
+    Fp8GemmConfig,
+    block_m_for,
+    load_weight_tile,
+    num_sms,
+    pick_config,
+    split_k,
+)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -55,15 +62,7 @@ def _rmsnorm_gemm_kernel(p_ptr, res_ptr, g_ptr, w_ptr, out_ptr, h_ptr, M, N, K, 
     squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # summed along K once, after the loop
     for step in range(0, k_steps):
         k = step * BLOCK_K + offs_k
-        if EVEN_K:
-            x_mask = m_mask[:, None]
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-        else:
-            x_mask = m_mask[:, None] & (k < K)[None, :]
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+        w, x_mask = load_weight_tile(w_ptrs, n_mask, m_mask, k, K, EVEN_K, EVEN_N)
         part = tl.load(p_ptr + row * K + k[None, :], mask=x_mask, other=0.0)
         for s in tl.static_range(1, SPLIT_P):
             part += tl.load(p_ptr + s * s_p + row * K + k[None, :], mask=x_mask, other=0.0)

@@ -142,6 +142,22 @@ def num_sms(device: torch.device) -> int:
 
 
 @triton.jit
+def load_weight_tile(w_ptrs, n_mask, m_mask, k, K, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """The weight tile at K offsets `k`, masked past N and (unless EVEN_K) past K -> (the tile, the mask of the
+    activation tile at the same offsets)."""
+    if EVEN_K:
+        x_mask = m_mask[:, None]
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+    else:
+        x_mask = m_mask[:, None] & (k < K)[None, :]
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+    return w, x_mask
+
+
+@triton.jit
 def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s_xm, s_wn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                EVEN_N: tl.constexpr, SCALED: tl.constexpr):
@@ -152,16 +168,7 @@ def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(0, k_steps):
-        if EVEN_K:
-            x_mask = m_mask[:, None]
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-        else:
-            k_mask = (k_lo + step * BLOCK_K + offs_k) < K
-            x_mask = m_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w, x_mask = load_weight_tile(w_ptrs, n_mask, m_mask, k_lo + step * BLOCK_K + offs_k, K, EVEN_K, EVEN_N)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         if SCALED:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; promote to fp32 every 32 products
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=32)
