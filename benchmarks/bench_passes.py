@@ -47,11 +47,11 @@ def configurations(names: list[str]) -> dict[str, dict[str, Any]]:
              "no_combo_kernels": {"inductor_options": {"combo_kernels": False}}}
     out = {}
     for name in names:
+        extra = name.removeprefix("default+").split("+")  # a pass, or several by "+"
         if name in known:
             out[name] = known[name]
-        elif all(part.partition("<=")[0] in ALL_PASSES for part in name.removeprefix("default+").split("+")):
-            base = LEVEL_DEFAULTS[2] if name.startswith("default+") else ()  # a pass, or several by "+"
-            out[name] = {"passes": (*base, *name.removeprefix("default+").split("+"))}
+        elif all(part.partition("<=")[0] in ALL_PASSES for part in extra):
+            out[name] = {"passes": (*(LEVEL_DEFAULTS[2] if name.startswith("default+") else ()), *extra)}
         else:
             raise SystemExit(f"unknown configuration {name!r}: {', '.join(known)} or a pass ({', '.join(ALL_PASSES)})")
     return out

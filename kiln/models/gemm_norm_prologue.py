@@ -12,7 +12,7 @@ after the loop, not a cross-thread one every step), and scales the finished sums
 The norm's rounding therefore moves: the unfused graph rounds h * rstd, then its product with the weight, to 16
 bits before the GEMM; here h * weight is rounded and rstd scales the fp32 sums. The operands differ by about an
 ulp, so the result is not bit-identical to the two kernels'. Only configs without split-K qualify (a split sees
-part of the row, and the norm needs all of it): `takes_whole_rows` says which; the op falls back to two kernels
+part of the row, and the norm needs all of it): `whole_rows_config` says which; the op falls back to two kernels
 otherwise (kiln/passes/ops.py).
 """
 
@@ -92,14 +92,15 @@ def config_for(m: int, weight: torch.Tensor) -> Fp8GemmConfig:
     return pick_config(m, weight.shape[0], weight.shape[1], num_sms(weight.device), weight.element_size())
 
 
-def takes_whole_rows(m: int, weight: torch.Tensor) -> bool:
-    """Whether the next projection's config sums whole rows of K in one program (no split-K)."""
+def whole_rows_config(m: int, weight: torch.Tensor) -> Fp8GemmConfig | None:
+    """The next projection's config if it sums whole rows of K in one program (no split-K), else None."""
     config = config_for(m, weight)
-    return split_k(weight.shape[1], config, config.split_k)[0] == 1
+    return config if split_k(weight.shape[1], config, config.split_k)[0] == 1 else None
 
 
 def rmsnorm_gemm_triton(partials: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        weight: torch.Tensor, silu_mul: bool,
+                        config: Fp8GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """partials [S, M, K] fp32 (a projection's sums), residual [M, K], norm_weight [K], weight [N', K] ->
     (rms_norm(h) * norm_weight @ weight^T, or with silu_mul silu(gate) * up of its halves; h = round(sum of the
     partials) + residual), both in the residual's dtype."""
@@ -114,7 +115,7 @@ def rmsnorm_gemm_triton(partials: torch.Tensor, residual: torch.Tensor, norm_wei
     h = torch.empty((m, k), dtype=residual.dtype, device=residual.device)
     if m == 0:
         return out, h
-    config = config_for(m, weight)
+    config = config or config_for(m, weight)
     _, k_steps, even_k = split_k(k, config, 1)
     block_m = block_m_for(m)
     tile_n = config.block_n // 2 if silu_mul else config.block_n

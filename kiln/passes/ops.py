@@ -239,13 +239,15 @@ def gemm_add_rms_norm_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torc
     from kiln.models import dense_gemm
 
     if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M:
-        from kiln.models.gemm_norm_prologue import rmsnorm_gemm_triton, takes_whole_rows
+        from kiln.models.gemm_norm_prologue import rmsnorm_gemm_triton, whole_rows_config
 
-        if takes_whole_rows(x.shape[0], next_weight):
+        config = whole_rows_config(x.shape[0], next_weight)
+        if config is not None:
             from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
 
             check_operands(x, weight)
-            return rmsnorm_gemm_triton(gemm_partials(x, weight), residual, norm_weight, eps, next_weight, silu_mul)
+            return rmsnorm_gemm_triton(gemm_partials(x, weight), residual, norm_weight, eps, next_weight, silu_mul,
+                                       config)
     normed, summed = gemm_add_rms_norm(x, weight, residual, norm_weight, eps)
     next_op = torch.ops.kiln.gate_up_silu_mul if silu_mul else torch.ops.kiln.dense_gemm
     return next_op(normed, next_weight), summed

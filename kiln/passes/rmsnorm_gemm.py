@@ -49,9 +49,9 @@ def _rewrite(graph: fx.Graph, fused: fx.Node, order: dict[fx.Node, int]) -> bool
         return False
     with graph.inserting_before(fused):
         out, new_sum = call_outputs(graph, torch.ops.kiln.gemm_add_rms_norm_gemm.default,
-                                    (*fused.args, consumer.args[1], silu_mul), 2)
+                                    (*fused.args, weight, silu_mul), 2)
     consumer.replace_all_uses_with(out)
     if summed is not None:
         summed.replace_all_uses_with(new_sum)
-    erase_if_dead(graph, [consumer, normed, *([summed] if summed is not None else []), fused])
+    erase_if_dead(graph, [consumer, *outputs.values(), fused])
     return True

@@ -79,33 +79,32 @@ EpilogueShape = tuple[str, int, int, torch.dtype, int, int, int]
 
 
 def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[EpilogueShape]:
-    """The distinct GEMMs the enabled epilogue passes (gate_up_silu_mul, qkv_rope, gemm_add_rmsnorm) will run
-    kernels for."""
+    """The distinct GEMMs the enabled epilogue passes (gate_up_silu_mul, qkv_rope, gemm_add_rmsnorm, rmsnorm_gemm)
+    will run kernels for."""
     from kiln.models.llama import MLP, Attention
 
     passes, seen = set(passes), {}
-    last: dict[type, Any] = {}  # the latest Attention and MLP: the projections that feed the next ones' norms
+    behind: torch.Tensor | None = None  # the last projection into the residual stream, whose norm the next GEMM reads
     for module in model.modules():
-        if isinstance(module, (MLP, Attention)) and "rmsnorm_gemm" in passes:
-            into = last.get(Attention if isinstance(module, MLP) else MLP)
-            if into is not None:
-                shape = _rmsnorm_gemm_shape(into.o_proj.weight if isinstance(module, MLP) else into.down_proj.weight,
-                                            module.gate_up_proj.weight if isinstance(module, MLP)
-                                            else module.qkv_proj.weight, isinstance(module, MLP))
-                if shape is not None:
-                    seen[shape] = None
-            last[type(module)] = module
-        if isinstance(module, (MLP, Attention)) and "gemm_add_rmsnorm" in passes:
-            weight = module.down_proj.weight if isinstance(module, MLP) else module.o_proj.weight
-            if _served(weight):
-                seen[("gemm_add_rmsnorm", *weight.shape, weight.dtype, 0, 0, 0)] = None
-        if isinstance(module, MLP) and "gate_up_silu_mul" in passes and _served(module.gate_up_proj.weight):
-            weight = module.gate_up_proj.weight
-            seen[("gate_up_silu_mul", *weight.shape, weight.dtype, 0, 0, 0)] = None
-        elif isinstance(module, Attention) and "qkv_rope" in passes and module.q_norm is None \
-                and _served(module.qkv_proj.weight) and getattr(module.qkv_proj, "bias", None) is None:
-            weight = module.qkv_proj.weight
-            seen[("qkv_rope", *weight.shape, weight.dtype, module.num_heads, module.num_kv_heads,
+        if isinstance(module, SparseMoeBlock):  # its norm feeds the router and the experts: no rmsnorm_gemm there
+            behind = None
+        if not isinstance(module, (MLP, Attention)):
+            continue
+        mlp = isinstance(module, MLP)
+        first = module.gate_up_proj.weight if mlp else module.qkv_proj.weight  # the GEMM after the module's norm
+        into_residual = module.down_proj.weight if mlp else module.o_proj.weight
+        if "rmsnorm_gemm" in passes and behind is not None:
+            shape = _rmsnorm_gemm_shape(behind, first, mlp)
+            if shape is not None:
+                seen[shape] = None
+        behind = into_residual
+        if "gemm_add_rmsnorm" in passes and _served(into_residual):
+            seen[("gemm_add_rmsnorm", *into_residual.shape, into_residual.dtype, 0, 0, 0)] = None
+        if mlp and "gate_up_silu_mul" in passes and _served(first):
+            seen[("gate_up_silu_mul", *first.shape, first.dtype, 0, 0, 0)] = None
+        elif not mlp and "qkv_rope" in passes and module.q_norm is None and _served(first) \
+                and getattr(module.qkv_proj, "bias", None) is None:
+            seen[("qkv_rope", *first.shape, first.dtype, module.num_heads, module.num_kv_heads,
                   module.head_dim)] = None
     return list(seen)
 
@@ -113,10 +112,10 @@ def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[Epilo
 def _rmsnorm_gemm_shape(into: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> EpilogueShape | None:
     """rmsnorm_gemm's kernel for the projection `weight` behind `into` (the projection whose norm it takes), if it
     runs one."""
-    from kiln.models.gemm_norm_prologue import config_for, takes_whole_rows
+    from kiln.models.gemm_norm_prologue import config_for, whole_rows_config
     from kiln.models.quant.fp8_kernel import split_k
 
-    if not (_served(into) and _served(weight) and takes_whole_rows(1, weight)):
+    if not (_served(into) and _served(weight) and whole_rows_config(1, weight) is not None):
         return None
     config = config_for(1, into)
     splits = split_k(into.shape[1], config, config.split_k)[0]

@@ -35,7 +35,7 @@ if DEVICE == "cpu":
 
 import kiln.passes.ops  # noqa: E402, F401 - registers the ops
 from kiln.models.gemm_epilogues import gemm_add_rms_norm_triton  # noqa: E402
-from kiln.models.gemm_norm_prologue import rmsnorm_gemm_triton, takes_whole_rows  # noqa: E402
+from kiln.models.gemm_norm_prologue import rmsnorm_gemm_triton, whole_rows_config  # noqa: E402
 from kiln.models.quant.fp8_kernel import Fp8GemmConfig, gemm_partials  # noqa: E402
 from kiln.passes.ops import rms_norm_ref  # noqa: E402
 from tests.models.test_fp8_kernel import sm90_ptx  # noqa: E402
@@ -108,8 +108,8 @@ def test_only_configs_without_split_k_normalise_in_the_gemm() -> None:
     """A split of K sees part of the row, so those shapes keep the two kernels: SmolLM2-135M's qkv and gate_up take
     whole rows; Llama-3-8B's qkv (6144 x 4096) splits K in two at decode sizes."""
     weight = lambda n, k: torch.empty(n, k, dtype=DTYPE, device="meta")  # noqa: E731
-    assert takes_whole_rows(1, weight(960, 576)) and takes_whole_rows(16, weight(3072, 576))
-    assert not takes_whole_rows(1, weight(6144, 4096))
+    assert whole_rows_config(1, weight(960, 576)) is not None and whole_rows_config(16, weight(3072, 576)) is not None
+    assert whole_rows_config(1, weight(6144, 4096)) is None
 
 
 @pytest.mark.parametrize("kernel", ["rmsnorm_gemm", "rmsnorm_gate_up"])
