@@ -213,19 +213,31 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
 
 @triton.jit(do_not_specialize=["M"])
 def _split_k_reduce_kernel(p_ptr, xs_ptr, ws_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                           SCALED: tl.constexpr, PDL: tl.constexpr = False):
-    """out[m, n] = (sum over splits, in order, of partial[s, m, n]) * x_scale[m] * w_scale[n]."""
+                           X_SCALED: tl.constexpr, W_SCALED: tl.constexpr, PDL: tl.constexpr = False):
+    """out[m, n] = (sum over splits, in order, of partial[s, m, n]) * x_scale[m] * w_scale[n] (each scale only
+    where given)."""
     pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptr + s * M * N + offs, mask=mask, other=0.0)
-    if SCALED:
-        xs = tl.load(xs_ptr + offs // N, mask=mask, other=0.0)
-        ws = tl.load(ws_ptr + offs % N, mask=mask, other=0.0)
-        acc = acc * xs * ws
+    if X_SCALED:
+        acc = acc * tl.load(xs_ptr + offs // N, mask=mask, other=0.0)
+    if W_SCALED:
+        acc = acc * tl.load(ws_ptr + offs % N, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def reduce_splits(partials: torch.Tensor, x_scale: torch.Tensor | None, weight_scale: torch.Tensor | None,
+                  out: torch.Tensor, pdl: dict[str, bool]) -> None:
+    """out [M, N] = the fp32 partials [splits, M, N] summed in split order, times the flat scales given."""
+    splits, m, n = partials.shape
+    block = 1024
+    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+        partials, x_scale if x_scale is not None else out, weight_scale if weight_scale is not None else out, out,
+        m, n, SPLIT_K=splits, BLOCK=block, X_SCALED=x_scale is not None, W_SCALED=weight_scale is not None,
+        num_warps=4, **pdl)
 
 
 def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
@@ -310,9 +322,5 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     pdl = pdl_launch(q.device)
     launch_gemm(q, weight, scales, target, config, steps, pdl)
     if split > 1:
-        block = 1024
-        xs, ws = scales if scales is not None else (out, out)  # unread without scales
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
-                                                             SPLIT_K=split, BLOCK=block, SCALED=scales is not None,
-                                                             num_warps=4, **pdl)
+        reduce_splits(target, *(scales if scales is not None else (None, None)), out, pdl)
     return out
