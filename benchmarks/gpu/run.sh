@@ -112,9 +112,6 @@ set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS an
   step gemm_moe 200 python3 -m benchmarks.bench_gemm --part small-m --preset qwen3-30b-a3b --projections qkv o \
     --m 1 8 --json "$R/gemm_moe.json"
 }
-set_fp8_block() {  # the block-scaled FP8 GEMM against per-token quantization + GEMM, Llama-3-8B's projections at M = 1/8/16
-  step fp8_block 240 python3 -m benchmarks.bench_fp8_block --budget-s 180 --json "$R/fp8_block.json"
-}
 set_gemm_host() {  # the host's time per projection GEMM call, eager and under capture, new and seen shapes
   step gemm_host 120 python3 -m benchmarks.bench_gemm --part host --json "$R/gemm_host.json"
 }

@@ -45,7 +45,7 @@ from kiln.models.quant.fp8_kernel import (
 
 
 @triton.jit
-def halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] -> (rows [0, BLOCK_N/2), rows [BLOCK_N/2, BLOCK_N)), each rounded to `dtype` as the
     GEMM's output would be, then widened to fp32."""
     pairs = tl.reshape(acc.to(dtype).to(tl.float32), (2, BLOCK_N // 2, BLOCK_M))
@@ -66,7 +66,7 @@ def _gate_up_silu_mul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn
     acc = accumulate(x_ptr, w_ptr, cols + (rows // (BLOCK_N // 2)) * N, n_mask, offs_m, m_mask, K, 0, k_steps,
                      s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, False)
     dtype = out_ptr.dtype.element_ty
-    gate, up = halves(acc, dtype, BLOCK_N, BLOCK_M)
+    gate, up = _halves(acc, dtype, BLOCK_N, BLOCK_M)
     act = gate * tl.sigmoid(gate)  # in fp32 to the product, as Inductor compiles silu(gate) * up
     out_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     tl.store(out_ptr + offs_m[None, :].to(tl.int64) * s_om + out_n[:, None], (act * up).to(dtype),
@@ -91,7 +91,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, M, K, k
     acc = accumulate(x_ptr, w_ptr, offs_n, offs_n >= 0, offs_m, m_mask, K, 0, k_steps, s_xm, s_wn, BLOCK_M,
                      BLOCK_N, BLOCK_K, EVEN_K, True, False)
     dtype = q_ptr.dtype.element_ty
-    x1, x2 = halves(acc, dtype, BLOCK_N, BLOCK_M)
+    x1, x2 = _halves(acc, dtype, BLOCK_N, BLOCK_M)
     rows_m = offs_m[None, :].to(tl.int64)
     if head < NUM_HEADS + NUM_KV_HEADS:  # q and k rotate: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
         pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)

@@ -73,53 +73,30 @@ def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
 
 
 # (pass, weight rows, K, dtype, heads, KV heads, head_dim): a GEMM that a pass hands an epilogue
-# (kiln/models/gemm_epilogues.py); heads are 0 but for qkv_rope; for rmsnorm_gemm (kiln/models/gemm_norm_prologue.py)
-# the three are (the partials it reads, whether it SiLU-muls, 0)
+# (kiln/models/gemm_epilogues.py); heads are 0 but for qkv_rope
 EpilogueShape = tuple[str, int, int, torch.dtype, int, int, int]
 
 
 def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[EpilogueShape]:
-    """The distinct GEMMs the enabled epilogue passes (gate_up_silu_mul, qkv_rope, gemm_add_rmsnorm, rmsnorm_gemm)
-    will run kernels for."""
+    """The distinct GEMMs the enabled epilogue passes (gate_up_silu_mul, qkv_rope, gemm_add_rmsnorm) will run
+    kernels for."""
     from kiln.models.llama import MLP, Attention
 
     passes, seen = set(passes), {}
-    behind: torch.Tensor | None = None  # the last projection into the residual stream, whose norm the next GEMM reads
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock):  # its norm feeds the router and the experts: no rmsnorm_gemm there
-            behind = None
-        if not isinstance(module, (MLP, Attention)):
-            continue
-        mlp = isinstance(module, MLP)
-        first = module.gate_up_proj.weight if mlp else module.qkv_proj.weight  # the GEMM after the module's norm
-        into_residual = module.down_proj.weight if mlp else module.o_proj.weight
-        if "rmsnorm_gemm" in passes and behind is not None:
-            shape = _rmsnorm_gemm_shape(behind, first, mlp)
-            if shape is not None:
-                seen[shape] = None
-        behind = into_residual
-        if "gemm_add_rmsnorm" in passes and _served(into_residual):
-            seen[("gemm_add_rmsnorm", *into_residual.shape, into_residual.dtype, 0, 0, 0)] = None
-        if mlp and "gate_up_silu_mul" in passes and _served(first):
-            seen[("gate_up_silu_mul", *first.shape, first.dtype, 0, 0, 0)] = None
-        elif not mlp and "qkv_rope" in passes and module.q_norm is None and _served(first) \
-                and getattr(module.qkv_proj, "bias", None) is None:
-            seen[("qkv_rope", *first.shape, first.dtype, module.num_heads, module.num_kv_heads,
+        if isinstance(module, (MLP, Attention)) and "gemm_add_rmsnorm" in passes:
+            weight = module.down_proj.weight if isinstance(module, MLP) else module.o_proj.weight
+            if _served(weight):
+                seen[("gemm_add_rmsnorm", *weight.shape, weight.dtype, 0, 0, 0)] = None
+        if isinstance(module, MLP) and "gate_up_silu_mul" in passes and _served(module.gate_up_proj.weight):
+            weight = module.gate_up_proj.weight
+            seen[("gate_up_silu_mul", *weight.shape, weight.dtype, 0, 0, 0)] = None
+        elif isinstance(module, Attention) and "qkv_rope" in passes and module.q_norm is None \
+                and _served(module.qkv_proj.weight) and getattr(module.qkv_proj, "bias", None) is None:
+            weight = module.qkv_proj.weight
+            seen[("qkv_rope", *weight.shape, weight.dtype, module.num_heads, module.num_kv_heads,
                   module.head_dim)] = None
     return list(seen)
-
-
-def _rmsnorm_gemm_shape(into: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> EpilogueShape | None:
-    """rmsnorm_gemm's kernel for the projection `weight` behind `into` (the projection whose norm it takes), if it
-    runs one."""
-    from kiln.models.gemm_norm_prologue import config_for, whole_rows_config
-    from kiln.models.quant.fp8_kernel import split_k
-
-    if not (_served(into) and _served(weight) and whole_rows_config(1, weight) is not None):
-        return None
-    config = config_for(1, into)
-    splits = split_k(into.shape[1], config, config.split_k)[0]
-    return ("rmsnorm_gemm", *weight.shape, weight.dtype, splits, int(silu_mul), 0)
 
 
 def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device: torch.device) -> int:
@@ -137,11 +114,6 @@ def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device:
                 gate_up_silu_mul_triton(x, weight)
             elif name == "gemm_add_rmsnorm":
                 gemm_add_rms_norm_triton(x, weight, x.new_zeros(m, n), x.new_ones(n), 1e-6)
-            elif name == "rmsnorm_gemm":
-                from kiln.models.gemm_norm_prologue import rmsnorm_gemm_triton
-
-                partials = torch.zeros(heads, m, k, device=device)
-                rmsnorm_gemm_triton(partials, x, x.new_ones(k), 1e-6, weight, bool(kv_heads))
             else:
                 qkv_rope_triton(x, weight, torch.zeros(m, dtype=torch.int64, device=device),
                                 torch.zeros(2, head_dim, device=device), heads, kv_heads)

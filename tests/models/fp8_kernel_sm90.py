@@ -4,9 +4,8 @@ Run as its own process by tests/models/test_fp8_kernel.py: Triton must be import
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
     python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1)
-    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8|rmsnorm_gemm|rmsnorm_gate_up
-                                                 the epilogue kernels (kiln/models/gemm_epilogues.py) and the
-                                                 norm-prologue one (kiln/models/gemm_norm_prologue.py)
+    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8
+                                                 the epilogue kernels (kiln/models/gemm_epilogues.py)
 """
 
 from __future__ import annotations
@@ -59,13 +58,6 @@ def epilogue(name: str) -> dict:
                     **dict.fromkeys(("eps", "fp8_max", "min_scale"), "fp32")}
         return compile_sm90(gemm_epilogues._add_rms_norm_rows_kernel, pointers,
                             {"SPLIT_K": 4, "SCALED": fp8, "QUANT": fp8, "BLOCK": 4096}, True)
-    if name.startswith("rmsnorm_"):  # the GEMM normalising its operand, reading the partials of a 4-way split
-        from kiln.models import gemm_norm_prologue
-
-        pointers = {"p_ptr": "*fp32", **dict.fromkeys(("res_ptr", "g_ptr", "w_ptr", "out_ptr", "h_ptr"), "*bf16"),
-                    "eps": "fp32"}
-        return compile_sm90(gemm_norm_prologue._rmsnorm_gemm_kernel, pointers,
-                            {**tile, "EVEN_N": True, "SPLIT_P": 4, "SILU_MUL": name == "rmsnorm_gate_up"}, True)
     if name == "gate_up":
         pointers = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr"), "*bf16")
         return compile_sm90(gemm_epilogues._gate_up_silu_mul_kernel, pointers, {**tile, "EVEN_N": True}, True)

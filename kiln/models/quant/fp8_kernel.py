@@ -142,22 +142,6 @@ def num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def load_weight_tile(w_ptrs, n_mask, m_mask, k, K, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """The weight tile at K offsets `k`, masked past N and (unless EVEN_K) past K -> (the tile, the mask of the
-    activation tile at the same offsets)."""
-    if EVEN_K:
-        x_mask = m_mask[:, None]
-        if EVEN_N:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    else:
-        x_mask = m_mask[:, None] & (k < K)[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
-    return w, x_mask
-
-
-@triton.jit
 def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s_xm, s_wn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                EVEN_N: tl.constexpr, SCALED: tl.constexpr):
@@ -168,7 +152,16 @@ def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(0, k_steps):
-        w, x_mask = load_weight_tile(w_ptrs, n_mask, m_mask, k_lo + step * BLOCK_K + offs_k, K, EVEN_K, EVEN_N)
+        if EVEN_K:
+            x_mask = m_mask[:, None]
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = (k_lo + step * BLOCK_K + offs_k) < K
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         if SCALED:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; promote to fp32 every 32 products
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=32)
@@ -213,31 +206,19 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
 
 @triton.jit(do_not_specialize=["M"])
 def _split_k_reduce_kernel(p_ptr, xs_ptr, ws_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                           X_SCALED: tl.constexpr, W_SCALED: tl.constexpr, PDL: tl.constexpr = False):
-    """out[m, n] = (sum over splits, in order, of partial[s, m, n]) * x_scale[m] * w_scale[n] (each scale only
-    where given)."""
+                           SCALED: tl.constexpr, PDL: tl.constexpr = False):
+    """out[m, n] = (sum over splits, in order, of partial[s, m, n]) * x_scale[m] * w_scale[n]."""
     pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptr + s * M * N + offs, mask=mask, other=0.0)
-    if X_SCALED:
-        acc = acc * tl.load(xs_ptr + offs // N, mask=mask, other=0.0)
-    if W_SCALED:
-        acc = acc * tl.load(ws_ptr + offs % N, mask=mask, other=0.0)
+    if SCALED:
+        xs = tl.load(xs_ptr + offs // N, mask=mask, other=0.0)
+        ws = tl.load(ws_ptr + offs % N, mask=mask, other=0.0)
+        acc = acc * xs * ws
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def reduce_splits(partials: torch.Tensor, x_scale: torch.Tensor | None, weight_scale: torch.Tensor | None,
-                  out: torch.Tensor, pdl: dict[str, bool]) -> None:
-    """out [M, N] = the fp32 partials [splits, M, N] summed in split order, times the flat scales given."""
-    splits, m, n = partials.shape
-    block = 1024
-    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-        partials, x_scale if x_scale is not None else out, weight_scale if weight_scale is not None else out, out,
-        m, n, SPLIT_K=splits, BLOCK=block, X_SCALED=x_scale is not None, W_SCALED=weight_scale is not None,
-        num_warps=4, **pdl)
 
 
 def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
@@ -322,5 +303,9 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     pdl = pdl_launch(q.device)
     launch_gemm(q, weight, scales, target, config, steps, pdl)
     if split > 1:
-        reduce_splits(target, *(scales if scales is not None else (None, None)), out, pdl)
+        block = 1024
+        xs, ws = scales if scales is not None else (out, out)  # unread without scales
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](target, xs, ws, out, m, n,
+                                                             SPLIT_K=split, BLOCK=block, SCALED=scales is not None,
+                                                             num_warps=4, **pdl)
     return out
