@@ -108,6 +108,12 @@ set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and
 set_argmax() {  # the greedy argmax: ATen's against kiln's split-row kernel per row count and vocabulary
   step argmax 120 python3 -m benchmarks.bench_argmax --json "$R/argmax.json"
 }
+set_persistent() {  # SmolLM2-135M's projection chain at one token: a kernel per projection (PDL) against one persistent
+  # kernel with grid barriers, and kiln's GEMMs; then the persistent kernel at half the programs and at 8 warps
+  step persistent 120 python3 -m benchmarks.bench_persistent --json "$R/persistent.json"
+  step persistent_half 90 python3 -m benchmarks.bench_persistent --programs 66 --json "$R/persistent_half.json"
+  step persistent_w8 90 python3 -m benchmarks.bench_persistent --warps 8 --json "$R/persistent_w8.json"
+}
 set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS and kiln's small-M kernel, every tile config
   step gemm_moe 200 python3 -m benchmarks.bench_gemm --part small-m --preset qwen3-30b-a3b --projections qkv o \
     --m 1 8 --json "$R/gemm_moe.json"
