@@ -13,7 +13,9 @@ Arms, each a CUDA graph of all the layers, replayed and alternated in rounds:
 - `persistent`: one kernel, one program per SM, a grid barrier (an atomic counter) between the phases;
 - `persistent+prefetch`: the same, each program loading its next phase's first weight tile before the barrier;
 - `kiln gemm`: kiln's small-M GEMM (kiln/models/quant/fp8_kernel.py, its tuned tiles) for the four projections,
-  no norms: what kiln's own kernels take for the bytes.
+  no norms: what kiln's own kernels take for the bytes;
+- `barriers only` / `empty kernels`: as many grid barriers / empty PDL kernels (a program per SM) as the chain has
+  phases, no work: what a boundary costs by itself.
 
     python -m benchmarks.bench_persistent --json /tmp/persistent.json
 """
@@ -242,6 +244,19 @@ def _persistent_kernel(w_ptr, h_ptr, qkv_ptr, act_ptr, bar_ptr, layers, H: tl.co
         _grid_sync(bar_ptr, arrivals)
 
 
+@triton.jit
+def _barriers_kernel(bar_ptr, count):
+    """`count` grid barriers and nothing else: what one costs."""
+    for i in range(count):
+        _grid_sync(bar_ptr, (i + 1) * tl.num_programs(0))
+
+
+@triton.jit
+def _empty_kernel(PDL: tl.constexpr = False):
+    """A kernel that only takes part in PDL: what a boundary costs."""
+    pdl_start(PDL)
+
+
 class Chain:
     """The weights and activations of `shape`, and each arm as a callable that runs every layer once."""
 
@@ -298,6 +313,15 @@ class Chain:
                                              self.shape.layers, PREFETCH=prefetch, num_warps=self.warps,
                                              **self.meta)
 
+    def barriers_only(self) -> None:
+        self.barrier.zero_()
+        _barriers_kernel[(self.programs,)](self.barrier, 4 * self.shape.layers, num_warps=self.warps)
+
+    def empty_kernels(self) -> None:
+        pdl = pdl_launch(self.h.device)
+        for _ in range(4 * self.shape.layers):
+            _empty_kernel[(self.programs,)](num_warps=4, **pdl)
+
     def kiln_gemm(self) -> None:
         from kiln.models.quant.fp8_kernel import bf16_gemm_triton
 
@@ -311,7 +335,7 @@ class Chain:
 def arms(chain: Chain) -> dict:
     return {"kernels": lambda: chain.kernels(False), "kernels+preload": lambda: chain.kernels(True),
             "persistent": lambda: chain.persistent(False), "persistent+prefetch": lambda: chain.persistent(True),
-            "kiln gemm": chain.kiln_gemm}
+            "kiln gemm": chain.kiln_gemm, "barriers only": chain.barriers_only, "empty kernels": chain.empty_kernels}
 
 
 def check(chain: Chain) -> dict[str, float]:
@@ -319,7 +343,7 @@ def check(chain: Chain) -> dict[str, float]:
     ref = chain.reference()
     errors = {}
     for name, run in arms(chain).items():
-        if name == "kiln gemm":
+        if name in ("kiln gemm", "barriers only", "empty kernels"):
             continue
         run()
         errors[name] = ((chain.h - ref).abs().max() / ref.abs().max()).item()
