@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.models import gemv
 from kiln.models.pdl import pdl_launch, pdl_start
 from kiln.models.quant.fp8_kernel import (
     Fp8GemmConfig,
@@ -127,6 +128,8 @@ def gate_up_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"weight: {weight.shape[0]} rows, expected gate and up halves of equal size")
     m, k = x.shape
     n = weight.shape[0] // 2
+    if config is None and gemv.applies(2 * n, k, x.element_size()):
+        return gemv.gemv(x, weight, gemv.SILU_MUL)
     config = config or pick_config(m, 2 * n, k, num_sms(x.device), x.element_size())
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -141,6 +144,19 @@ def gate_up_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+def _gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv_rope_triton's result for a weight the plain projection takes through kiln/models/gemv.py: its sums
+    (the plain GEMM's), then the kernel's rotation in fp32, so turning the pass on changes no value."""
+    m, head_dim = x.shape[0], cos_sin_cache.shape[-1]
+    y = gemv.gemv(x, weight).view(m, num_heads + 2 * num_kv_heads, head_dim)
+    cos, sin = cos_sin_cache[positions[:m]].float()[:, None].chunk(2, dim=-1)
+    x1, x2 = y[:, :num_heads + num_kv_heads].float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return (rotated[:, :num_heads].contiguous(), rotated[:, num_heads:].contiguous(),
+            y[:, num_heads + num_kv_heads:].contiguous())
+
+
 def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                     num_heads: int, num_kv_heads: int,
                     config: Fp8GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,6 +168,8 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
     n = weight.shape[0]
     if n != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"weight: {n} rows, expected ({num_heads} + 2 x {num_kv_heads}) heads of {head_dim}")
+    if config is None and gemv.applies(n, k, x.element_size()) and fits_a_tile(head_dim):
+        return _gemv_rope(x, weight, positions, cos_sin_cache, num_heads, num_kv_heads)
     config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
     block_n = min(config.block_n, head_dim)  # a tile stays inside one head
     if not fits_a_tile(head_dim) or head_dim % block_n:

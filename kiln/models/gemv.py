@@ -1,0 +1,99 @@
+"""A matrix-vector kernel for small 16-bit projections at decode sizes: each program holds a few whole weight rows
+in registers and dots every token against them on the CUDA cores.
+
+Why: a small model's projection at one token moves ~0.7-3.5 MB, which HBM delivers in well under a microsecond,
+so its kernel's time is latency: the MMA kernel (kiln/models/quant/fp8_kernel.py) streams each program's rows
+through a K loop after the programmatic-dependent-launch wait, a DRAM round trip behind the kernel before it.
+Here a program's whole weight slice (rows x all of K, at most 16 KB) is one load issued *before* the wait:
+weights are never written during a step, so they may be read while the previous kernel still runs, and the
+wait then only guards the activation. The same layout with a barrier-free chain of kernels against one
+persistent kernel and against the MMA kernel is `benchmarks/bench_persistent.py`; the decode A/B is in
+docs/models.md.
+
+Every token is computed the same way whatever M is (a loop over tokens around one row-block dot), so a token's
+sums do not depend on the batch: a decode (M = 1) and a speculative verify (M <= 16) agree bit for bit, as the
+MMA kernel's fixed tiles guaranteed before. A shape takes this kernel or the MMA kernel for every M, never
+both, and the epilogue kernels (gemm_epilogues.py) read the same sums.
+
+Three outputs (MODE): the projection in the activation's dtype; its fp32 sums (a "partials" tensor of one
+split, for the add + RMSNorm row kernel); silu(gate) * up with a program's gate rows and the up rows N below.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.models.pdl import pdl_launch, pdl_start
+
+# Shapes this kernel takes (16-bit weights): K up to MAX_K (a program's rows hold all of K in registers) and at
+# most MAX_BYTES of weight (where latency, not bandwidth, sets a projection's time). KILN_GEMV=0: none.
+ENABLED = os.environ.get("KILN_GEMV", "1") != "0"
+MAX_K = 2048
+MAX_BYTES = int(os.environ.get("KILN_GEMV_MAX_BYTES", str(4 << 20)))
+TILE_ELEMENTS = 8192  # rows x K (padded) a program holds: 16 KB of bf16, 64 registers a thread at 4 warps
+
+OUT, PARTIALS, SILU_MUL = 0, 1, 2
+
+
+def applies(n: int, k: int, element_bytes: int) -> bool:
+    """Whether an [N, K] weight's projection runs here (N: all rows, gate and up together for SiLU-mul)."""
+    return ENABLED and element_bytes == 2 and k <= MAX_K and n * k * element_bytes <= MAX_BYTES
+
+
+def rows_per_program(k: int) -> int:
+    """Depends on K only, so every mode and every M reduce a row in the same order (the same tile shape)."""
+    return max(1, min(16, TILE_ELEMENTS // triton.next_power_of_2(k)))
+
+
+@triton.jit
+def _load_rows(w_ptr, rows, N, K, s_wn, KP: tl.constexpr):
+    offs_k = tl.arange(0, KP)
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * s_wn + offs_k[None, :],
+                   mask=(rows < N)[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, R: tl.constexpr, KP: tl.constexpr,
+                 MODE: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p: output columns [p R, p R + R) for every token, each a dot over the whole of K."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    w = _load_rows(w_ptr, rows, N, K, s_wn, KP)  # before the wait: weights are never written during a step
+    if MODE == 2:
+        w_up = _load_rows(w_ptr + N * s_wn, rows, N, K, s_wn, KP)
+    pdl_start(PDL)
+    offs_k = tl.arange(0, KP)
+    mask = rows < N
+    for m in range(M):
+        x = tl.load(x_ptr + m * s_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
+        dst = out_ptr + m * s_om + rows
+        if MODE == 0:
+            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        elif MODE == 1:
+            tl.store(dst, acc, mask=mask)
+        else:  # each projection rounded as the GEMM's output would be, then silu(gate) * up in fp32
+            dtype = out_ptr.dtype.element_ty
+            gate = acc.to(dtype).to(tl.float32)
+            up = tl.sum(w_up.to(tl.float32) * x[None, :], 1).to(dtype).to(tl.float32)
+            tl.store(dst, (gate * tl.sigmoid(gate) * up).to(dtype), mask=mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, mode: int = OUT) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T: [M, N] in x's dtype (OUT), fp32 sums [1, M, N] (PARTIALS), or with weight's
+    rows gate then up, silu(gate) * up [M, N / 2] in x's dtype (SILU_MUL). Both operands K-contiguous."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if mode == SILU_MUL else weight.shape[0]
+    if mode == PARTIALS:
+        out = torch.empty((1, m, n), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    r = rows_per_program(k)
+    _gemv_kernel[(triton.cdiv(n, r),)](x, weight, out, m, n, k, x.stride(0), weight.stride(0), n, R=r,
+                                       KP=triton.next_power_of_2(k), MODE=mode, num_warps=4, **pdl_launch(x.device))
+    return out

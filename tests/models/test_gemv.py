@@ -1,0 +1,110 @@
+"""The small projections' matrix-vector kernel (kiln/models/gemv.py) against float64 products and the unfused
+arithmetic; a token's sums the same at any M (what keeps a speculative verify equal to a decode); and which shapes
+the GEMM entry points hand it. Without a GPU it runs under Triton's CPU interpreter in fp16 (its bf16 loads are
+wrong: tests/models/test_fp8_kernel.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from tests.conftest import define_interpreted  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+TOLERANCE = dict(rtol=2 ** -6 if DTYPE == torch.bfloat16 else 2 ** -8, atol=2e-3)
+
+if DEVICE == "cpu":
+    define_interpreted("kiln.models.gemv", "kiln.models.quant.fp8_kernel", "kiln.models.gemm_epilogues")
+
+from kiln.models import gemm_epilogues, gemv  # noqa: E402
+from kiln.models.quant import fp8_kernel  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g).to(DTYPE).to(DEVICE),
+            (torch.randn(n, k, generator=g) * 0.1).to(DTYPE).to(DEVICE))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 72, 96), (3, 100, 576), (16, 40, 1536), (5, 9, 2048)])
+def test_projection_and_sums_match_a_float64_matmul(m: int, n: int, k: int) -> None:
+    """N off the row block, K off a power of two (SmolLM2's 576 and 1536) and at the largest K taken."""
+    x, w = operands(m, n, k, m + n + k)
+    want = x.double() @ w.double().t()
+    out = gemv.gemv(x, w)
+    assert out.dtype == DTYPE and out.shape == (m, n)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE)
+    sums = gemv.gemv(x, w, gemv.PARTIALS)
+    assert sums.dtype == torch.float32 and sums.shape == (1, m, n)
+    torch.testing.assert_close(sums[0].double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(out, sums[0].to(DTYPE))  # the output is its sums rounded once
+
+
+def test_silu_mul_of_gate_and_up_rows() -> None:
+    """Weight rows gate then up: silu(gate) * up with each projection rounded to the model dtype first, as the
+    unfused graph's GEMM output is."""
+    m, n, k = 3, 50, 576
+    x, w = operands(m, 2 * n, k, 7)
+    out = gemv.gemv(x, w, gemv.SILU_MUL)
+    gate, up = gemv.gemv(x, w).chunk(2, dim=-1)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out.double(), (F.silu(gate.float()) * up.float()).to(DTYPE).double(), **TOLERANCE)
+
+
+def test_a_tokens_sums_do_not_depend_on_the_batch() -> None:
+    """Row i of an M-token call is bit for bit the call of token i alone, in every mode: a decode and a verify
+    holding the same token give the same logits."""
+    x, w = operands(16, 64, 576, 11)
+    for mode in (gemv.OUT, gemv.PARTIALS, gemv.SILU_MUL):
+        batch = gemv.gemv(x, w, mode)
+        for i in (0, 5, 15):
+            alone = gemv.gemv(x[i:i + 1], w, mode)
+            assert torch.equal(batch[..., i:i + 1, :], alone)
+
+
+def test_shapes_taken_and_the_entry_points_that_hand_them_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-bit weights with K <= MAX_K and at most MAX_BYTES; the plain GEMM, the epilogues' sums and the SiLU-mul
+    epilogue then give the kernel's results exactly; an explicit tile config keeps the MMA kernel."""
+    assert gemv.applies(960, 576, 2) and gemv.applies(3072, 576, 2) and gemv.applies(576, 1536, 2)
+    assert not gemv.applies(4096, 4096, 2)  # K past the registers' tile
+    assert not gemv.applies(5120, 2048, 2)  # 21 MB: streaming, not latency
+    assert not gemv.applies(960, 576, 1)  # FP8 stays on its kernel
+    x, w = operands(2, 96, 192, 3)
+    assert torch.equal(fp8_kernel.bf16_gemm_triton(x, w), gemv.gemv(x, w))
+    assert torch.equal(fp8_kernel.gemm_partials(x, w), gemv.gemv(x, w, gemv.PARTIALS))
+    assert torch.equal(gemm_epilogues.gate_up_silu_mul_triton(x, w), gemv.gemv(x, w, gemv.SILU_MUL))
+    calls: list[int] = []
+    original = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(1) or original(*a))
+    fp8_kernel.bf16_gemm_triton(x, w, fp8_kernel.Fp8GemmConfig(32, 64, 1, 4, 2))
+    assert not calls
+    monkeypatch.setattr(gemv, "ENABLED", False)  # KILN_GEMV=0
+    fp8_kernel.bf16_gemm_triton(x, w)
+    assert not calls and not gemv.applies(960, 576, 2)
+
+
+def test_qkv_rope_on_a_shape_the_kernel_takes_rotates_its_sums() -> None:
+    """qkv_rope_triton without a config on a small weight: the plain projection's values, then the rotation, so
+    the pass changes nothing the unfused graph computes (compared in the MMA kernel's test's arithmetic)."""
+    from tests.models.test_gemm_epilogues import qkv_rope_reference, rope_cache
+
+    m, heads, kv_heads, head_dim, k = 3, 4, 2, 64, 96
+    x, w = operands(m, (heads + 2 * kv_heads) * head_dim, k, 5)
+    positions = torch.tensor([7, 0, 31], device=DEVICE)
+    cache = rope_cache(64, head_dim)
+    got = gemm_epilogues.qkv_rope_triton(x, w, positions, cache, heads, kv_heads)
+    for out, want in zip(got, qkv_rope_reference(x, w, positions, cache, heads, kv_heads)):
+        assert out.dtype == DTYPE and out.shape == want.shape and out.is_contiguous()
+        torch.testing.assert_close(out.double(), want.double(), **TOLERANCE)
+    _, _, v = gemv.gemv(x, w).view(m, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    assert torch.equal(got[2], v)
