@@ -16,7 +16,10 @@ MMA kernel's fixed tiles guaranteed before. A shape takes this kernel or the MMA
 both, and the epilogue kernels (gemm_epilogues.py) read the same sums.
 
 Three outputs (MODE): the projection in the activation's dtype; its fp32 sums (a "partials" tensor of one
-split, for the add + RMSNorm row kernel); silu(gate) * up with a program's gate rows and the up rows N below.
+split, for the add + RMSNorm row kernel); silu(gate) * up with a program's gate rows and the up rows N below. And
+one prologue (`gemv_after_norm`, the rmsnorm_gemm pass): the operand is the row a projection into the residual
+stream left unfinished (its sums + the residual, RMS-normalised), which the row kernel would otherwise finish in a
+kernel of its own; cheap here, where the operand is a vector each program holds whole.
 """
 
 from __future__ import annotations
@@ -56,10 +59,31 @@ def _load_rows(w_ptr, rows, N, K, s_wn, KP: tl.constexpr):
                    mask=(rows < N)[:, None] & (offs_k < K)[None, :], other=0.0)
 
 
+@triton.jit
+def _finished_row(p_ptr, res_ptr, g_ptr, h_ptr, m, K, s_p, s_res, eps, store_k, offs_k, SPLITS: tl.constexpr):
+    """Token m's operand when a projection into the residual stream left its row unfinished: h = round(round(sum
+    of the SPLITS fp32 partials, in order) + residual), written by one program (`store_k`: K there, 0 elsewhere),
+    and g * round(h / rms(h)) rounded to 16 bits, as the add + RMSNorm row kernel (gemm_epilogues.py) rounds."""
+    k_mask = offs_k < K
+    acc = tl.load(p_ptr + m * K + offs_k, mask=k_mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(p_ptr + s * s_p + m * K + offs_k, mask=k_mask, other=0.0)
+    dtype = h_ptr.dtype.element_ty
+    res = tl.load(res_ptr + m * s_res + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    h = (acc.to(dtype).to(tl.float32) + res).to(dtype)
+    tl.store(h_ptr + m * K + offs_k, h, mask=offs_k < store_k)
+    hf = h.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(hf * hf, 0) / K + eps)
+    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    return (g * (hf * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, R: tl.constexpr, KP: tl.constexpr,
-                 MODE: tl.constexpr, PDL: tl.constexpr = False):
-    """Program p: output columns [p R, p R + R) for every token, each a dot over the whole of K."""
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, res_ptr, g_ptr, h_ptr, s_p, s_res, eps,
+                 R: tl.constexpr, KP: tl.constexpr, MODE: tl.constexpr, SPLITS: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """Program p: output columns [p R, p R + R) for every token, each a dot over the whole of K. SPLITS > 0: x_ptr
+    holds a projection's fp32 partials and each token's operand is `_finished_row`'s."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     w = _load_rows(w_ptr, rows, N, K, s_wn, KP)  # before the wait: weights are never written during a step
     if MODE == 2:
@@ -68,7 +92,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, R: tl.constex
     offs_k = tl.arange(0, KP)
     mask = rows < N
     for m in range(M):
-        x = tl.load(x_ptr + m * s_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        if SPLITS > 0:
+            x = _finished_row(x_ptr, res_ptr, g_ptr, h_ptr, m, K, s_p, s_res, eps,
+                              tl.where(tl.program_id(0) == 0, K, 0), offs_k, SPLITS)
+        else:
+            x = tl.load(x_ptr + m * s_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
         dst = out_ptr + m * s_om + rows
         if MODE == 0:
@@ -93,7 +121,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, mode: int = OUT) -> torch.Tensor
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    r = rows_per_program(k)
-    _gemv_kernel[(triton.cdiv(n, r),)](x, weight, out, m, n, k, x.stride(0), weight.stride(0), n, R=r,
-                                       KP=triton.next_power_of_2(k), MODE=mode, num_warps=4, **pdl_launch(x.device))
+    _launch(x, weight, out, mode, x.stride(0), (x, x, x, 0, 0, 0.0), 0)
     return out
+
+
+def gemv_after_norm(partials: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, mode: int = OUT) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projection `weight` of rms_norm(h) * norm_weight, h = the fp32 sums `partials` [splits, M, K] (a
+    projection into the residual stream, unrounded) + residual [M, K], without the row kernel between them
+    -> (`gemv`'s output for that operand, h [M, K] in the residual's dtype)."""
+    splits, m, k = partials.shape
+    if residual.shape != (m, k) or residual.stride(-1) != 1 or norm_weight.shape != (k,) or weight.shape[1] != k:
+        raise ValueError(f"residual {tuple(residual.shape)} / norm weight {tuple(norm_weight.shape)} / weight "
+                         f"{tuple(weight.shape)}: expected ({m}, {k}) with unit last stride / ({k},) / (N, {k})")
+    n = weight.shape[0] // 2 if mode == SILU_MUL else weight.shape[0]
+    out = torch.empty((m, n), dtype=residual.dtype, device=partials.device)
+    summed = torch.empty((m, k), dtype=residual.dtype, device=partials.device)
+    if m and n:
+        _launch(partials, weight, out, mode, 0, (residual, norm_weight, summed, m * k, residual.stride(0), eps),
+                splits)
+    return out, summed
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, mode: int, s_xm: int, norm: tuple,
+            splits: int) -> None:
+    m, n, k = out.shape[-2], out.shape[-1], weight.shape[1]
+    r = rows_per_program(k)
+    _gemv_kernel[(triton.cdiv(n, r),)](x, weight, out, m, n, k, s_xm, weight.stride(0), n, *norm, R=r,
+                                       KP=triton.next_power_of_2(k), MODE=mode, SPLITS=splits, num_warps=4,
+                                       **pdl_launch(x.device))

@@ -18,15 +18,16 @@ from typing import Any
 # allreduce_rmsnorm and gemm_add_rmsnorm precede add_rmsnorm, which would otherwise take their norms alone.
 # silu_mul_quant and gate_up_silu_mul precede silu_mul for the same reason.
 # qkv_rope follows rope_kv and qk_norm_rope, which take the rotations they match first.
+# rmsnorm_gemm follows gemm_add_rmsnorm and gate_up_silu_mul, whose ops it matches.
 ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "gemm_add_rmsnorm",
-                               "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "silu_mul")
+                               "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "rmsnorm_gemm", "silu_mul")
 
 # Passes that rewrite only the captured graph, which serves every token count: a token bound cannot gate them.
 GRAPH_ONLY_PASSES: tuple[str, ...] = ("rope_kv", "qk_norm_rope")
 
 # Passes whose ops run on CUDA only (kiln's Triton GEMM epilogues): on a CPU they match nothing, and a token bound
 # of theirs would only cut the compile range, so the level defaults leave them out there.
-CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul")
+CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul", "rmsnorm_gemm")
 
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
@@ -90,6 +91,7 @@ class PassConfig:
     add_rmsnorm: bool = False
     silu_mul_quant: bool = False  # FP8 models only: matches nothing without the activation quantization
     gate_up_silu_mul: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm
+    rmsnorm_gemm: bool = False  # CUDA only: matches kiln::gemm_add_rms_norm into kiln::dense_gemm / gate_up_silu_mul
     silu_mul: bool = False
     # pass name -> largest token count it is compiled for; a compile range is covered only when its upper
     # end is within the bound (post-grad passes only: graph-level passes see one graph for every count)

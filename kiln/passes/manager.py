@@ -34,12 +34,14 @@ def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.noop import NoOpEliminationPass
     from kiln.passes.qk_norm_rope import QKNormRopePass
     from kiln.passes.qkv_rope import QKVRopePass
+    from kiln.passes.rmsnorm_gemm import RMSNormGemmPass
     from kiln.passes.rope_kv import RopeKVCachePass
     from kiln.passes.silu_mul import SiluMulPass
     from kiln.passes.silu_mul_quant import SiluMulQuantPass
 
     classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, QKVRopePass, AllReduceRMSNormPass,
-               GemmAddRMSNormPass, AddRMSNormPass, SiluMulQuantPass, GateUpSiluMulPass, SiluMulPass]
+               GemmAddRMSNormPass, AddRMSNormPass, SiluMulQuantPass, GateUpSiluMulPass, RMSNormGemmPass,
+               SiluMulPass]
     return {cls.name: cls for cls in classes}
 
 

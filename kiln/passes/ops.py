@@ -228,6 +228,34 @@ def _gemm_add_rms_norm_fake(x, weight, residual, norm_weight, eps):
     return out, torch.empty_like(out)
 
 
+@torch.library.custom_op("kiln::gemm_add_rms_norm_gemm", mutates_args=())
+def gemm_add_rms_norm_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                           eps: float, next_weight: torch.Tensor,
+                           silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """kiln::gemm_add_rms_norm's normalised row straight into the next projection -> (that projection's output, h):
+    kiln::dense_gemm(normed, next_weight), or with silu_mul kiln::gate_up_silu_mul(normed, next_weight). Where the
+    next projection runs the matrix-vector kernel (kiln/models/gemv.py), that kernel finishes the row itself (the sum,
+    the add and the norm) before its dot: one kernel fewer; otherwise the two ops."""
+    from kiln.models import dense_gemm, gemv
+
+    if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M \
+            and gemv.applies(next_weight.shape[0], next_weight.shape[1], next_weight.element_size()):
+        from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
+
+        check_operands(x, weight)
+        return gemv.gemv_after_norm(gemm_partials(x, weight), residual, norm_weight, eps, next_weight,
+                                    gemv.SILU_MUL if silu_mul else gemv.OUT)
+    normed, summed = gemm_add_rms_norm(x, weight, residual, norm_weight, eps)
+    next_op = torch.ops.kiln.gate_up_silu_mul if silu_mul else torch.ops.kiln.dense_gemm
+    return next_op(normed, next_weight), summed
+
+
+@gemm_add_rms_norm_gemm.register_fake
+def _gemm_add_rms_norm_gemm_fake(x, weight, residual, norm_weight, eps, next_weight, silu_mul):
+    n = next_weight.shape[0] // 2 if silu_mul else next_weight.shape[0]
+    return x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], weight.shape[0]))
+
+
 @torch.library.custom_op("kiln::fp8_gemm_add_rms_norm_quant", mutates_args=())
 def fp8_gemm_add_rms_norm_quant(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor,
                                 weight_scale: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,

@@ -93,6 +93,29 @@ def test_shapes_taken_and_the_entry_points_that_hand_them_over(monkeypatch: pyte
     assert not calls and not gemv.applies(960, 576, 2)
 
 
+@pytest.mark.parametrize("mode", [gemv.OUT, gemv.SILU_MUL])
+def test_after_norm_finishes_the_row_the_projection_before_left(mode: int) -> None:
+    """gemv_after_norm (the rmsnorm_gemm pass) from the partials of a split and of a whole-K projection: h exactly
+    the add + RMSNorm row kernel's, the projection of the normalised row within a rounding of the two kernels'
+    (the sum of squares runs in another order)."""
+    from kiln.models.gemm_epilogues import gemm_add_rms_norm_triton
+
+    m, n, k = 3, 100, 192
+    x, w = operands(m, n, k, 21)
+    _, w_next = operands(1, 2 * 40, n, 22)
+    g = torch.Generator().manual_seed(23)
+    residual = torch.randn(m, n, generator=g).to(DTYPE).to(DEVICE)
+    norm_weight = (1 + 0.1 * torch.randn(n, generator=g)).to(DTYPE).to(DEVICE)
+    for config in (fp8_kernel.Fp8GemmConfig(32, 64, 2, 4, 2), fp8_kernel.Fp8GemmConfig(32, 64, 1, 4, 2)):
+        normed, summed = gemm_add_rms_norm_triton(x, w, residual, norm_weight, 1e-5, config)
+        partials = fp8_kernel.gemm_partials(x, w, config=config)
+        out, h = gemv.gemv_after_norm(partials, residual, norm_weight, 1e-5, w_next, mode)
+        assert torch.equal(h, summed)
+        torch.testing.assert_close(out.double(), gemv.gemv(normed, w_next, mode).double(), **TOLERANCE)
+    with pytest.raises(ValueError, match="residual"):
+        gemv.gemv_after_norm(partials, residual[:, :-1], norm_weight, 1e-5, w_next)
+
+
 def test_qkv_rope_on_a_shape_the_kernel_takes_rotates_its_sums() -> None:
     """qkv_rope_triton without a config on a small weight: the plain projection's values, then the rotation, so
     the pass changes nothing the unfused graph computes (compared in the MMA kernel's test's arithmetic)."""

@@ -147,11 +147,11 @@ def split(gm: fx.GraphModule) -> SplitGraph:
     return split_at_attention(copy_graph_module(gm))
 
 
-def each_piece_with(gm: fx.GraphModule, key: CompileKey, name: str) -> Iterator[tuple[fx.GraphModule, fx.GraphModule,
-                                                                                     int, int]]:
-    """For each distinct piece of the captured graph, with only pass `name` on: (post-grad graph before, after,
-    the pass's rewrites there, how many pieces share it)."""
-    manager = PassManager(PassConfig.from_names([name]), PassEnv())
+def each_piece_with(gm: fx.GraphModule, key: CompileKey, name: str,
+                    after: tuple[str, ...] = ()) -> Iterator[tuple[fx.GraphModule, fx.GraphModule, int, int]]:
+    """For each distinct piece of the captured graph, with only pass `name` on (and the passes it runs `after`):
+    (post-grad graph before, after, the pass's rewrites there, how many pieces share it)."""
+    manager = PassManager(PassConfig.from_names([*after, name]), PassEnv())
     for piece_hash, group in split(gm).distinct().items():
         scope = f"{piece_hash[:12]}_{key}"
         before, after = post_grad(group[0].module, key, manager, scope)

@@ -284,3 +284,42 @@ def test_qkv_rope_matches_in_compile_workers(tiny_checkpoint, monkeypatch, tmp_p
                  max_num_seqs=4, num_blocks=8, compile_sizes=(), compile_workers=2, passes=("qkv_rope",))
     assert rt.compile_stats.worker_compiles == rt.compile_stats.inductor_compiles > 0
     assert pass_manager_of(rt.engine.worker.compiled).total("qkv_rope") == NUM_LAYERS
+def residual_into_the_next_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                                w_next: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """After gemm_add_rmsnorm: the normalised row into a dense projection and into a gate_up one; a third row
+    (another projection's) also feeds a sum, so it stays."""
+    normed, summed = torch.ops.kiln.gemm_add_rms_norm(x, w, residual, norm_weight, 1e-5)
+    qkv = torch.ops.kiln.dense_gemm(normed, w_next)
+    normed2, summed2 = torch.ops.kiln.gemm_add_rms_norm(x, w, summed, norm_weight, 1e-5)
+    act = torch.ops.kiln.gate_up_silu_mul(normed2, w_next)
+    normed3, _ = torch.ops.kiln.gemm_add_rms_norm(x, w, summed2, norm_weight, 1e-5)
+    return qkv, act, summed2, torch.ops.kiln.dense_gemm(normed3, w_next), normed3.sum()
+
+
+def test_the_next_projection_takes_the_norm_and_numbers_stay() -> None:
+    """rmsnorm_gemm: a normalised row whose one user is the next projection's GEMM becomes kiln::gemm_add_rms_norm_gemm
+    (its CPU path is the two ops: the same values); a row with another user is left alone."""
+    from kiln.passes.rmsnorm_gemm import RMSNormGemmPass
+
+    g = torch.Generator().manual_seed(6)
+    args = (torch.randn(20, 32, generator=g), torch.randn(24, 32, generator=g) * 0.2, torch.randn(20, 24, generator=g),
+            1 + 0.1 * torch.randn(24, generator=g), torch.randn(2 * INTER, 24, generator=g) * 0.2)
+    gm, count = run_pass(residual_into_the_next_gemm, *args, kind=RMSNormGemmPass)
+    assert count == 2
+    code = gm.code
+    assert code.count("kiln.gemm_add_rms_norm_gemm") == 2 and code.count("kiln.gemm_add_rms_norm.") == 1
+    assert "gate_up_silu_mul" not in code and code.count("kiln.dense_gemm") == 1
+    for got, want in zip(gm(*args), residual_into_the_next_gemm(*args)):
+        assert torch.equal(got, want)
+
+
+def test_rmsnorm_gemm_takes_each_norm_but_the_final_one(captured_16_bit) -> None:
+    """After gemm_add_rmsnorm and gate_up_silu_mul: each post-attention norm into the gate_up GEMM and each layer's
+    input norm into its qkv GEMM but the first's (of the embedding); the final norm feeds no projection here."""
+    total = 0
+    pieces = each_piece_with(captured_16_bit("tiny-llama").gm, CompileKey.range(1, 32), "rmsnorm_gemm",
+                             after=("gemm_add_rmsnorm", "gate_up_silu_mul"))
+    for _, after, matched, copies in pieces:
+        total += matched * copies
+        assert str(after.graph).count("kiln.gemm_add_rms_norm_gemm") == matched
+    assert total == 2 * NUM_LAYERS - 1

@@ -59,13 +59,16 @@ def test_gemm_epilogue_passes_on_a_16_bit_model(tiny_checkpoint, passes: tuple[s
     assert outs["on"] == outs["off"]
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_gemm_add_rmsnorm_on_a_gpu(tiny_checkpoint, quantization: str | None) -> None:
+@pytest.mark.parametrize(("quantization", "passes"), [
+    (None, ("gemm_add_rmsnorm",)), ("fp8", ("gemm_add_rmsnorm",)),
+    (None, ("gemm_add_rmsnorm", "gate_up_silu_mul", "rmsnorm_gemm"))])
+def test_gemm_add_rmsnorm_on_a_gpu(tiny_checkpoint, quantization: str | None, passes: tuple[str, ...]) -> None:
     """gemm_add_rmsnorm hands the residual add and the next norm after o and down (FP8: and the next projection's
-    quantization) to the GEMM's second kernel. Its sum of squares runs in another order than Inductor's reduction,
-    so a normalised row may differ from the unfused graph's by a bf16 rounding and greedy tokens may part at a
-    near-tie: the logits of prompts of up to 16 tokens (the small-M kernels) and of 30 (the unfused path) stay within
-    bf16 noise of the unfused graph's, and the pass matched."""
+    quantization) to the GEMM's second kernel; rmsnorm_gemm then hands that kernel's work to the next projection's
+    GEMM. The sum of squares runs in another order than Inductor's reduction (and rmsnorm_gemm rounds the norm
+    elsewhere), so a normalised row may differ from the unfused graph's by a bf16 rounding and greedy tokens may part
+    at a near-tie: the logits of prompts of up to 16 tokens (the small-M kernels) and of 30 (the unfused path) stay
+    within bf16 noise of the unfused graph's, and the passes matched."""
     from tests.conftest import prompt_logits
 
     options = dict(level=2, device="cuda", dtype="bf16", max_num_batched_tokens=32, max_num_seqs=4,
@@ -74,11 +77,12 @@ def test_gemm_add_rmsnorm_on_a_gpu(tiny_checkpoint, quantization: str | None) ->
     path = str(tiny_checkpoint("tiny-llama")[0])
     prompts = random_prompts([1, 5, 16, 30], 256, seed=3)
     logits = {}
-    for label, extra in (("off", {"enable_passes": False}), ("on", {"passes": ("gemm_add_rmsnorm",)})):
+    for label, extra in (("off", {"enable_passes": False}), ("on", {"passes": passes})):
         rt = Runtime(path, **options, **extra)
         logits[label] = [prompt_logits(rt, p) for p in prompts]
         if label == "on":
-            assert pass_manager_of(rt.engine.worker.compiled).total("gemm_add_rmsnorm") > 0
+            manager = pass_manager_of(rt.engine.worker.compiled)
+            assert all(manager.total(name) > 0 for name in passes), dict(manager.matches)
         del rt
     for on, off in zip(logits["on"], logits["off"]):
         scale = off.abs().max().item()

@@ -26,10 +26,10 @@ OPTIONS = dict(level=2, device="cpu", dtype="fp32", max_num_batched_tokens=32, m
 GRAPH_COUNTS = {"noop": NUM_LAYERS, "rope_kv": NUM_LAYERS, "qk_norm_rope": 0}
 # one rank: the model has no all-reduce, so allreduce_rmsnorm has nothing to match (its TP=2 counts are in
 # tests/passes/test_allreduce_rmsnorm.py)
-# no FP8 quantization in these models, and no kiln::dense_gemm on the CPU: silu_mul_quant, gate_up_silu_mul and
-# gemm_add_rmsnorm have nothing to match
+# no FP8 quantization in these models, and no kiln::dense_gemm on the CPU: silu_mul_quant, gate_up_silu_mul,
+# gemm_add_rmsnorm and rmsnorm_gemm (which takes the ops of the last two) have nothing to match
 PIECE_COUNTS = {"add_rmsnorm": 2 * NUM_LAYERS + 1, "silu_mul": NUM_LAYERS, "noop": 0, "allreduce_rmsnorm": 0,
-                "silu_mul_quant": 0, "gate_up_silu_mul": 0, "gemm_add_rmsnorm": 0, "qkv_rope": 0}
+                "silu_mul_quant": 0, "gate_up_silu_mul": 0, "gemm_add_rmsnorm": 0, "qkv_rope": 0, "rmsnorm_gemm": 0}
 
 
 @pytest.fixture(scope="module")
