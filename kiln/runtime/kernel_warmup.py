@@ -73,17 +73,27 @@ def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
 
 
 # (pass, weight rows, K, dtype, heads, KV heads, head_dim): a GEMM that a pass hands an epilogue
-# (kiln/models/gemm_epilogues.py); heads are 0 but for qkv_rope
+# (kiln/models/gemm_epilogues.py); heads are 0 but for qkv_rope; for rmsnorm_gemm (kiln/models/gemv.py) the three
+# are (the splits of the partials it reads, whether it SiLU-muls, 0)
 EpilogueShape = tuple[str, int, int, torch.dtype, int, int, int]
 
 
 def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[EpilogueShape]:
-    """The distinct GEMMs the enabled epilogue passes (gate_up_silu_mul, qkv_rope, gemm_add_rmsnorm) will run
-    kernels for."""
+    """The distinct GEMMs the enabled epilogue passes (gate_up_silu_mul, qkv_rope, gemm_add_rmsnorm, rmsnorm_gemm)
+    will run kernels for."""
     from kiln.models.llama import MLP, Attention
 
     passes, seen = set(passes), {}
+    behind: torch.Tensor | None = None  # the last projection into the residual stream, whose norm the next GEMM reads
     for module in model.modules():
+        if isinstance(module, SparseMoeBlock):  # its norm feeds the router and the experts: no rmsnorm_gemm there
+            behind = None
+        if isinstance(module, (MLP, Attention)) and "rmsnorm_gemm" in passes:
+            mlp = isinstance(module, MLP)
+            first = module.gate_up_proj.weight if mlp else module.qkv_proj.weight  # the GEMM after the norm
+            if behind is not None and _served(behind) and _served(first) and _gemv_takes(first):
+                seen[("rmsnorm_gemm", *first.shape, first.dtype, _splits(behind), int(mlp), 0)] = None
+            behind = module.down_proj.weight if mlp else module.o_proj.weight
         if isinstance(module, (MLP, Attention)) and "gemm_add_rmsnorm" in passes:
             weight = module.down_proj.weight if isinstance(module, MLP) else module.o_proj.weight
             if _served(weight):
@@ -97,6 +107,22 @@ def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[Epilo
             seen[("qkv_rope", *weight.shape, weight.dtype, module.num_heads, module.num_kv_heads,
                   module.head_dim)] = None
     return list(seen)
+
+
+def _gemv_takes(weight: torch.Tensor) -> bool:
+    from kiln.models import gemv
+
+    return gemv.applies(weight.shape[0], weight.shape[1], weight.element_size())
+
+
+def _splits(weight: torch.Tensor) -> int:
+    """How many fp32 partials the small-M GEMM of `weight` writes at one token (kiln/models/quant/fp8_kernel.py)."""
+    from kiln.models.quant.fp8_kernel import num_sms, pick_config, split_k
+
+    if _gemv_takes(weight):
+        return 1
+    config = pick_config(1, weight.shape[0], weight.shape[1], num_sms(weight.device), weight.element_size())
+    return split_k(weight.shape[1], config, config.split_k)[0]
 
 
 def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device: torch.device) -> int:
@@ -114,6 +140,11 @@ def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device:
                 gate_up_silu_mul_triton(x, weight)
             elif name == "gemm_add_rmsnorm":
                 gemm_add_rms_norm_triton(x, weight, x.new_zeros(m, n), x.new_ones(n), 1e-6)
+            elif name == "rmsnorm_gemm":
+                from kiln.models import gemv
+
+                gemv.gemv_after_norm(torch.zeros(heads, m, k, device=device), x, x.new_ones(k), 1e-6, weight,
+                                     gemv.SILU_MUL if kv_heads else gemv.OUT)
             else:
                 qkv_rope_triton(x, weight, torch.zeros(m, dtype=torch.int64, device=device),
                                 torch.zeros(2, head_dim, device=device), heads, kv_heads)
