@@ -7,8 +7,8 @@ through a K loop after the programmatic-dependent-launch wait, a DRAM round trip
 Here a program's whole weight slice (rows x all of K, at most 16 KB) is one load issued *before* the wait:
 weights are never written during a step, so they may be read while the previous kernel still runs, and the
 wait then only guards the activation. The same layout with a barrier-free chain of kernels against one
-persistent kernel and against the MMA kernel is `benchmarks/bench_persistent.py`; the decode A/B is in
-docs/models.md.
+persistent kernel and against the MMA kernel is `benchmarks/bench_persistent.py` (docs/cuda_graphs.md); the
+decode A/B that would turn it on is owed (docs/models.md).
 
 Every token is computed the same way whatever M is (a loop over tokens around one row-block dot), so a token's
 sums do not depend on the batch: a decode (M = 1) and a speculative verify (M <= 16) agree bit for bit, as the
@@ -33,8 +33,9 @@ import triton.language as tl
 from kiln.models.pdl import pdl_launch, pdl_start
 
 # Shapes this kernel takes (16-bit weights): K up to MAX_K (a program's rows hold all of K in registers) and at
-# most MAX_BYTES of weight (where latency, not bandwidth, sets a projection's time). KILN_GEMV=0: none.
-ENABLED = os.environ.get("KILN_GEMV", "1") != "0"
+# most MAX_BYTES of weight (where latency, not bandwidth, sets a projection's time). Off unless KILN_GEMV=1: the
+# kernel has not yet run inside kiln's decode step on a GPU (docs/models.md says what the A/B must show).
+ENABLED = os.environ.get("KILN_GEMV", "0") == "1"
 MAX_K = 2048
 MAX_BYTES = int(os.environ.get("KILN_GEMV_MAX_BYTES", str(4 << 20)))
 TILE_ELEMENTS = 8192  # rows x K (padded) a program holds: 16 KB of bf16, 64 registers a thread at 4 warps

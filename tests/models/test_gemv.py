@@ -28,6 +28,7 @@ from kiln.models.quant import fp8_kernel  # noqa: E402
 def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(gemv, "ENABLED", True)  # KILN_GEMV=1: the entry points hand their shapes over
 
 
 def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +89,7 @@ def test_shapes_taken_and_the_entry_points_that_hand_them_over(monkeypatch: pyte
     monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(1) or original(*a))
     fp8_kernel.bf16_gemm_triton(x, w, fp8_kernel.Fp8GemmConfig(32, 64, 1, 4, 2))
     assert not calls
-    monkeypatch.setattr(gemv, "ENABLED", False)  # KILN_GEMV=0
+    monkeypatch.setattr(gemv, "ENABLED", False)  # the default until measured
     fp8_kernel.bf16_gemm_triton(x, w)
     assert not calls and not gemv.applies(960, 576, 2)
 
