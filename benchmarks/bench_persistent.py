@@ -145,6 +145,25 @@ def _layer_weights(w_ptr, layer, H: tl.constexpr, Q: tl.constexpr, NI: tl.conste
 
 
 @triton.jit
+def _first_tiles(wq, wo, wgu, wd, pid, PHASE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, Q: tl.constexpr,
+                 NI: tl.constexpr, NIP: tl.constexpr, R: tl.constexpr, RD: tl.constexpr):
+    """Program pid's first weight tile of projection PHASE (and, for gate_up, its up tile; the same tile else)."""
+    if PHASE == 0:
+        first = _load_rows(wq, pid, Q, H, HP, R)
+        first_u = first
+    elif PHASE == 1:
+        first = _load_rows(wo, pid, H, H, HP, R)
+        first_u = first
+    elif PHASE == 2:
+        first = _load_rows(wgu, pid, NI, H, HP, R)
+        first_u = _load_rows(wgu + NI * H, pid, NI, H, HP, R)
+    else:
+        first = _load_rows(wd, pid, H, NI, NIP, RD)
+        first_u = first
+    return first, first_u
+
+
+@triton.jit
 def _projection_kernel(w_ptr, h_ptr, qkv_ptr, act_ptr, layer, PHASE: tl.constexpr, H: tl.constexpr,
                        HP: tl.constexpr, Q: tl.constexpr, NI: tl.constexpr, NIP: tl.constexpr, R: tl.constexpr,
                        RD: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr = False):
@@ -154,26 +173,10 @@ def _projection_kernel(w_ptr, h_ptr, qkv_ptr, act_ptr, layer, PHASE: tl.constexp
     nprog = tl.num_programs(0)
     wq, wo, wgu, wd = _layer_weights(w_ptr, layer, H, Q, NI)
     if PRELOAD:
-        if PHASE == 0:
-            first = _load_rows(wq, pid, Q, H, HP, R)
-        elif PHASE == 1:
-            first = _load_rows(wo, pid, H, H, HP, R)
-        elif PHASE == 2:
-            first = _load_rows(wgu, pid, NI, H, HP, R)
-            first_u = _load_rows(wgu + NI * H, pid, NI, H, HP, R)
-        else:
-            first = _load_rows(wd, pid, H, NI, NIP, RD)
+        first, first_u = _first_tiles(wq, wo, wgu, wd, pid, PHASE, H, HP, Q, NI, NIP, R, RD)
     pdl_start(PDL)
     if not PRELOAD:
-        if PHASE == 0:
-            first = _load_rows(wq, pid, Q, H, HP, R)
-        elif PHASE == 1:
-            first = _load_rows(wo, pid, H, H, HP, R)
-        elif PHASE == 2:
-            first = _load_rows(wgu, pid, NI, H, HP, R)
-            first_u = _load_rows(wgu + NI * H, pid, NI, H, HP, R)
-        else:
-            first = _load_rows(wd, pid, H, NI, NIP, RD)
+        first, first_u = _first_tiles(wq, wo, wgu, wd, pid, PHASE, H, HP, Q, NI, NIP, R, RD)
     if PHASE == 0:
         _phase_qkv(wq, first, pid, nprog, h_ptr, qkv_ptr, H, HP, Q, R)
     elif PHASE == 1:
