@@ -201,6 +201,20 @@ def _grid_sync(bar_ptr, target):
 
 
 @triton.jit
+def _barrier_then_tiles(bar_ptr, arrivals, wq, wo, wgu, wd, pid, PHASE: tl.constexpr, PREFETCH: tl.constexpr,
+                        H: tl.constexpr, HP: tl.constexpr, Q: tl.constexpr, NI: tl.constexpr, NIP: tl.constexpr,
+                        R: tl.constexpr, RD: tl.constexpr):
+    """The grid barrier before projection PHASE and that projection's first tiles, loaded before the barrier
+    (PREFETCH) or after it."""
+    if PREFETCH:
+        first, first_u = _first_tiles(wq, wo, wgu, wd, pid, PHASE, H, HP, Q, NI, NIP, R, RD)
+    _grid_sync(bar_ptr, arrivals)
+    if not PREFETCH:
+        first, first_u = _first_tiles(wq, wo, wgu, wd, pid, PHASE, H, HP, Q, NI, NIP, R, RD)
+    return first, first_u
+
+
+@triton.jit
 def _persistent_kernel(w_ptr, h_ptr, qkv_ptr, act_ptr, bar_ptr, layers, H: tl.constexpr, HP: tl.constexpr,
                        Q: tl.constexpr, NI: tl.constexpr, NIP: tl.constexpr, R: tl.constexpr, RD: tl.constexpr,
                        PREFETCH: tl.constexpr):
@@ -217,28 +231,17 @@ def _persistent_kernel(w_ptr, h_ptr, qkv_ptr, act_ptr, bar_ptr, layers, H: tl.co
         if not PREFETCH:
             first_q = _load_rows(wq, pid, Q, H, HP, R)
         _phase_qkv(wq, first_q, pid, nprog, h_ptr, qkv_ptr, H, HP, Q, R)
-        if PREFETCH:
-            first_o = _load_rows(wo, pid, H, H, HP, R)
         arrivals += nprog
-        _grid_sync(bar_ptr, arrivals)
-        if not PREFETCH:
-            first_o = _load_rows(wo, pid, H, H, HP, R)
+        first_o, _ = _barrier_then_tiles(bar_ptr, arrivals, wq, wo, wgu, wd, pid, 1, PREFETCH, H, HP, Q, NI, NIP, R,
+                                         RD)
         _phase_o(wo, first_o, pid, nprog, h_ptr, qkv_ptr, H, HP, R)
-        if PREFETCH:
-            first_g = _load_rows(wgu, pid, NI, H, HP, R)
-            first_u = _load_rows(wgu + NI * H, pid, NI, H, HP, R)
         arrivals += nprog
-        _grid_sync(bar_ptr, arrivals)
-        if not PREFETCH:
-            first_g = _load_rows(wgu, pid, NI, H, HP, R)
-            first_u = _load_rows(wgu + NI * H, pid, NI, H, HP, R)
+        first_g, first_u = _barrier_then_tiles(bar_ptr, arrivals, wq, wo, wgu, wd, pid, 2, PREFETCH, H, HP, Q, NI,
+                                               NIP, R, RD)
         _phase_gate_up(wgu, first_g, first_u, pid, nprog, h_ptr, act_ptr, H, HP, NI, R)
-        if PREFETCH:
-            first_d = _load_rows(wd, pid, H, NI, NIP, RD)
         arrivals += nprog
-        _grid_sync(bar_ptr, arrivals)
-        if not PREFETCH:
-            first_d = _load_rows(wd, pid, H, NI, NIP, RD)
+        first_d, _ = _barrier_then_tiles(bar_ptr, arrivals, wq, wo, wgu, wd, pid, 3, PREFETCH, H, HP, Q, NI, NIP, R,
+                                         RD)
         _phase_down(wd, first_d, pid, nprog, h_ptr, act_ptr, H, NI, NIP, RD)
         if PREFETCH:  # the next layer's (the last layer reads its own again: nothing past the buffer)
             next_q, _, _, _ = _layer_weights(w_ptr, tl.minimum(layer + 1, layers - 1), H, Q, NI)

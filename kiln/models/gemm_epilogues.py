@@ -148,11 +148,12 @@ def _gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, c
                num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv_rope_triton's result for a weight the plain projection takes through kiln/models/gemv.py: its sums
     (the plain GEMM's), then the kernel's rotation in fp32, so turning the pass on changes no value."""
+    from kiln.models.layers import rotate_neox
+
     m, head_dim = x.shape[0], cos_sin_cache.shape[-1]
     y = gemv.gemv(x, weight).view(m, num_heads + 2 * num_kv_heads, head_dim)
     cos, sin = cos_sin_cache[positions[:m]].float()[:, None].chunk(2, dim=-1)
-    x1, x2 = y[:, :num_heads + num_kv_heads].float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    rotated = rotate_neox(y[:, :num_heads + num_kv_heads], cos, sin)
     return (rotated[:, :num_heads].contiguous(), rotated[:, num_heads:].contiguous(),
             y[:, num_heads + num_kv_heads:].contiguous())
 

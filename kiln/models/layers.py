@@ -291,10 +291,11 @@ class RotaryEmbedding(nn.Module):
         """q: [T, H, D], k: [T, Hkv, D] -> rotated copies."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] rotated in fp32 by cos / sin [..., D / 2] (first half against second), cast back to x's dtype."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
