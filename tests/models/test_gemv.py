@@ -62,15 +62,23 @@ def test_silu_mul_of_gate_and_up_rows() -> None:
     torch.testing.assert_close(out.double(), (F.silu(gate.float()) * up.float()).to(DTYPE).double(), **TOLERANCE)
 
 
-def test_a_tokens_sums_do_not_depend_on_the_batch() -> None:
-    """Row i of an M-token call is bit for bit the call of token i alone, in every mode: a decode and a verify
-    holding the same token give the same logits."""
+@pytest.mark.parametrize("tokens_per_program", [1, 3])
+def test_a_tokens_sums_do_not_depend_on_the_batch(monkeypatch: pytest.MonkeyPatch, tokens_per_program: int) -> None:
+    """Row i of an M-token call is bit for bit the call of token i alone, in every mode and however many tokens a
+    program takes (3: M off a multiple of it): a decode and a verify holding the same token give the same logits."""
     x, w = operands(16, 64, 576, 11)
+    monkeypatch.setattr(gemv, "TOKENS_PER_PROGRAM", tokens_per_program)
     for mode in (gemv.OUT, gemv.PARTIALS, gemv.SILU_MUL):
         batch = gemv.gemv(x, w, mode)
         for i in (0, 5, 15):
             alone = gemv.gemv(x[i:i + 1], w, mode)
             assert torch.equal(batch[..., i:i + 1, :], alone)
+    norm_weight = torch.ones(64, dtype=DTYPE, device=DEVICE)
+    partials = gemv.gemv(x, w, gemv.PARTIALS)
+    _, w_next = operands(1, 32, 64, 12)
+    out, h = gemv.gemv_after_norm(partials, x[:, :64].contiguous(), norm_weight, 1e-5, w_next)
+    alone, h_alone = gemv.gemv_after_norm(partials[:, 15:], x[15:, :64].contiguous(), norm_weight, 1e-5, w_next)
+    assert torch.equal(out[15:], alone) and torch.equal(h[15:], h_alone)
 
 
 def test_shapes_taken_and_the_entry_points_that_hand_them_over(monkeypatch: pytest.MonkeyPatch) -> None:
