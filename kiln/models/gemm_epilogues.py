@@ -128,7 +128,7 @@ def gate_up_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"weight: {weight.shape[0]} rows, expected gate and up halves of equal size")
     m, k = x.shape
     n = weight.shape[0] // 2
-    if config is None and gemv.applies(2 * n, k, x.element_size()):
+    if config is None and gemv.applies(m, 2 * n, k, x.element_size()):
         return gemv.gemv(x, weight, gemv.SILU_MUL)
     config = config or pick_config(m, 2 * n, k, num_sms(x.device), x.element_size())
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -169,7 +169,7 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
     n = weight.shape[0]
     if n != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"weight: {n} rows, expected ({num_heads} + 2 x {num_kv_heads}) heads of {head_dim}")
-    if config is None and gemv.applies(n, k, x.element_size()) and fits_a_tile(head_dim):
+    if config is None and gemv.applies(m, n, k, x.element_size()) and fits_a_tile(head_dim):
         return _gemv_rope(x, weight, positions, cos_sin_cache, num_heads, num_kv_heads)
     config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
     block_n = min(config.block_n, head_dim)  # a tile stays inside one head

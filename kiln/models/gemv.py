@@ -8,12 +8,13 @@ Here a program's whole weight slice (rows x all of K, at most 16 KB) is one load
 weights are never written during a step, so they may be read while the previous kernel still runs, and the
 wait then only guards the activation. The same layout with a barrier-free chain of kernels against one
 persistent kernel and against the MMA kernel is `benchmarks/bench_persistent.py` (docs/cuda_graphs.md); the
-decode A/B that would turn it on is owed (docs/models.md).
+decode A/B that turned it on, docs/models.md.
 
-Every token is computed the same way whatever M is (one row-block dot a token, whichever program takes it), so a token's
-sums do not depend on the batch: a decode (M = 1) and a speculative verify (M <= 16) agree bit for bit, as the
-MMA kernel's fixed tiles guaranteed before. A shape takes this kernel or the MMA kernel for every M, never
-both, and the epilogue kernels (gemm_epilogues.py) read the same sums.
+Only one token pays (MAX_TOKENS): the kernel re-reads its weight slice for every token, a program per token, so
+at 16 tokens SmolLM2-135M's step took twice the MMA kernel's (docs/models.md). A token's sums are the same at any M
+(one row-block dot a token), but at M = 1 they are not the MMA kernel's, which a speculative verify (M = k + 1)
+runs: a runner that speculates calls `suspended()` around its forwards, so its decode stays its verify bit for
+bit. The epilogue kernels (gemm_epilogues.py) read the same sums as the plain projection.
 
 Three outputs (MODE): the projection in the activation's dtype; its fp32 sums (a "partials" tensor of one
 split, for the add + RMSNorm row kernel); silu(gate) * up with a program's gate rows and the up rows N below. And
@@ -24,7 +25,10 @@ kernel of its own; cheap here, where the operand is a vector each program holds 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -32,23 +36,38 @@ import triton.language as tl
 
 from kiln.models.pdl import pdl_launch, pdl_start
 
-# Shapes this kernel takes (16-bit weights): K up to MAX_K (a program's rows hold all of K in registers) and at
-# most MAX_BYTES of weight (where latency, not bandwidth, sets a projection's time). Off unless KILN_GEMV=1: the
-# kernel has not yet run inside kiln's decode step on a GPU (docs/models.md says what the A/B must show).
-ENABLED = os.environ.get("KILN_GEMV", "0") == "1"
+# Calls this kernel takes (16-bit weights): at most MAX_TOKENS tokens, K up to MAX_K (a program's rows hold all of
+# K in registers) and at most MAX_BYTES of weight (where latency, not bandwidth, sets a projection's time). On by
+# measurement (SmolLM2-135M at batch 1, docs/models.md); KILN_GEMV=0 turns it off.
+ENABLED = os.environ.get("KILN_GEMV", "1") == "1"
+MAX_TOKENS = int(os.environ.get("KILN_GEMV_MAX_TOKENS", "1"))
 MAX_K = 2048
 MAX_BYTES = int(os.environ.get("KILN_GEMV_MAX_BYTES", str(4 << 20)))
-# Tokens a program dots (a loop): a program per token keeps each token's wait and loads off the others' path
-# (one program looping over 8 tokens made SmolLM2-135M's batch-8 step 0.63 -> 1.14 ms on an H100, 2026-12-06)
-TOKENS_PER_PROGRAM = int(os.environ.get("KILN_GEMV_TOKENS_PER_PROGRAM", "1"))
+_suspended = contextvars.ContextVar("kiln_gemv_suspended", default=False)
 TILE_ELEMENTS = 8192  # rows x K (padded) a program holds: 16 KB of bf16, 64 registers a thread at 4 warps
 
 OUT, PARTIALS, SILU_MUL = 0, 1, 2
 
 
-def applies(n: int, k: int, element_bytes: int) -> bool:
-    """Whether an [N, K] weight's projection runs here (N: all rows, gate and up together for SiLU-mul)."""
+def takes(n: int, k: int, element_bytes: int) -> bool:
+    """Whether an [N, K] weight's one-token projection may run here (N: all rows, gate and up together for
+    SiLU-mul)."""
     return ENABLED and element_bytes == 2 and k <= MAX_K and n * k * element_bytes <= MAX_BYTES
+
+
+def applies(m: int, n: int, k: int, element_bytes: int) -> bool:
+    """Whether M tokens' projection by an [N, K] weight runs here."""
+    return m <= MAX_TOKENS and not _suspended.get() and takes(n, k, element_bytes)
+
+
+@contextlib.contextmanager
+def suspended(on: bool = True) -> Iterator[None]:
+    """With `on`, no call takes this kernel inside the block (nor any CUDA graph captured there)."""
+    token = _suspended.set(on)
+    try:
+        yield
+    finally:
+        _suspended.reset(token)
 
 
 def rows_per_program(k: int) -> int:
@@ -64,58 +83,54 @@ def _load_rows(w_ptr, rows, N, K, s_wn, KP: tl.constexpr):
 
 
 @triton.jit
-def _finished_row(p_ptr, res_ptr, g_ptr, h_ptr, m, K, s_p, s_res, eps, store_k, offs_k, k_live,
-                  SPLITS: tl.constexpr):
+def _finished_row(p_ptr, res_ptr, g_ptr, h_ptr, m, K, s_p, s_res, eps, store_k, offs_k, SPLITS: tl.constexpr):
     """Token m's operand when a projection into the residual stream left its row unfinished: h = round(round(sum
     of the SPLITS fp32 partials, in order) + residual), written by one program (`store_k`: K there, 0 elsewhere),
-    and g * round(h / rms(h)) rounded to 16 bits, as the add + RMSNorm row kernel (gemm_epilogues.py) rounds.
-    `k_live`: K where m is a token (m < M), else 0."""
-    k_mask = offs_k < k_live
+    and g * round(h / rms(h)) rounded to 16 bits, as the add + RMSNorm row kernel (gemm_epilogues.py) rounds."""
+    k_mask = offs_k < K
     acc = tl.load(p_ptr + m * K + offs_k, mask=k_mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
         acc += tl.load(p_ptr + s * s_p + m * K + offs_k, mask=k_mask, other=0.0)
     dtype = h_ptr.dtype.element_ty
     res = tl.load(res_ptr + m * s_res + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     h = (acc.to(dtype).to(tl.float32) + res).to(dtype)
-    tl.store(h_ptr + m * K + offs_k, h, mask=offs_k < tl.minimum(store_k, k_live))
+    tl.store(h_ptr + m * K + offs_k, h, mask=offs_k < store_k)
     hf = h.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(hf * hf, 0) / K + eps)
-    g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     return (g * (hf * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, res_ptr, g_ptr, h_ptr, s_p, s_res, eps,
-                 R: tl.constexpr, KP: tl.constexpr, MODE: tl.constexpr, SPLITS: tl.constexpr, TM: tl.constexpr,
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, s_xm, s_wn, s_om, res_ptr, g_ptr, h_ptr, s_p, s_res, eps,
+                 R: tl.constexpr, KP: tl.constexpr, MODE: tl.constexpr, SPLITS: tl.constexpr,
                  PDL: tl.constexpr = False):
-    """Program (p, t): output columns [p R, p R + R) of tokens [t TM, t TM + TM), each a dot over the whole of K.
-    SPLITS > 0: x_ptr holds a projection's fp32 partials and each token's operand is `_finished_row`'s."""
+    """Program (p, m): output columns [p R, p R + R) of token m, a dot over the whole of K. SPLITS > 0: x_ptr
+    holds a projection's fp32 partials and the token's operand is `_finished_row`'s."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     w = _load_rows(w_ptr, rows, N, K, s_wn, KP)  # before the wait: weights are never written during a step
     if MODE == 2:
         w_up = _load_rows(w_ptr + N * s_wn, rows, N, K, s_wn, KP)
     pdl_start(PDL)
     offs_k = tl.arange(0, KP)
-    for i in tl.static_range(TM):
-        m = tl.program_id(1) * TM + i
-        k_live = tl.where(m < M, K, 0)  # a program's tokens past M: every load and store masked off
-        if SPLITS > 0:
-            x = _finished_row(x_ptr, res_ptr, g_ptr, h_ptr, m, K, s_p, s_res, eps,
-                              tl.where(tl.program_id(0) == 0, K, 0), offs_k, k_live, SPLITS)
-        else:
-            x = tl.load(x_ptr + m * s_xm + offs_k, mask=offs_k < k_live, other=0.0).to(tl.float32)
-        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
-        dst = out_ptr + m * s_om + rows
-        mask = rows < tl.where(m < M, N, 0)
-        if MODE == 0:
-            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        elif MODE == 1:
-            tl.store(dst, acc, mask=mask)
-        else:  # each projection rounded as the GEMM's output would be, then silu(gate) * up in fp32
-            dtype = out_ptr.dtype.element_ty
-            gate = acc.to(dtype).to(tl.float32)
-            up = tl.sum(w_up.to(tl.float32) * x[None, :], 1).to(dtype).to(tl.float32)
-            tl.store(dst, (gate * tl.sigmoid(gate) * up).to(dtype), mask=mask)
+    mask = rows < N
+    m = tl.program_id(1)
+    if SPLITS > 0:
+        x = _finished_row(x_ptr, res_ptr, g_ptr, h_ptr, m, K, s_p, s_res, eps, tl.where(tl.program_id(0) == 0, K, 0),
+                          offs_k, SPLITS)
+    else:
+        x = tl.load(x_ptr + m * s_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    dst = out_ptr + m * s_om + rows
+    if MODE == 0:
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif MODE == 1:
+        tl.store(dst, acc, mask=mask)
+    else:  # each projection rounded as the GEMM's output would be, then silu(gate) * up in fp32
+        dtype = out_ptr.dtype.element_ty
+        gate = acc.to(dtype).to(tl.float32)
+        up = tl.sum(w_up.to(tl.float32) * x[None, :], 1).to(dtype).to(tl.float32)
+        tl.store(dst, (gate * tl.sigmoid(gate) * up).to(dtype), mask=mask)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, mode: int = OUT) -> torch.Tensor:
@@ -155,6 +170,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, mode: int,
             splits: int) -> None:
     m, n, k = out.shape[-2], out.shape[-1], weight.shape[1]
     r = rows_per_program(k)
-    _gemv_kernel[(triton.cdiv(n, r), triton.cdiv(m, TOKENS_PER_PROGRAM))](
-        x, weight, out, m, n, k, s_xm, weight.stride(0), n, *norm, R=r, KP=triton.next_power_of_2(k), MODE=mode,
-        SPLITS=splits, TM=TOKENS_PER_PROGRAM, num_warps=4, **pdl_launch(x.device))
+    _gemv_kernel[(triton.cdiv(n, r), m)](x, weight, out, n, k, s_xm, weight.stride(0), n, *norm, R=r,
+                                         KP=triton.next_power_of_2(k), MODE=mode, SPLITS=splits, num_warps=4,
+                                         **pdl_launch(x.device))

@@ -54,7 +54,11 @@ CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_si
 # `bench_profile` at batch 1 in one call, a step 4.162 -> 4.134 ms on Llama-3-8B (327 -> 295 kernels), GPU busy
 # 0.602 -> 0.562 ms on SmolLM2-135M (0.674 -> 0.588 at batch 8), Qwen3-30B-A3B 2.887 -> 2.839 (without noop).
 _ROPE_IN_ATTENTION = ("noop", "rope_kv", "qk_norm_rope")
-_DECODE_EPILOGUES = ("gemm_add_rmsnorm<=16", "gate_up_silu_mul<=16", "silu_mul_quant<=16")
+# rmsnorm_gemm (the next small projection finishes the add + norm row itself, where it runs the one-token
+# matrix-vector kernel; a graph whose next weights that kernel never takes is left as it is), SmolLM2-135M with
+# the kernel on, one process per arm: 0.521, 0.515, 0.509, 0.515 -> 0.521 (host 0.49), 0.452, 0.595 (host 0.57),
+# 0.437 ms at batch 1 (one H100, 2026-12-06, docs/models.md).
+_DECODE_EPILOGUES = ("gemm_add_rmsnorm<=16", "gate_up_silu_mul<=16", "silu_mul_quant<=16", "rmsnorm_gemm<=16")
 LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
     0: (),
     1: (),

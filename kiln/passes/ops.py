@@ -239,7 +239,7 @@ def gemm_add_rms_norm_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torc
     from kiln.models import dense_gemm, gemv
 
     if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M \
-            and gemv.applies(next_weight.shape[0], next_weight.shape[1], next_weight.element_size()):
+            and gemv.applies(x.shape[0], next_weight.shape[0], next_weight.shape[1], next_weight.element_size()):
         from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
 
         check_operands(x, weight)

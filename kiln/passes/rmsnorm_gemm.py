@@ -34,6 +34,13 @@ class RMSNormGemmPass(KilnPass):
         return count
 
 
+def _takes_matrix_vector(weight: object) -> bool:
+    from kiln.models import gemv  # triton: imported when the pass runs (on CUDA)
+
+    value = weight.meta.get("val") if isinstance(weight, fx.Node) else weight
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and gemv.takes(*value.shape, value.element_size())
+
+
 def _rewrite(graph: fx.Graph, fused: fx.Node, order: dict[fx.Node, int]) -> bool:
     """Rewrites `fused` and the projection after it when its normalised row feeds only that projection (whose
     weight, a graph input, is defined before `fused`, where the new op goes)."""
@@ -47,6 +54,8 @@ def _rewrite(graph: fx.Graph, fused: fx.Node, order: dict[fx.Node, int]) -> bool
         return False
     weight = consumer.args[1]
     if isinstance(weight, fx.Node) and order.get(weight, len(order)) > order[fused]:
+        return False
+    if not _takes_matrix_vector(weight):  # the op would run the two ops it replaces: keep the graph as it is
         return False
     with graph.inserting_before(fused):
         out, new_sum = call_outputs(graph, torch.ops.kiln.gemm_add_rms_norm_gemm.default,

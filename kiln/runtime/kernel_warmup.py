@@ -109,10 +109,10 @@ def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[Epilo
     return list(seen)
 
 
-def _gemv_takes(weight: torch.Tensor) -> bool:
+def _gemv_takes(weight: torch.Tensor, m: int = 1) -> bool:
     from kiln.models import gemv
 
-    return gemv.applies(weight.shape[0], weight.shape[1], weight.element_size())
+    return gemv.applies(m, weight.shape[0], weight.shape[1], weight.element_size())
 
 
 def _splits(weight: torch.Tensor) -> int:
@@ -143,6 +143,8 @@ def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device:
             elif name == "rmsnorm_gemm":
                 from kiln.models import gemv
 
+                if not _gemv_takes(weight, m):  # the op runs gemm_add_rmsnorm's kernels and the next GEMM's there
+                    continue
                 gemv.gemv_after_norm(torch.zeros(heads, m, k, device=device), x, x.new_ones(k), 1e-6, weight,
                                      gemv.SILU_MUL if kv_heads else gemv.OUT)
             else:

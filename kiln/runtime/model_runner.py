@@ -106,8 +106,11 @@ class ModelRunner:
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  device: torch.device, eos_token_ids: frozenset[int],
                  block_ids_of: Callable[[Request], list[int]],
-                 kv_scales: tuple[tuple[float, float], ...] | None = None) -> None:
+                 kv_scales: tuple[tuple[float, float], ...] | None = None, matrix_vector: bool = True) -> None:
         self.model = model
+        # one-token projections of small weights may take the matrix-vector kernel (kiln/models/gemv.py, CUDA only);
+        # not where a speculative verify must equal a decode bit for bit
+        self.matrix_vector = matrix_vector or device.type != "cuda"
         # per layer (k_scale, v_scale) of an fp8 cache (kiln/models/kv_quant.py); None: 1.0 everywhere
         self.kv_scales = kv_scales
         self.block_ids_of = block_ids_of
@@ -414,6 +417,14 @@ class ModelRunner:
     def run_model(self, batch: PreparedBatch) -> ForwardOutput:
         """The forward over the padded batch, as a FULL graph (small ones end with the LM head and the greedy
         argmax: kiln/runtime/graph_head.py), PIECEWISE graphs, or compiled/eager pieces."""
+        if self.matrix_vector:
+            return self._run_model(batch)
+        from kiln.models import gemv  # triton: CUDA only
+
+        with gemv.suspended():  # the kernels a graph captures, too
+            return self._run_model(batch)
+
+    def _run_model(self, batch: PreparedBatch) -> ForwardOutput:
         n = batch.num_padded_tokens
         desc, mode = self._descriptor(batch)
         ids, pos = self.input_ids[:n], self.positions[:n]

@@ -92,7 +92,8 @@ class Worker:
         self.kernel_warmup: KernelWarmup | None = None  # warm_up's kiln-kernel warm-up (GPU, cold starts), for stats
         self.runner = ModelRunner(self.model, self.backend, None, config.cache.block_size,
                                   sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
-                                  device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [])
+                                  device, frozenset(spec.eos_token_ids), block_ids_of=lambda req: [],
+                                  matrix_vector=config.speculative_config is None)
 
     def _allocate_kv_cache(self) -> None:
         """Wait for the weights (their memory counts as in use), size the KV cache and hand it to the runner."""

@@ -76,7 +76,7 @@ def test_o2_gpu_plan_compiles_the_ranges_alone(budget: int) -> None:
     tp = CompilationConfig(level=2).resolve(GPU, budget, background_supported=False)
     assert tp.compile_sizes == () and [(k.lo, k.hi) for k in build_dispatcher(tp, budget).keys] == ranges
     assert c.passes == ("allreduce_rmsnorm", "gemm_add_rmsnorm<=16", "gate_up_silu_mul<=16", "silu_mul_quant<=16",
-                        "noop", "rope_kv", "qk_norm_rope")
+                        "rmsnorm_gemm<=16", "noop", "rope_kv", "qk_norm_rope")
     cpu = resolve(budget=budget, level=2)
     assert cpu.compile_ranges == () and cpu.passes == ("allreduce_rmsnorm",)  # silu_mul_quant runs on a CPU too
     # a mixture of experts keeps one range on a GPU too: the decode-size epilogues slowed it down

@@ -28,7 +28,7 @@ from kiln.models.quant import fp8_kernel  # noqa: E402
 def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(gemv, "ENABLED", True)  # KILN_GEMV=1: the entry points hand their shapes over
+    monkeypatch.setattr(gemv, "ENABLED", True)  # the default, whatever KILN_GEMV the environment holds
 
 
 def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,12 +62,9 @@ def test_silu_mul_of_gate_and_up_rows() -> None:
     torch.testing.assert_close(out.double(), (F.silu(gate.float()) * up.float()).to(DTYPE).double(), **TOLERANCE)
 
 
-@pytest.mark.parametrize("tokens_per_program", [1, 3])
-def test_a_tokens_sums_do_not_depend_on_the_batch(monkeypatch: pytest.MonkeyPatch, tokens_per_program: int) -> None:
-    """Row i of an M-token call is bit for bit the call of token i alone, in every mode and however many tokens a
-    program takes (3: M off a multiple of it): a decode and a verify holding the same token give the same logits."""
+def test_a_tokens_sums_do_not_depend_on_the_batch() -> None:
+    """Row i of an M-token call is bit for bit the call of token i alone, in every mode and after a norm."""
     x, w = operands(16, 64, 576, 11)
-    monkeypatch.setattr(gemv, "TOKENS_PER_PROGRAM", tokens_per_program)
     for mode in (gemv.OUT, gemv.PARTIALS, gemv.SILU_MUL):
         batch = gemv.gemv(x, w, mode)
         for i in (0, 5, 15):
@@ -81,14 +78,16 @@ def test_a_tokens_sums_do_not_depend_on_the_batch(monkeypatch: pytest.MonkeyPatc
     assert torch.equal(out[15:], alone) and torch.equal(h[15:], h_alone)
 
 
-def test_shapes_taken_and_the_entry_points_that_hand_them_over(monkeypatch: pytest.MonkeyPatch) -> None:
-    """16-bit weights with K <= MAX_K and at most MAX_BYTES; the plain GEMM, the epilogues' sums and the SiLU-mul
-    epilogue then give the kernel's results exactly; an explicit tile config keeps the MMA kernel."""
-    assert gemv.applies(960, 576, 2) and gemv.applies(3072, 576, 2) and gemv.applies(576, 1536, 2)
-    assert not gemv.applies(4096, 4096, 2)  # K past the registers' tile
-    assert not gemv.applies(5120, 2048, 2)  # 21 MB: streaming, not latency
-    assert not gemv.applies(960, 576, 1)  # FP8 stays on its kernel
-    x, w = operands(2, 96, 192, 3)
+def test_calls_taken_and_the_entry_points_that_hand_them_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One token, 16-bit weights with K <= MAX_K and at most MAX_BYTES, outside `suspended()`; the plain GEMM, the
+    epilogues' sums and the SiLU-mul epilogue then give the kernel's results exactly; two tokens, an explicit tile
+    config, a suspended block or KILN_GEMV=0 keep the MMA kernel."""
+    assert gemv.applies(1, 960, 576, 2) and gemv.applies(1, 3072, 576, 2) and gemv.applies(1, 576, 1536, 2)
+    assert not gemv.applies(2, 960, 576, 2)  # its weights re-read a token: the MMA kernel's
+    assert not gemv.applies(1, 4096, 4096, 2)  # K past the registers' tile
+    assert not gemv.applies(1, 5120, 2048, 2)  # 21 MB: streaming, not latency
+    assert not gemv.applies(1, 960, 576, 1)  # FP8 stays on its kernel
+    x, w = operands(1, 96, 192, 3)
     assert torch.equal(fp8_kernel.bf16_gemm_triton(x, w), gemv.gemv(x, w))
     assert torch.equal(fp8_kernel.gemm_partials(x, w), gemv.gemv(x, w, gemv.PARTIALS))
     assert torch.equal(gemm_epilogues.gate_up_silu_mul_triton(x, w), gemv.gemv(x, w, gemv.SILU_MUL))
@@ -96,10 +95,14 @@ def test_shapes_taken_and_the_entry_points_that_hand_them_over(monkeypatch: pyte
     original = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(1) or original(*a))
     fp8_kernel.bf16_gemm_triton(x, w, fp8_kernel.Fp8GemmConfig(32, 64, 1, 4, 2))
-    assert not calls
-    monkeypatch.setattr(gemv, "ENABLED", False)  # the default until measured
+    fp8_kernel.bf16_gemm_triton(torch.cat([x, x]), w)
+    with gemv.suspended():
+        fp8_kernel.bf16_gemm_triton(x, w)
+        assert not gemv.applies(1, 960, 576, 2)
+    assert not calls and gemv.applies(1, 960, 576, 2)
+    monkeypatch.setattr(gemv, "ENABLED", False)  # KILN_GEMV=0
     fp8_kernel.bf16_gemm_triton(x, w)
-    assert not calls and not gemv.applies(960, 576, 2)
+    assert not calls and not gemv.applies(1, 960, 576, 2)
 
 
 @pytest.mark.parametrize("mode", [gemv.OUT, gemv.SILU_MUL])
@@ -126,13 +129,14 @@ def test_after_norm_finishes_the_row_the_projection_before_left(mode: int) -> No
 
 
 def test_qkv_rope_on_a_shape_the_kernel_takes_rotates_its_sums() -> None:
-    """qkv_rope_triton without a config on a small weight: the plain projection's values, then the rotation, so
-    the pass changes nothing the unfused graph computes (compared in the MMA kernel's test's arithmetic)."""
+    """qkv_rope_triton without a config on a small weight at one token: the plain projection's values, then the
+    rotation, so the pass changes nothing the unfused graph computes (compared in the MMA kernel's test's
+    arithmetic)."""
     from tests.models.test_gemm_epilogues import qkv_rope_reference, rope_cache
 
-    m, heads, kv_heads, head_dim, k = 3, 4, 2, 64, 96
+    m, heads, kv_heads, head_dim, k = 1, 4, 2, 64, 96
     x, w = operands(m, (heads + 2 * kv_heads) * head_dim, k, 5)
-    positions = torch.tensor([7, 0, 31], device=DEVICE)
+    positions = torch.tensor([31], device=DEVICE)
     cache = rope_cache(64, head_dim)
     got = gemm_epilogues.qkv_rope_triton(x, w, positions, cache, heads, kv_heads)
     for out, want in zip(got, qkv_rope_reference(x, w, positions, cache, heads, kv_heads)):

@@ -279,7 +279,7 @@ def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Ten
     shape's config does not split K), unscaled; the config is the one `_small_m_gemm` would pick, so the sums are
     the ones its output rounds. `scales`: flat_scales' pair for FP8 operands, None for 16-bit ones."""
     (m, k), n = x.shape, weight.shape[0]
-    if config is None and scales is None and gemv.applies(n, k, x.element_size()):
+    if config is None and scales is None and gemv.applies(m, n, k, x.element_size()):
         return gemv.gemv(x, weight, gemv.PARTIALS)
     config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
     steps = split_k(k, config, config.split_k)
@@ -295,7 +295,7 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     check_operands(q, weight)
     m, k = q.shape
     n = weight.shape[0]
-    if config is None and x_scale is None and gemv.applies(n, k, q.element_size()):
+    if config is None and x_scale is None and gemv.applies(m, n, k, q.element_size()):
         return gemv.gemv(q, weight)
     config = config or pick_config(m, n, k, num_sms(q.device), q.element_size())
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
