@@ -25,9 +25,9 @@ KEY_VERSION = 1  # bump when the layout or the artifact format changes meaning
 KILN_ROOT = Path(__file__).resolve().parent.parent
 # The code Dynamo traces or that shapes what is compiled: the model definitions, the compiler, the passes.
 TRACED_PACKAGES = ("models", "compiler", "passes")
-# Environment switches that change what Dynamo traces (kiln/models/dense_gemm.py: whether projections go
-# through kiln::dense_gemm at all).
-TRACED_ENVIRONMENT = ("KILN_BF16_TRITON_MAX_M",)
+# Environment switches that change what is compiled (kiln/models/dense_gemm.py: whether projections go through
+# kiln::dense_gemm at all; kiln/models/gemv.py: which weights the rmsnorm_gemm pass rewrites for).
+TRACED_ENVIRONMENT = ("KILN_BF16_TRITON_MAX_M", "KILN_GEMV", "KILN_GEMV_MAX_BYTES")
 # Resolved CompilationConfig fields that do not change compiled code (diagnostics, paths, compile workers).
 EXCLUDED_COMPILATION_FIELDS = frozenset({"debug_dump_path", "debug_check_graph_inputs", "compile_workers"})
 

@@ -61,9 +61,9 @@ def applies(m: int, n: int, k: int, element_bytes: int) -> bool:
 
 
 @contextlib.contextmanager
-def suspended(on: bool = True) -> Iterator[None]:
-    """With `on`, no call takes this kernel inside the block (nor any CUDA graph captured there)."""
-    token = _suspended.set(on)
+def suspended() -> Iterator[None]:
+    """No call takes this kernel inside the block (nor any CUDA graph captured there)."""
+    token = _suspended.set(True)
     try:
         yield
     finally:
