@@ -12,10 +12,15 @@ token from the previous step's samples where the packed id says so (-1 - its row
 int32 holds every value: token ids, positions and request counts are far below 2^31, and so are slots (the KV
 cache's blocks times the block size). On CUDA the unpacking is a Triton kernel; elsewhere `unpack_reference`, the
 same writes in torch, which is also the kernel's test oracle.
+
+The packed arrays follow a header of HEADER ints: the counts and the address of the previous step's samples, so
+that a kernel launched without them (captured in a FULL CUDA graph, `KILN_UNPACK_IN_GRAPH=1`) reads them there and
+the host launches no kernel of its own for a step that replays a graph.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +29,12 @@ import torch
 # the arrays in the order they are packed; all but the block tables are 1-D prefixes of their buffers
 ORDER = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices")
 INT32_ARRAYS = ("query_start_loc", "seq_lens", "block_tables")  # on the device; the others are int64
+# tokens, requests, logits rows, block-table width, the packed ints after the header, the samples' address (low
+# and high halves; 0: none), one unused
+HEADER = 8
+# Whether a FULL CUDA graph begins with the unpacking (reading the header), so a step that replays one launches no
+# unpacking kernel from the host: not yet measured, off
+IN_GRAPH = os.environ.get("KILN_UNPACK_IN_GRAPH", "0") == "1"
 
 
 def device_dtype(name: str) -> torch.dtype:
@@ -50,14 +61,18 @@ class Counts:
 
 
 def staging_capacity(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
-    """Ints the staging buffers need for the largest step."""
-    return 3 * max_tokens + 2 * max_seqs + 1 + max(max_seqs, max_tokens) + max_seqs * max_blocks
+    """Ints the staging buffers need for the largest step, the header included."""
+    return HEADER + 3 * max_tokens + 2 * max_seqs + 1 + max(max_seqs, max_tokens) + max_seqs * max_blocks
 
 
 def pack(out: np.ndarray, host: dict[str, np.ndarray], counts: Counts, pending_dst: np.ndarray,
-         pending_src: np.ndarray) -> int:
-    """Write the used part of each host array into `out` (int32), input ids still pending as -1 - their row in
-    the previous step's samples; -> ints written."""
+         pending_src: np.ndarray, samples_address: int = 0) -> int:
+    """Write the header, then the used part of each host array into `out` (int32), input ids still pending as
+    -1 - their row in the previous step's samples (an int64 tensor at `samples_address`); -> ints written."""
+    low = samples_address & 0xFFFFFFFF
+    out[:HEADER] = (counts.tokens, counts.reqs, counts.logits, counts.width, counts.total,
+                    low - (1 << 32) if low >= 1 << 31 else low, samples_address >> 32, 0)
+    out = out[HEADER:]
     at = 0
     for name, n in zip(ORDER, counts.lengths()):
         out[at:at + n] = host[name][:n]
@@ -65,13 +80,13 @@ def pack(out: np.ndarray, host: dict[str, np.ndarray], counts: Counts, pending_d
     out[pending_dst] = -1 - pending_src
     rows, width = counts.reqs, counts.width
     out[at:at + rows * width].reshape(rows, width)[:] = host["block_tables"][:rows, :width]
-    return at + rows * width
+    return HEADER + at + rows * width
 
 
 def unpack_reference(staged: torch.Tensor, dst: dict[str, torch.Tensor], counts: Counts,
                      sampled: torch.Tensor | None) -> None:
-    """Write each array from the staged ints, in torch (any device)."""
-    at = 0
+    """Write each array from the staged ints (after the header), in torch (any device)."""
+    staged, at = staged[HEADER:], 0
     for name, n in zip(ORDER, counts.lengths()):
         part = staged[at:at + n].to(dst[name].dtype)
         if name == "input_ids" and sampled is not None:

@@ -227,17 +227,19 @@ def run_step_kernels(device: torch.device, logits_dtype: torch.dtype) -> int:
     """The kernels a step runs around the model: the inputs' unpacking, with and without pending tokens, and the
     greedy rows' argmax (one compiled kernel for every vocabulary up to 256K). -> launches."""
     from kiln.models.greedy_argmax_triton import row_max_triton
-    from kiln.runtime.input_upload import ORDER, Counts, device_dtype
-    from kiln.runtime.input_upload_triton import unpack_triton
+    from kiln.runtime.input_upload import HEADER, IN_GRAPH, ORDER, Counts, device_dtype
+    from kiln.runtime.input_upload_triton import unpack_from_header, unpack_triton
 
     arrays = {name: torch.zeros(4, dtype=device_dtype(name), device=device) for name in ORDER}
     arrays["block_tables"] = torch.zeros(2, 4, dtype=device_dtype("block_tables"), device=device)
     counts = Counts(tokens=1, reqs=1, logits=1, width=1)
-    staged = torch.zeros(counts.total, dtype=torch.int32, device=device)
+    staged = torch.zeros(HEADER + counts.total, dtype=torch.int32, device=device)
     for sampled in (None, torch.zeros(1, dtype=torch.int64, device=device)):
         unpack_triton(staged, arrays, counts, sampled)
+    if IN_GRAPH:  # the header's zeros: no ints to write
+        unpack_from_header(staged, arrays, counts.total)
     row_max_triton(torch.zeros(1, 8, dtype=logits_dtype, device=device))
-    return 3
+    return 3 + IN_GRAPH
 
 
 @dataclass(frozen=True)

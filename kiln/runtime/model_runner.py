@@ -22,6 +22,7 @@ from kiln.attention.base import AttentionBackend, CommonAttentionMetadata
 from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, GraphedCallable, RunMode, piecewise_graphs
 from kiln.models.forward_context import ForwardContext, Rope, set_forward_context
 from kiln.models.parallel import tp_size
+from kiln.runtime import input_upload
 from kiln.runtime.async_step import DeviceEvent, LaunchedStep, TokenReadback
 from kiln.runtime.graph_head import ForwardOutput, with_head
 from kiln.runtime.input_upload import ORDER, Counts, pack, staging_capacity, unpack
@@ -324,7 +325,8 @@ class ModelRunner:
         """Upload the host buffers into the device ones (with the `num_pending` input tokens the step in flight
         samples, from `last_sampled`) and describe them for attention."""
         num_reqs, padded = shape.num_reqs, shape.num_padded_tokens
-        self._upload(Counts(padded, num_reqs, shape.num_logits, shape.max_blocks), num_pending)
+        in_graph = self._replays_without_metadata(*self._descriptor(shape)) and self._graph_unpacks()
+        self._upload(Counts(padded, num_reqs, shape.num_logits, shape.max_blocks), num_pending, in_graph)
         metadata = CommonAttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=shape.num_tokens,
@@ -340,15 +342,23 @@ class ModelRunner:
         )
         return PreparedBatch(shape, metadata, self.logits_indices[: shape.num_logits], sampling_rows)
 
-    def _upload(self, counts: Counts, num_pending: int) -> None:
-        """One copy of the packed inputs and one unpacking kernel (kiln/runtime/input_upload.py). Pending tokens
-        land over their placeholders in the same kernel; the step in flight wrote `last_sampled` earlier on this
-        stream."""
-        views = self._np
+    def _upload(self, counts: Counts, num_pending: int, in_graph: bool = False) -> None:
+        """One copy of the packed inputs and one unpacking kernel (kiln/runtime/input_upload.py), or, `in_graph`,
+        none: the FULL graph the step replays begins with it. Pending tokens land over their placeholders in the
+        same kernel; the step in flight wrote `last_sampled` earlier on this stream."""
+        views, sampled = self._np, self.last_sampled if num_pending else None
+        if sampled is not None and sampled.dtype != torch.int64 and self._graph_unpacks():
+            sampled = self.last_sampled = sampled.long()  # what the header's address is read as
         size = pack(views["staged"], views, counts, views["pending_dst"][:num_pending],
-                    views["pending_src"][:num_pending])
+                    views["pending_src"][:num_pending], sampled.data_ptr() if sampled is not None else 0)
         staged = self.staged[:size].copy_(self.staged_cpu[:size], non_blocking=self.device.type == "cuda")
-        unpack(staged, self._device_inputs, counts, self.last_sampled if num_pending else None)
+        if not in_graph:
+            unpack(staged, self._device_inputs, counts, sampled)
+
+    def _graph_unpacks(self) -> bool:
+        """Whether FULL graphs begin with the unpacking kernel (KILN_UNPACK_IN_GRAPH; a backend that plans
+        attention from the host's arrays outside the graph keeps it eager)."""
+        return input_upload.IN_GRAPH and not self.backend.replay_needs_metadata
 
     # -- forward -------------------------------------------------------------------------------------
     def forward_context(self, metadata: CommonAttentionMetadata, num_tokens: int) -> ForwardContext:
@@ -396,8 +406,7 @@ class ModelRunner:
             return hidden[: shape.num_tokens]
         return hidden[batch.logits_indices]
 
-    def _descriptor(self, batch: PreparedBatch) -> tuple[BatchDescriptor, RunMode]:
-        shape = batch.shape
+    def _descriptor(self, shape: BatchShape) -> tuple[BatchDescriptor, RunMode]:
         desc = BatchDescriptor(shape.num_padded_tokens, shape.num_reqs, shape.uniform_decode, shape.verify_len)
         return desc, self.graphs.dispatch(desc) if self.graphs is not None else RunMode.NONE
 
@@ -411,7 +420,7 @@ class ModelRunner:
         """The step's forward context, unless its graph replays without one. Built before the inputs-consumed
         event, not inside the forward: a backend may copy from the pinned host buffers while planning (flashinfer
         copies query_start_loc_cpu non-blocking), and the next fill must wait for that too."""
-        if not self._replays_without_metadata(*self._descriptor(batch)):
+        if not self._replays_without_metadata(*self._descriptor(batch.shape)):
             batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
 
     def run_model(self, batch: PreparedBatch) -> ForwardOutput:
@@ -426,11 +435,18 @@ class ModelRunner:
 
     def _run_model(self, batch: PreparedBatch) -> ForwardOutput:
         n = batch.num_padded_tokens
-        desc, mode = self._descriptor(batch)
+        desc, mode = self._descriptor(batch.shape)
         ids, pos = self.input_ids[:n], self.positions[:n]
 
+        def forward() -> ForwardOutput:
+            if self._graph_unpacks():  # the graph begins with the step's unpacking (`_upload`)
+                from kiln.runtime.input_upload_triton import unpack_from_header
+
+                unpack_from_header(self.staged, self._device_inputs, staging_capacity(n, n, self.max_blocks_per_seq))
+            return with_head(self.model, self.forward_fn(ids, pos))
+
         def graphed() -> ForwardOutput:
-            return self.full_graph(desc, lambda: with_head(self.model, self.forward_fn(ids, pos)), (ids, pos))
+            return self.full_graph(desc, forward, (ids, pos))
 
         if batch.context is None and self._replays_without_metadata(desc, mode):
             return graphed()

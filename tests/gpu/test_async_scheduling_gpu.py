@@ -38,3 +38,36 @@ def test_async_matches_sync_with_graphs(tiny_checkpoint, backend: str) -> None:
         assert (overlapped > 0) == overlap
     assert runs[True] == runs[False]
     assert runtime.engine.graph_replays["FULL"] > 0
+
+
+def test_unpacking_inside_full_graphs_gives_the_same_tokens(tiny_checkpoint, monkeypatch) -> None:
+    """KILN_UNPACK_IN_GRAPH: FULL graphs begin with the inputs' unpacking, which reads the counts and the step in
+    flight's samples from the staged header; replays then launch no unpacking from the host. Greedy (the graph's
+    argmax) and seeded sampled rows (the sampler's tokens) give the tokens of a runtime that unpacks eagerly, with
+    steps overlapped and not."""
+    from kiln.runtime import input_upload, model_runner
+
+    def build() -> Runtime:
+        return Runtime(str(tiny_checkpoint("tiny-llama")[0]), device="cuda", dtype="fp32", level=2, compile_sizes=(),
+                       max_num_batched_tokens=128, max_num_seqs=16, kv_cache_bytes=64 << 20,
+                       cudagraph_capture_sizes=(1, 2, 4, 8, 16), enable_prefix_caching=False)
+
+    prompts = random_prompts([5, 17, 1, 40, 9, 3], 256, seed=4)
+    params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    eager_unpacks: list[int] = []
+    unpack = model_runner.unpack
+    monkeypatch.setattr(model_runner, "unpack", lambda *a: eager_unpacks.append(1) or unpack(*a))
+    runs = {}
+    for in_graph in (False, True):
+        monkeypatch.setattr(input_upload, "IN_GRAPH", in_graph)
+        runtime = build()
+        for overlap in (False, True):
+            runtime.engine.async_scheduling = overlap
+            replays = runtime.engine.graph_replays.get("FULL", 0)
+            eager_unpacks.clear()
+            runs[in_graph, overlap] = [o.outputs[0].token_ids for o in runtime.generate(prompts, params)]
+            steps = runtime.engine.graph_replays["FULL"] - replays
+            assert steps > 0 and (len(eager_unpacks) < steps) == in_graph
+        runtime.shutdown()
+    assert runs[True, False] == runs[False, False] and runs[True, True] == runs[False, True]

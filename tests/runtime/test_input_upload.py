@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.runtime.input_upload import ORDER, Counts, pack, staging_capacity, unpack_reference
+from kiln.runtime.input_upload import HEADER, ORDER, Counts, pack, staging_capacity, unpack_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOKENS, SEQS, BLOCKS = 40, 8, 6
@@ -45,29 +45,35 @@ def expected(host: dict[str, np.ndarray], counts: Counts, dst: np.ndarray, src: 
     return want
 
 
-@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("kernel", ["torch", "triton", "triton from the header"])
 @pytest.mark.parametrize("counts,pending", [
     (Counts(tokens=1, reqs=1, logits=1, width=3), [(0, 2)]),  # a decode step behind the one in flight
     (Counts(tokens=40, reqs=8, logits=8, width=6), [(3, 0), (17, 5), (39, 1)]),
     (Counts(tokens=16, reqs=8, logits=0, width=1), []),  # a capture's dummy batch: nothing samples
     (Counts(tokens=0, reqs=0, logits=0, width=0), []),
 ])
-def test_unpacked_arrays_equal_the_uploads_of_each(kernel: bool, counts: Counts, pending: list) -> None:
+def test_unpacked_arrays_equal_the_uploads_of_each(kernel: str, counts: Counts, pending: list) -> None:
+    """From the header: the kernel a CUDA graph captures, which takes the counts and the samples from the staged
+    ints (its programs cover any step's ints; those past this step's write nothing)."""
     rng = np.random.default_rng(counts.tokens)
     host = host_arrays(rng)
     dst = np.array([d for d, _ in pending], dtype=np.int64)
     src = np.array([s for _, s in pending], dtype=np.int64)
     sampled = torch.tensor([101, 202, 303, 404, 505, 606], dtype=torch.int64)
+    sampled_t = sampled.to(DEVICE) if pending else None
     staged = np.zeros(staging_capacity(TOKENS, SEQS, BLOCKS), dtype=np.int32)
-    size = pack(staged, host, counts, dst, src)
-    assert size == counts.total
+    size = pack(staged, host, counts, dst, src, sampled_t.data_ptr() if pending else 0)
+    assert size == HEADER + counts.total
     got = device_arrays(-7)
     staged_t = torch.from_numpy(staged[:size]).to(DEVICE)
-    sampled_t = sampled.to(DEVICE) if pending else None
-    if kernel:
+    if kernel == "triton":
         from kiln.runtime.input_upload_triton import unpack_triton
 
         unpack_triton(staged_t, got, counts, sampled_t)
+    elif kernel == "triton from the header":
+        from kiln.runtime.input_upload_triton import unpack_from_header
+
+        unpack_from_header(staged_t, got, staging_capacity(TOKENS, SEQS, BLOCKS))
     else:
         unpack_reference(staged_t, got, counts, sampled_t)
     want = expected(host, counts, dst, src, sampled)
