@@ -325,7 +325,7 @@ class ModelRunner:
         """Upload the host buffers into the device ones (with the `num_pending` input tokens the step in flight
         samples, from `last_sampled`) and describe them for attention."""
         num_reqs, padded = shape.num_reqs, shape.num_padded_tokens
-        in_graph = self._replays_without_metadata(*self._descriptor(shape)) and self._graph_unpacks()
+        in_graph = self._graph_unpacks() and self._replays_without_metadata(*self._descriptor(shape))
         self._upload(Counts(padded, num_reqs, shape.num_logits, shape.max_blocks), num_pending, in_graph)
         metadata = CommonAttentionMetadata(
             num_reqs=num_reqs,
