@@ -476,7 +476,9 @@ class Engine:
         """`before_mask`: run once the forward is queued and before a constrained row's mask is filled; `prepared`:
         the step's inputs, already queued (`ModelRunner.prepare_step`)."""
         background = getattr(self.worker.compiled, "background", None)
-        if background is not None:  # a step boundary: finished background compiles are swapped in here
+        # a step boundary: finished background compiles are swapped in here, unless this step's inputs are already
+        # on the device (the swap's graph captures run dummy batches through the same input buffers)
+        if background is not None and prepared is None:
             background.swap_if_done()
         mask_fn = None
         if self.structured is not None and any(r.grammar is not None for r in sched.requests):

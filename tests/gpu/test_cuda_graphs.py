@@ -58,11 +58,16 @@ def test_graphs_match_no_graphs(tiny_checkpoint, model: str, dtype: str, backend
           f"capture {pool.stats.capture_seconds:.1f}s, {pool.stats.memory_bytes / 2**20:.0f} MiB")
 
 
-def test_background_swap_recaptures_graphs_on_gpu(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("unpack_in_graph", [False, True])
+def test_background_swap_recaptures_graphs_on_gpu(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch,
+                                                  unpack_in_graph: bool) -> None:
     """Exact decode sizes compiled after ready and swapped in mid-generation: their graphs (captured with the
-    range artifact) are captured again, and tokens equal a runtime that compiled the same sizes up front."""
+    range artifact) are captured again, and tokens equal a runtime that compiled the same sizes up front; with
+    the inputs' unpacking launched from the host and at the start of each FULL graph (KILN_UNPACK_IN_GRAPH)."""
+    from kiln.runtime import input_upload
     from tests.compiler.test_background_compile import _tokens
 
+    monkeypatch.setattr(input_upload, "IN_GRAPH", unpack_in_graph)
     path = str(tiny_checkpoint("tiny-llama")[0])
     common = dict(device="cuda", dtype="fp32", level=2, attention_backend="triton", max_num_batched_tokens=32,
                   max_num_seqs=4, kv_cache_bytes=64 << 20, cudagraph_capture_sizes=(1, 2, 4, 8))

@@ -5,11 +5,13 @@ attention kernels run under Triton's interpreter."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kiln.attention.base import AttentionLayout
 from kiln.attention.triton_backend import TritonAttentionBackend
 from kiln.models.loader.load import load_model
+from kiln.runtime.input_upload import IN_GRAPH
 from kiln.runtime.kernel_warmup import (
     KernelWarmup,
     epilogue_shapes,
@@ -25,8 +27,8 @@ from kiln.runtime.kernel_warmup import (
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # the plan runs the kernels around a step's model (run_step_kernels: the inputs' unpacking with and without pending
-# tokens, the greedy argmax) on CUDA only
-STEP_KERNELS = 3 if DEVICE.type == "cuda" else 0
+# tokens, its header-reading form where FULL graphs begin with it, the greedy argmax) on CUDA only
+STEP_KERNELS = 3 + IN_GRAPH if DEVICE.type == "cuda" else 0
 
 
 def test_attention_warmup_runs_one_batch_per_split_count_and_one_prefill() -> None:
@@ -132,7 +134,11 @@ def test_a_tensor_parallel_worker_warms_up_on_a_thread(monkeypatch) -> None:
     assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1 + STEP_KERNELS
 
 
-def test_the_step_kernels_compile() -> None:
-    """The inputs' unpacking with and without pending tokens, then the argmax, once each (the interpreter on the
-    CPU)."""
-    assert run_step_kernels(DEVICE, torch.float32) == 3
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_the_step_kernels_compile(monkeypatch, in_graph: bool) -> None:
+    """The inputs' unpacking with and without pending tokens, its form that reads the header where FULL graphs
+    begin with it, then the argmax, once each (the interpreter on the CPU)."""
+    from kiln.runtime import input_upload
+
+    monkeypatch.setattr(input_upload, "IN_GRAPH", in_graph)
+    assert run_step_kernels(DEVICE, torch.float32) == 3 + in_graph

@@ -40,3 +40,37 @@ def test_greedy_tokens_unchanged_through_preemption(seed: int) -> None:
     assert stats.verify_behind_steps > 0 and stats.verify_on_guess_steps > 0 and stats.guesses_missed > 0, stats
     assert engine.scheduler.num_preemptions > 0
     assert_pool_clean(runtime)
+
+
+class DummyBatchSwap:
+    """Stands in for background compiles that finish at every step boundary: each swap captures graphs again, which
+    runs dummy batches through the runner's input buffers, as `kiln.compiler.cuda_graphs.recapture` does."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.swaps = runner, 0
+
+    def swap_if_done(self) -> bool:
+        for size in (1, 4):
+            self.runner.run_model(self.runner.to_device(self.runner.dummy_shape(size, decode=True), []))
+        self.swaps += 1
+        return True
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_swap_waits_for_a_step_whose_inputs_are_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify step prepared on the lookup's guess has its inputs on the device before it launches; a background
+    swap there would overwrite them with its captures' dummy batches, so it waits for the next boundary: the greedy
+    tokens stay those of the runtime without speculation."""
+    from types import SimpleNamespace
+
+    prompts, params = workload(5)
+    plain = Runtime("tiny-qwen3", **OPTIONS)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    runtime = Runtime("tiny-qwen3", async_scheduling=True, speculative_config=NGRAM, **OPTIONS)
+    swap = DummyBatchSwap(runtime.engine.runner)
+    monkeypatch.setattr(runtime.engine.worker, "compiled", SimpleNamespace(background=swap))
+    got = [o.outputs[0].token_ids for o in runtime.generate(prompts, params)]
+    assert runtime.engine.stats.verify_on_guess_steps > 0 and swap.swaps > 0
+    assert got == want
