@@ -24,12 +24,17 @@ OUT=${OUT:-/tmp/out}; R=/tmp/res; L=/tmp/logs
 [ -z "$(ls -A "$OUT" 2>/dev/null)" ] && rm -rf $R $L
 mkdir -p "$OUT" $R $L
 left() { echo $(( $1 - ($(date +%s) - T0) )); }
+# At its bound a step gets SIGINT first, so a Python one says where it was (a traceback) and pytest prints its summary
+# of the failures so far; TERM 8 s later, KILL 2 s after that. A background job starts with SIGINT ignored, which
+# exec keeps and Python then honours, so the step is exec'd with the default restored.
 bounded() {
   local t=$1; shift
   [ "$t" -lt 20 ] && { echo "skip (no time): $*"; return 124; }
   echo "[$(( $(date +%s) - T0 ))s] start ($t s): $*"
-  setsid "$@" & local pid=$!
-  ( sleep "$t"; kill -TERM -"$pid" 2>/dev/null; sleep 5; kill -KILL -"$pid" 2>/dev/null ) & local w=$!
+  setsid python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
+    "$@" & local pid=$!
+  ( sleep "$t"; kill -INT -"$pid" 2>/dev/null; sleep 8; kill -TERM -"$pid" 2>/dev/null; sleep 2
+    kill -KILL -"$pid" 2>/dev/null ) & local w=$!
   wait "$pid"; local rc=$?
   kill "$w" 2>/dev/null; kill -KILL -"$pid" 2>/dev/null
   echo "[$(( $(date +%s) - T0 ))s] rc=$rc"

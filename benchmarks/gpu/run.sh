@@ -297,10 +297,11 @@ set_test_trees() {  # one GPU test (TREE_TEST, pytest's node id) in several sour
   wait "${pids[@]}"
 }
 set_tests() {  # the GPU tests (GPU_TESTS: a subset, pytest's arguments split at spaces; in a -k expression write " or " as
-  # "_or_", e.g. -k residual_or_dispatch; GPU_TESTS_S: the step's bound, default 500 s)
+  # "_or_", e.g. -k residual_or_dispatch; a -k applies to every file named; GPU_TESTS_S: the step's bound, default 500 s;
+  # one cut there still prints the failures so far and the slowest tests: `bounded` interrupts before it kills)
   local args=() word
   for word in ${GPU_TESTS:-tests/gpu}; do args+=("${word//_or_/ or }"); done
-  step gpu_tests "${GPU_TESTS_S:-500}" python3 -m pytest -q -p no:cacheprovider -rfE "${args[@]}"
+  step gpu_tests "${GPU_TESTS_S:-500}" python3 -m pytest -q -p no:cacheprovider -rfE --durations=20 "${args[@]}"
 }
 
 BUDGET=570
