@@ -136,17 +136,6 @@ _capture_sync = os.environ.get("KILN_GRAPH_CAPTURE_SYNC", "0") == "1"
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
-@contextlib.contextmanager
-def synced_captures() -> Iterator[None]:
-    """Captures inside go through torch.cuda.graph (its device sync and cache flush before each graph)."""
-    global _capture_sync
-    previous, _capture_sync = _capture_sync, True
-    try:
-        yield
-    finally:
-        _capture_sync = previous
-
-
 class TorchGraph:
     """torch.cuda.CUDAGraph behind the small interface the wrappers use (tests substitute a fake).
 
@@ -399,12 +388,13 @@ def recapture(runner: Any, dispatcher: GraphDispatcher, pool: GraphPool, sizes: 
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     stale = set(sizes)
+    # the dropped graphs stay alive until their replacements are captured: the allocator refuses a capture into
+    # a shared pool that no live graph holds any more (its use-count assertion), as when every size is stale
+    retired = []
     for callable_ in pool.callables:  # FULL graphs are keyed by BatchDescriptor, PIECEWISE ones by size
         for key in [k for k in callable_.entries if getattr(k, "num_tokens", k) in stale]:
-            del callable_.entries[key]
+            retired.append(callable_.entries.pop(key))
     pool.ran = {(artifact, size) for artifact, size in pool.ran if size not in stale}  # new artifacts run first
     pool.warmed_up = False  # these captures are planned, not sizes missed at start-up
-    # through torch.cuda.graph, whose cache flush before each capture releases a memory pool whose every graph
-    # was just dropped (beginning a capture in it otherwise trips the allocators' use-count assertions)
-    with synced_captures():
-        capture_all(runner, dispatcher, pool, progress=False, only=stale)
+    capture_all(runner, dispatcher, pool, progress=False, only=stale)
+    retired.clear()

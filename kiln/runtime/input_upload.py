@@ -33,9 +33,9 @@ INT32_ARRAYS = ("query_start_loc", "seq_lens", "block_tables")  # on the device;
 # and high halves; 0: none), one unused
 HEADER = 8
 # Whether a FULL CUDA graph begins with the unpacking (reading the header), so a step that replays one launches no
-# unpacking kernel from the host. Off until the background swap's GPU test is told apart (docs/runtime.md), though
-# it took SmolLM2-135M's host time a step from 0.44-0.57 to 0.19-0.25 ms on an H100
-IN_GRAPH = os.environ.get("KILN_UNPACK_IN_GRAPH", "0") == "1"
+# unpacking kernel from the host: SmolLM2-135M's host time a step 0.44-0.57 -> 0.19-0.25 ms on an H100
+# (docs/runtime.md); KILN_UNPACK_IN_GRAPH=0 launches it from the host every step
+IN_GRAPH = os.environ.get("KILN_UNPACK_IN_GRAPH", "1") == "1"
 
 
 def device_dtype(name: str) -> torch.dtype:

@@ -87,6 +87,9 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # [shape.num_logits], device
     sampling_rows: list[int]  # scheduler indices of the requests that sample
     context: ForwardContext | None = None  # built ahead of the forward by `execute`
+    # a FULL graph already captured replays it, reading only the input buffers: no attention metadata is built
+    # (and, where the graph begins with the unpacking, none runs from the host)
+    replays_graph: bool = False
     # tensor parallel, every sampling row plain greedy: each rank takes the argmax of its own vocabulary shard
     # and one tiny all-gather picks the winners (no logits gather to rank 0, no broadcast of its tokens)
     local_greedy: bool = False
@@ -325,8 +328,9 @@ class ModelRunner:
         """Upload the host buffers into the device ones (with the `num_pending` input tokens the step in flight
         samples, from `last_sampled`) and describe them for attention."""
         num_reqs, padded = shape.num_reqs, shape.num_padded_tokens
-        in_graph = self._graph_unpacks() and self._replays_without_metadata(*self._descriptor(shape))
-        self._upload(Counts(padded, num_reqs, shape.num_logits, shape.max_blocks), num_pending, in_graph)
+        replays = self._replays_without_metadata(*self._descriptor(shape))
+        self._upload(Counts(padded, num_reqs, shape.num_logits, shape.max_blocks), num_pending,
+                     replays and self._graph_unpacks())
         metadata = CommonAttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=shape.num_tokens,
@@ -340,7 +344,8 @@ class ModelRunner:
             max_seq_len=shape.max_seq_len,
             uniform_decode=shape.uniform_decode,
         )
-        return PreparedBatch(shape, metadata, self.logits_indices[: shape.num_logits], sampling_rows)
+        return PreparedBatch(shape, metadata, self.logits_indices[: shape.num_logits], sampling_rows,
+                             replays_graph=replays)
 
     def _upload(self, counts: Counts, num_pending: int, in_graph: bool = False) -> None:
         """One copy of the packed inputs and one unpacking kernel (kiln/runtime/input_upload.py), or, `in_graph`,
@@ -420,7 +425,7 @@ class ModelRunner:
         """The step's forward context, unless its graph replays without one. Built before the inputs-consumed
         event, not inside the forward: a backend may copy from the pinned host buffers while planning (flashinfer
         copies query_start_loc_cpu non-blocking), and the next fill must wait for that too."""
-        if not self._replays_without_metadata(*self._descriptor(batch.shape)):
+        if not batch.replays_graph:
             batch.context = self.forward_context(batch.metadata, batch.num_padded_tokens)
 
     def run_model(self, batch: PreparedBatch) -> ForwardOutput:
@@ -448,7 +453,7 @@ class ModelRunner:
         def graphed() -> ForwardOutput:
             return self.full_graph(desc, forward, (ids, pos))
 
-        if batch.context is None and self._replays_without_metadata(desc, mode):
+        if batch.context is None and batch.replays_graph:
             return graphed()
         context = batch.context if batch.context is not None else self.forward_context(batch.metadata, n)
         with set_forward_context(context):

@@ -4,6 +4,7 @@ re-runs the captured function and writes into the captured outputs, as a real gr
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from kiln.compiler.cuda_graphs import (
     RunMode,
     install_cuda_graphs,
     piecewise_graphs,
+    recapture,
 )
 from kiln.config import CUDAGraphMode, GraphSupport, default_capture_sizes
 from tests.conftest import cpu_runtime, random_prompts
@@ -147,6 +149,53 @@ def test_fake_graphs_replay_to_the_same_tokens(runtimes, monkeypatch) -> None:
     graphed.generate([random_prompts([40], 256)[0]], SamplingParams(max_tokens=1))
     assert graphed.engine.graph_replays["NONE"] > before.get("NONE", 0)
     assert graphed.compile_stats.compiles_after_warmup == 0
+
+
+class PooledGraph(FakeGraph):
+    """A fake graph under the caching allocator's rule for a shared pool: once a graph was captured in it, a
+    capture may begin only while some graph still holds it (on a GPU: the use-count assertion)."""
+
+    live = 0
+    captured = False
+
+    def capture(self, fn):
+        if PooledGraph.captured and PooledGraph.live == 0:
+            raise RuntimeError("capture into a memory pool that no live graph holds")
+        PooledGraph.live += 1
+        PooledGraph.captured = True
+        self.holds = True
+        return super().capture(fn)
+
+    def __del__(self) -> None:
+        if getattr(self, "holds", False):
+            PooledGraph.live -= 1
+
+
+def test_recapturing_every_size_keeps_the_pool_held(runtimes, tiny_checkpoint, monkeypatch) -> None:
+    """A background swap may make every captured size stale: the graphs are captured again (each new) while
+    the old ones still hold the pool, and the tokens stay the eager runtime's."""
+    eager = runtimes[0]
+    graphed = cpu_runtime(tiny_checkpoint("tiny-llama"), level=1, max_num_batched_tokens=64, max_num_seqs=8)
+    worker = graphed.engine.worker
+    monkeypatch.setattr(type(worker.backend), "graph_support", GraphSupport.ALWAYS)
+    monkeypatch.setattr(PooledGraph, "live", 0)
+    monkeypatch.setattr(PooledGraph, "captured", False)
+    config = dataclasses.replace(worker.compilation, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                                 cudagraph_capture_sizes=SIZES)
+    pool = worker.graph_pool = install_cuda_graphs(worker.runner, config, worker.compiled, progress=False,
+                                                   factory=PooledGraph)
+    before = {(id(c), key): weakref.ref(entry[0]) for c in pool.callables for key, entry in c.entries.items()}
+    captured = sum(pool.stats.captures.values())
+    recapture(worker.runner, worker.runner.graphs, pool, SIZES)
+    after = {(id(c), key): entry[0] for c in pool.callables for key, entry in c.entries.items()}
+    assert after.keys() == before.keys() and sum(pool.stats.captures.values()) == captured + len(after)
+    # every graph is new, and the old ones went once their replacements were in
+    assert all(ref() is None for ref in before.values()) and PooledGraph.live == len(after)
+    prompts = random_prompts([3, 7, 1, 4], 256, seed=31)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == expected
+    assert graphed.engine.graph_replays["FULL"] > 0
 
 
 class FrozenGraph(FakeGraph):
