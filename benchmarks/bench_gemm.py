@@ -16,6 +16,10 @@ Two parts:
     python -m benchmarks.bench_gemm --preset qwen3-30b-a3b --projections qkv o --m 1 8 --json gemm.json
     python -m benchmarks.bench_gemm --part mid-m --m 256 128 192 64 --json mid.json   # H200: ~5 min
     python -m benchmarks.bench_gemm --preset tiny-llama --device cpu --m 1 16 --json /tmp/gemm.json  # CPU dry run
+- `fp8-gemv` (M = 1): the FP8 MMA kernel at its shipped tiles against the one-token matrix-vector kernel
+  (kiln/models/quant/fp8_gemv.py) at its rule's config and at each swept one, x the bytes floor.
+
+    python -m benchmarks.bench_gemm --part fp8-gemv --json fp8_gemv.json                # H200: < 1 min
 - `host` (the M of every CUDA-graph capture size): the host's microseconds per `kiln::dense_gemm` call (torch.mm
   above M = 16, the Triton kernel below) at the 8B projection shapes, eager and under a graph capture, at a shape
   the process has not run before and at one it has: a warm start's capture phase spent ~0.2 ms a call there.
@@ -347,6 +351,70 @@ def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
             os.environ["TRITON_INTERPRET"] = previous
 
 
+def gemv_candidates() -> list[Any]:
+    """The FP8 matrix-vector kernel's swept configs: 4, 8 and 16 KB weight tiles a K step, rows 1 to 16."""
+    from kiln.models.quant.fp8_gemv import Fp8GemvConfig
+
+    return [Fp8GemvConfig(2, 2048), Fp8GemvConfig(4, 1024), Fp8GemvConfig(8, 512), Fp8GemvConfig(16, 256),
+            Fp8GemvConfig(8, 512, 4, 1), Fp8GemvConfig(4, 1024, 4, 1), Fp8GemvConfig(1, 4096),
+            Fp8GemvConfig(4, 2048), Fp8GemvConfig(8, 1024), Fp8GemvConfig(16, 512),
+            Fp8GemvConfig(8, 2048, 8), Fp8GemvConfig(16, 1024, 8), Fp8GemvConfig(4, 4096, 8)]
+
+
+def fp8_gemv_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
+    """One token's FP8 projections: the MMA kernel at its shipped config against the matrix-vector kernel at its
+    rule's config and at every swept one, us and x the bytes floor, and the step's four projections x layers."""
+    from kiln.models.quant.fp8_gemv import fp8_gemv, pick_config
+    from kiln.models.quant.fp8_kernel import fp8_gemm_triton, num_sms
+
+    device = args.device
+    bw = copy_gb_per_s(device) * 1e9
+    rows = []
+    for proj, (k, n) in projection_shapes(args.preset).items():
+        copies = max(1, math.ceil(ROTATE_BYTES / (n * k))) if device == "cuda" else 1
+        base = quantize_weight(torch.randn(n, k, device=device) * 0.02)
+        quant = [(base[0].clone(), base[1]) for _ in range(copies)]
+        xq, xs = quantize_per_token(torch.randn(1, k, device=device))
+        flat = (xs.reshape(-1).float(), base[1].reshape(-1).float())
+        floor_us = n * k / bw * 1e6
+        rule = pick_config(n, k, num_sms(xq.device))
+        arms = [("mma", None, [lambda q=q, xq=xq, xs=xs: fp8_gemm_triton(xq, q[0], xs, q[1], torch.bfloat16)
+                               for q in quant])]
+        for config in [rule, *gemv_candidates()]:
+            arms.append(("gemv_rule" if config is rule else "gemv", asdict(config),
+                         [lambda q=q, c=config, xq=xq, f=flat: fp8_gemv(xq, q[0], f, torch.bfloat16, c)
+                          for q in quant]))
+        for kernel, config, fns in arms:
+            try:
+                us = graph_time_us(fns, device)
+            except Exception:
+                errors[f"{proj} {kernel} {config}"] = traceback.format_exc(limit=4)
+                continue
+            rows.append(dict(proj=proj, N=n, K=k, kernel=kernel, config=config, us=us, x_floor=us / floor_us,
+                             floor_us=floor_us))
+        print(f"  {proj}: {len(rows)} rows", flush=True)
+        del quant
+    summary = []
+    for proj in dict.fromkeys(r["proj"] for r in rows):
+        sel = [r for r in rows if r["proj"] == proj]
+        by = {r["kernel"]: r for r in sel if r["kernel"] != "gemv"}
+        best = min((r for r in sel if r["kernel"].startswith("gemv")), key=lambda r: r["us"])
+        summary.append(dict(proj=proj, floor_us=sel[0]["floor_us"], mma_us=by["mma"]["us"],
+                            rule_us=by["gemv_rule"]["us"], rule_config=by["gemv_rule"]["config"], best_us=best["us"],
+                            best_config=best["config"]))
+    layers = PRESETS[args.preset]["num_hidden_layers"]
+    totals = {key: sum(r[key] for r in summary) * layers / 1e3 for key in ("floor_us", "mma_us", "rule_us", "best_us")}
+    cfg = (lambda c: f"{c['rows']}x{c['block_k']} w{c['num_warps']} st{c['num_stages']}")
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(table(["proj", "floor us", "MMA us", "gemv rule us", "rule config", "gemv best us", "best config",
+                 "MMA x floor", "best x floor"],
+                [[r["proj"], r["floor_us"], r["mma_us"], r["rule_us"], cfg(r["rule_config"]), r["best_us"],
+                  cfg(r["best_config"]), r["mma_us"] / r["floor_us"], r["best_us"] / r["floor_us"]]
+                 for r in summary]))
+    print("a step's projections, ms: " + ", ".join(f"{k.replace('_us', '')} {v:.3f}" for k, v in totals.items()))
+    return dict(copy_gb_per_s=bw / 1e9, rows=rows, summary=summary, step_ms=totals)
+
+
 def mid_m(args: argparse.Namespace) -> dict[str, Any]:
     shapes = projection_shapes(args.preset, args.tp)
     shapes["lm_head"] = (PRESETS[args.preset]["hidden_size"], PRESETS[args.preset]["vocab_size"])
@@ -431,7 +499,7 @@ def host_cost(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["small-m", "mid-m", "host"], default="small-m")
+    parser.add_argument("--part", choices=["small-m", "mid-m", "host", "fp8-gemv"], default="small-m")
     parser.add_argument("--preset", default="llama3-8b")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--m", type=int, nargs="+", default=None,
@@ -454,6 +522,8 @@ def main() -> None:
             write_table(args.table_out, table_entries(result["small_m"]["summary"]))
     elif args.part == "host":
         result["host"] = host_cost(args)
+    elif args.part == "fp8-gemv":
+        result["fp8_gemv"] = fp8_gemv_table(args, errors)
     else:
         result["mid_m"] = mid_m(args)
     if args.json:

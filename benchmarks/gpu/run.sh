@@ -118,6 +118,10 @@ set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS an
   step gemm_moe 200 python3 -m benchmarks.bench_gemm --part small-m --preset qwen3-30b-a3b --projections qkv o \
     --m 1 8 --json "$R/gemm_moe.json"
 }
+set_fp8_gemv() {  # one token's FP8 projections (Llama-3-8B): the MMA kernel against the matrix-vector kernel's rule and
+  # swept configs
+  step fp8_gemv 150 python3 -m benchmarks.bench_gemm --part fp8-gemv --json "$R/fp8_gemv.json"
+}
 set_gemm_host() {  # the host's time per projection GEMM call, eager and under capture, new and seen shapes
   step gemm_host 120 python3 -m benchmarks.bench_gemm --part host --json "$R/gemm_host.json"
 }

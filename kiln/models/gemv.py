@@ -60,6 +60,11 @@ def applies(m: int, n: int, k: int, element_bytes: int) -> bool:
     return m <= MAX_TOKENS and not _suspended.get() and takes(n, k, element_bytes)
 
 
+def is_suspended() -> bool:
+    """Whether the caller runs inside `suspended()` (the FP8 matrix-vector kernel keeps the same rule)."""
+    return _suspended.get()
+
+
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
     """No call takes this kernel inside the block (nor any CUDA graph captured there)."""
