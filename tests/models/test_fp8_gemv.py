@@ -67,7 +67,7 @@ def test_more_than_one_token_is_refused() -> None:
 def test_the_rule_spreads_programs_over_the_sms(n: int, k: int) -> None:
     config = pick_config(n, k, num_sms=132)
     programs = -(-n // config.rows)
-    assert 1 <= config.rows <= 16 and (programs >= 8 * 132 or config.rows == 1)
+    assert 1 <= config.rows <= 16 and (programs >= 4 * 132 or config.rows == 1)
     assert config.block_k <= max(16, 4096 // config.rows) and config.block_k & (config.block_k - 1) == 0
 
 
@@ -95,8 +95,11 @@ def test_one_token_fp8_calls_take_it_where_enabled_and_not_suspended(monkeypatch
     monkeypatch.setattr(fp8_gemv, "ENABLED", True)
     got = run()
     assert calls == [1, 1]
-    for a, b in zip(got[:1] + got[2:], mma[:1] + mma[2:]):  # the fp32 results, up to summation order
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    # the fp32 results, up to summation order; on a GPU also up to Hopper's fp8 MMA, which sums each group of
+    # products in reduced precision before promoting to fp32 (up to 1.7e-3 relative off float64 on the H200)
+    rtol = 4e-3 if DEVICE == "cuda" else 1e-5
+    for a, b in zip(got[:1] + got[2:], mma[:1] + mma[2:]):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
     # the e4m3 values: a sum a few ulps apart may round to the neighbouring e4m3 value (3 mantissa bits)
     torch.testing.assert_close(got[1], mma[1], rtol=2.0**-3, atol=0.0)
     with gemv.suspended():

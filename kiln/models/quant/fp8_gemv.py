@@ -25,8 +25,10 @@ from kiln.models import gemv
 from kiln.models.pdl import pdl_launch, pdl_start
 
 ENABLED = os.environ.get("KILN_FP8_GEMV", "0") == "1"
-# Programs the rule aims for per SM: several resident programs keep enough weight loads in flight
-_PROGRAMS_PER_SM = 8
+# Programs the rule aims for per SM: several resident programs keep enough weight loads in flight. 4: the sweep's best
+# rows at every Llama-3-8B projection (one H100, 2026-12-06, `bench_gemm --part fp8-gemv`; 8 took half the rows at o
+# and qkv, 3-4% slower there)
+_PROGRAMS_PER_SM = 4
 _TILE_BYTES = 4096  # e4m3 weight bytes a program loads per K step
 
 
