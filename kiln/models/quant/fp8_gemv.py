@@ -9,7 +9,9 @@ The products and their fp32 sums are exact up to summation order, so it gives th
 
 Only M = 1 (decode at batch 1): the kernel reads the weight once per token. A runner that speculates suspends it as
 it suspends the 16-bit matrix-vector kernel (kiln/models/gemv.py): its decode must equal its verify bit for bit.
-KILN_FP8_GEMV=1 turns it on (an A/B arm until measured in a decode step).
+On by measurement (one H100, 2026-12-06): Llama-3-8B's four FP8 projections at one token 2.635 -> 2.541 ms a step
+(floor 2.313), FP8 8B decode at batch 1 3.538, 3.534 -> 3.513, 3.504 ms (two processes per arm, alternated;
+docs/models.md). KILN_FP8_GEMV=0 turns it off.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import triton.language as tl
 from kiln.models import gemv
 from kiln.models.pdl import pdl_launch, pdl_start
 
-ENABLED = os.environ.get("KILN_FP8_GEMV", "0") == "1"
+ENABLED = os.environ.get("KILN_FP8_GEMV", "1") == "1"
 # Programs the rule aims for per SM: several resident programs keep enough weight loads in flight. 4: the sweep's best
 # rows at every Llama-3-8B projection (one H100, 2026-12-06, `bench_gemm --part fp8-gemv`; 8 took half the rows at o
 # and qkv, 3-4% slower there)
