@@ -16,10 +16,10 @@ Two parts:
     python -m benchmarks.bench_gemm --preset qwen3-30b-a3b --projections qkv o --m 1 8 --json gemm.json
     python -m benchmarks.bench_gemm --part mid-m --m 256 128 192 64 --json mid.json   # H200: ~5 min
     python -m benchmarks.bench_gemm --preset tiny-llama --device cpu --m 1 16 --json /tmp/gemm.json  # CPU dry run
-- `fp8-gemv` (M = 1): the FP8 MMA kernel at its shipped tiles against the one-token matrix-vector kernel
-  (kiln/models/quant/fp8_gemv.py) at its rule's config and at each swept one, x the bytes floor.
+- `gemv-stream` (M = 1, e4m3 and bf16 weights): the MMA kernel at its shipped tiles against the one-token streaming
+  matrix-vector kernel (kiln/models/gemv_stream.py) at its rule's config and at each swept one, x the bytes floor.
 
-    python -m benchmarks.bench_gemm --part fp8-gemv --json fp8_gemv.json                # H200: < 1 min
+    python -m benchmarks.bench_gemm --part gemv-stream --json gemv_stream.json          # H100: < 1 min
 - `host` (the M of every CUDA-graph capture size): the host's microseconds per `kiln::dense_gemm` call (torch.mm
   above M = 16, the Triton kernel below) at the 8B projection shapes, eager and under a graph capture, at a shape
   the process has not run before and at one it has: a warm start's capture phase spent ~0.2 ms a call there.
@@ -30,12 +30,14 @@ Two parts:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import math
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -331,19 +333,14 @@ def print_kernels(kernels: dict[str, Any]) -> None:
     print(kernels["suggested_tuned"])
 
 
-def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
-    """The small-M table; on the CPU its Triton kernels run under the interpreter (set for this part only)."""
+@contextlib.contextmanager
+def interpreted_on_cpu(device: str) -> Iterator[None]:
+    """On the CPU, Triton's kernels run under the interpreter inside the block (set for a part only)."""
     previous = os.environ.get("TRITON_INTERPRET")
-    if args.device == "cpu":
+    if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        ms = tuple(args.m or KERNEL_M)
-        shapes = projection_shapes(args.preset, args.tp)
-        if args.projections:  # e.g. a MoE preset's attention projections alone
-            shapes = {name: shape for name, shape in shapes.items() if name.partition("/")[0] in args.projections}
-        result = kernel_table(shapes, args.device, ms, args.budget_s, errors)
-        result["step_totals"] = step_totals(result["summary"], PRESETS[args.preset]["num_hidden_layers"])
-        return result
+        yield
     finally:
         if previous is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -351,66 +348,94 @@ def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
             os.environ["TRITON_INTERPRET"] = previous
 
 
-def gemv_candidates() -> list[Any]:
-    """The FP8 matrix-vector kernel's swept configs: 4, 8 and 16 KB weight tiles a K step, rows 1 to 16."""
-    from kiln.models.quant.fp8_gemv import Fp8GemvConfig
+def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
+    """The small-M table."""
+    ms = tuple(args.m or KERNEL_M)
+    shapes = projection_shapes(args.preset, args.tp)
+    if args.projections:  # e.g. a MoE preset's attention projections alone
+        shapes = {name: shape for name, shape in shapes.items() if name.partition("/")[0] in args.projections}
+    with interpreted_on_cpu(args.device):
+        result = kernel_table(shapes, args.device, ms, args.budget_s, errors)
+    result["step_totals"] = step_totals(result["summary"], PRESETS[args.preset]["num_hidden_layers"])
+    return result
 
-    return [Fp8GemvConfig(2, 2048), Fp8GemvConfig(4, 1024), Fp8GemvConfig(8, 512), Fp8GemvConfig(16, 256),
-            Fp8GemvConfig(8, 512, 4, 1), Fp8GemvConfig(4, 1024, 4, 1), Fp8GemvConfig(1, 4096),
-            Fp8GemvConfig(4, 2048), Fp8GemvConfig(8, 1024), Fp8GemvConfig(16, 512),
-            Fp8GemvConfig(8, 2048, 8), Fp8GemvConfig(16, 1024, 8), Fp8GemvConfig(4, 4096, 8)]
+
+def stream_candidates() -> list[Any]:
+    """The streaming matrix-vector kernel's swept configs as (rows, weight bytes a K step, warps, stages): 4, 8 and
+    16 KB steps, rows 1 to 16."""
+    return [(2, 4096, 4, 3), (4, 4096, 4, 3), (8, 4096, 4, 3), (16, 4096, 4, 3), (8, 4096, 4, 1), (4, 4096, 4, 1),
+            (1, 4096, 4, 3), (4, 8192, 4, 3), (8, 8192, 4, 3), (16, 8192, 4, 3), (8, 16384, 8, 3),
+            (16, 16384, 8, 3), (4, 16384, 8, 3)]
 
 
-def fp8_gemv_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
-    """One token's FP8 projections: the MMA kernel at its shipped config against the matrix-vector kernel at its
-    rule's config and at every swept one, us and x the bytes floor, and the step's four projections x layers."""
-    from kiln.models.quant.fp8_gemv import fp8_gemv, pick_config
-    from kiln.models.quant.fp8_kernel import fp8_gemm_triton, num_sms
+def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
+    """One token's projections, e4m3 and bf16 weights: the MMA kernel at its shipped config against the streaming
+    matrix-vector kernel (kiln/models/gemv_stream.py) at its rule's config and at every swept one, us and x the
+    bytes floor, and the step's projections x layers."""
+    import triton
+
+    from kiln.models.gemv_stream import GemvStreamConfig, gemv_stream, pick_config
+    from kiln.models.quant.fp8_kernel import bf16_gemm_triton, fp8_gemm_triton, num_sms
 
     device = args.device
+    wide = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 loads are wrong
     bw = copy_gb_per_s(device) * 1e9
+    shapes = projection_shapes(args.preset)
+    if args.projections:
+        shapes = {name: shape for name, shape in shapes.items() if name in args.projections}
     rows = []
-    for proj, (k, n) in projection_shapes(args.preset).items():
-        copies = max(1, math.ceil(ROTATE_BYTES / (n * k))) if device == "cuda" else 1
-        base = quantize_weight(torch.randn(n, k, device=device) * 0.02)
-        quant = [(base[0].clone(), base[1]) for _ in range(copies)]
-        xq, xs = quantize_per_token(torch.randn(1, k, device=device))
-        flat = (xs.reshape(-1).float(), base[1].reshape(-1).float())
-        floor_us = n * k / bw * 1e6
-        rule = pick_config(n, k, num_sms(xq.device))
-        arms = [("mma", None, [lambda q=q, xq=xq, xs=xs: fp8_gemm_triton(xq, q[0], xs, q[1], torch.bfloat16)
-                               for q in quant])]
-        for config in [rule, *gemv_candidates()]:
-            arms.append(("gemv_rule" if config is rule else "gemv", asdict(config),
-                         [lambda q=q, c=config, xq=xq, f=flat: fp8_gemv(xq, q[0], f, torch.bfloat16, c)
-                          for q in quant]))
+    for (proj, (k, n)), width in itertools.product(shapes.items(), (1, 2)):
+        copies = max(1, math.ceil(ROTATE_BYTES / (n * k * width))) if device == "cuda" else 1
+        w = torch.randn(n, k, device=device) * 0.02
+        x = torch.randn(1, k, device=device)
+        if width == 1:
+            (wq, ws), (xq, xs) = quantize_weight(w), quantize_per_token(x)
+            weights_ = [wq.clone() for _ in range(copies)]
+            flat = (xs.reshape(-1).float(), ws.reshape(-1).float())
+            mma = [lambda q=q, xq=xq, xs=xs, ws=ws: fp8_gemm_triton(xq, q, xs, ws, torch.bfloat16) for q in weights_]
+        else:
+            xq, flat = x.to(wide), None
+            weights_ = [w.to(wide) for _ in range(copies)]
+            mma = [lambda q=q, xq=xq: bf16_gemm_triton(xq, q) for q in weights_]
+        floor_us = n * k * width / bw * 1e6
+        rule = pick_config(n, k, num_sms(xq.device), width)
+        arms = [("mma", None, mma)]
+        swept = [GemvStreamConfig(r, min(step // (r * width), triton.next_power_of_2(k)), warps, stages)
+                 for r, step, warps, stages in stream_candidates()]
+        for config in [rule, *swept]:
+            arms.append(("stream_rule" if config is rule else "stream", asdict(config),
+                         [lambda q=q, c=config, xq=xq, f=flat: gemv_stream(xq, q, f, torch.bfloat16, config=c)
+                          for q in weights_]))
         for kernel, config, fns in arms:
             try:
                 us = graph_time_us(fns, device)
             except Exception:
-                errors[f"{proj} {kernel} {config}"] = traceback.format_exc(limit=4)
+                errors[f"{proj} {width} {kernel} {config}"] = traceback.format_exc(limit=4)
                 continue
-            rows.append(dict(proj=proj, N=n, K=k, kernel=kernel, config=config, us=us, x_floor=us / floor_us,
-                             floor_us=floor_us))
-        print(f"  {proj}: {len(rows)} rows", flush=True)
-        del quant
+            rows.append(dict(proj=proj, N=n, K=k, element_bytes=width, kernel=kernel, config=config, us=us,
+                             x_floor=us / floor_us, floor_us=floor_us))
+        print(f"  {proj} ({'e4m3' if width == 1 else '16-bit'}): {len(rows)} rows", flush=True)
+        del weights_, mma, arms
     summary = []
-    for proj in dict.fromkeys(r["proj"] for r in rows):
-        sel = [r for r in rows if r["proj"] == proj]
-        by = {r["kernel"]: r for r in sel if r["kernel"] != "gemv"}
-        best = min((r for r in sel if r["kernel"].startswith("gemv")), key=lambda r: r["us"])
-        summary.append(dict(proj=proj, floor_us=sel[0]["floor_us"], mma_us=by["mma"]["us"],
-                            rule_us=by["gemv_rule"]["us"], rule_config=by["gemv_rule"]["config"], best_us=best["us"],
-                            best_config=best["config"]))
+    for key in dict.fromkeys((r["proj"], r["element_bytes"]) for r in rows):
+        sel = [r for r in rows if (r["proj"], r["element_bytes"]) == key]
+        by = {r["kernel"]: r for r in sel if r["kernel"] != "stream"}
+        if "mma" not in by or "stream_rule" not in by:
+            continue
+        best = min((r for r in sel if r["kernel"].startswith("stream")), key=lambda r: r["us"])
+        summary.append(dict(proj=key[0], element_bytes=key[1], floor_us=sel[0]["floor_us"], mma_us=by["mma"]["us"],
+                            rule_us=by["stream_rule"]["us"], rule_config=by["stream_rule"]["config"],
+                            best_us=best["us"], best_config=best["config"]))
     layers = PRESETS[args.preset]["num_hidden_layers"]
-    totals = {key: sum(r[key] for r in summary) * layers / 1e3 for key in ("floor_us", "mma_us", "rule_us", "best_us")}
+    totals = {f"{'fp8' if width == 1 else 'bf16'}_{key}": sum(r[key] for r in summary if r["element_bytes"] == width)
+              * layers / 1e3 for width in (1, 2) for key in ("floor_us", "mma_us", "rule_us", "best_us")}
     cfg = (lambda c: f"{c['rows']}x{c['block_k']} w{c['num_warps']} st{c['num_stages']}")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    print(table(["proj", "floor us", "MMA us", "gemv rule us", "rule config", "gemv best us", "best config",
-                 "MMA x floor", "best x floor"],
-                [[r["proj"], r["floor_us"], r["mma_us"], r["rule_us"], cfg(r["rule_config"]), r["best_us"],
-                  cfg(r["best_config"]), r["mma_us"] / r["floor_us"], r["best_us"] / r["floor_us"]]
-                 for r in summary]))
+    print(table(["proj", "weights", "floor us", "MMA us", "stream rule us", "rule config", "stream best us",
+                 "best config", "MMA x floor", "best x floor"],
+                [[r["proj"], "e4m3" if r["element_bytes"] == 1 else "bf16", r["floor_us"], r["mma_us"], r["rule_us"],
+                  cfg(r["rule_config"]), r["best_us"], cfg(r["best_config"]), r["mma_us"] / r["floor_us"],
+                  r["best_us"] / r["floor_us"]] for r in summary]))
     print("a step's projections, ms: " + ", ".join(f"{k.replace('_us', '')} {v:.3f}" for k, v in totals.items()))
     return dict(copy_gb_per_s=bw / 1e9, rows=rows, summary=summary, step_ms=totals)
 
@@ -499,14 +524,14 @@ def host_cost(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["small-m", "mid-m", "host", "fp8-gemv"], default="small-m")
+    parser.add_argument("--part", choices=["small-m", "mid-m", "host", "gemv-stream"], default="small-m")
     parser.add_argument("--preset", default="llama3-8b")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--m", type=int, nargs="+", default=None,
                         help="token counts (default: 1..64 for small-m, 256 128 192 64 for mid-m)")
     parser.add_argument("--tp", type=int, default=1, help="also one rank's shards at this TP (small-m: bf16 only)")
     parser.add_argument("--projections", nargs="+", choices=["qkv", "o", "gate_up", "down"], default=None,
-                        help="small-m: only these projections")
+                        help="small-m / gemv-stream: only these projections")
     parser.add_argument("--budget-s", type=float, default=300.0, help="no new shape or autotune after this")
     parser.add_argument("--json", default=None)
     parser.add_argument("--table-out", default=None,
@@ -522,8 +547,9 @@ def main() -> None:
             write_table(args.table_out, table_entries(result["small_m"]["summary"]))
     elif args.part == "host":
         result["host"] = host_cost(args)
-    elif args.part == "fp8-gemv":
-        result["fp8_gemv"] = fp8_gemv_table(args, errors)
+    elif args.part == "gemv-stream":
+        with interpreted_on_cpu(args.device):
+            result["gemv_stream"] = gemv_stream_table(args, errors)
     else:
         result["mid_m"] = mid_m(args)
     if args.json:

@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.models import gemv
+from kiln.models import gemv, gemv_stream
 from kiln.models.pdl import pdl_launch, pdl_start
-from kiln.models.quant import fp8_gemv
 
 
 @dataclass(frozen=True)
@@ -282,8 +281,8 @@ def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Ten
     (m, k), n = x.shape, weight.shape[0]
     if config is None and scales is None and gemv.applies(m, n, k, x.element_size()):
         return gemv.gemv(x, weight, gemv.PARTIALS)
-    if config is None and scales is not None and fp8_gemv.applies(m):
-        return fp8_gemv.fp8_gemv(x, weight, None, torch.float32)
+    if config is None and gemv_stream.applies(m, x.element_size()):
+        return gemv_stream.gemv_stream(x, weight, partials=True)
     config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
     steps = split_k(k, config, config.split_k)
     partials = torch.empty((steps[0], m, n), dtype=torch.float32, device=x.device)
@@ -300,8 +299,9 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     n = weight.shape[0]
     if config is None and x_scale is None and gemv.applies(m, n, k, q.element_size()):
         return gemv.gemv(q, weight)
-    if config is None and x_scale is not None and weight_scale is not None and fp8_gemv.applies(m):
-        return fp8_gemv.fp8_gemv(q, weight, (x_scale, weight_scale), out_dtype)
+    if config is None and gemv_stream.applies(m, q.element_size()):
+        scales = (x_scale, weight_scale) if x_scale is not None and weight_scale is not None else None
+        return gemv_stream.gemv_stream(q, weight, scales, out_dtype)
     config = config or pick_config(m, n, k, num_sms(q.device), q.element_size())
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:

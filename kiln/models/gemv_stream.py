@@ -1,0 +1,118 @@
+"""A matrix-vector kernel for one token's projections of large weights: each program streams a few weight rows
+through a K loop and dots them against the token on the CUDA cores (e4m3 weights with both scales applied, or
+16-bit ones).
+
+Why: at one token the MMA kernel (kiln/models/quant/fp8_kernel.py) pads the token to a 16-row MMA tile and needs
+split-K (and a reduce kernel after it) where N alone gives too few tiles. A dot on the CUDA cores has neither
+constraint: any number of rows a program, so many small programs spread every projection over the SMs in even
+waves, and no partial sums to reduce. The products are exact in fp32, so the values are the MMA kernel's up to
+summation order. Small 16-bit weights keep the kernel that holds whole rows in registers (kiln/models/gemv.py),
+whose loads start before the PDL wait; this one takes what that one does not.
+
+Only M = 1 (decode at batch 1): the kernel reads the weight once per token. A runner that speculates suspends it as
+it suspends gemv.py's kernel: its decode must equal its verify bit for bit.
+- FP8 (`KILN_FP8_GEMV`, on): Llama-3-8B's four FP8 projections at one token 2.635 -> 2.541 ms a step (floor
+  2.313), FP8 8B decode at batch 1 3.538, 3.534 -> 3.513, 3.504 ms (one H100, 2026-12-06, two processes per arm,
+  alternated; docs/models.md).
+- 16-bit (`KILN_GEMV_STREAM`, off until measured in a decode step): Qwen3-30B-A3B's attention projections at one
+  token stream at ~60% of the copy bandwidth on the MMA kernel (docs/moe.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.models import gemv
+from kiln.models.pdl import pdl_launch, pdl_start
+
+FP8_ENABLED = os.environ.get("KILN_FP8_GEMV", "1") == "1"
+WIDE_ENABLED = os.environ.get("KILN_GEMV_STREAM", "0") == "1"
+# Programs the rule aims for per SM: several resident programs keep enough weight loads in flight. 4: the sweep's best
+# rows at every Llama-3-8B FP8 projection (one H100, 2026-12-06, `bench_gemm --part gemv-stream`; 8 took half the
+# rows at o and qkv, 3-4% slower there)
+_PROGRAMS_PER_SM = 4
+_TILE_BYTES = 4096  # weight bytes a program loads per K step
+
+
+@dataclass(frozen=True)
+class GemvStreamConfig:
+    """rows: weight rows a program dots; block_k: K elements a step; num_warps / num_stages: Triton's."""
+
+    rows: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def applies(m: int, element_bytes: int) -> bool:
+    """Whether M tokens' projection by a weight of `element_bytes` (1: e4m3) runs here."""
+    enabled = FP8_ENABLED if element_bytes == 1 else WIDE_ENABLED
+    return enabled and m == 1 and not gemv.is_suspended()
+
+
+def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1) -> GemvStreamConfig:
+    """The most rows a program (at most 16) that still leaves _PROGRAMS_PER_SM programs an SM, and a K step of
+    _TILE_BYTES."""
+    rows = 16
+    while rows > 1 and triton.cdiv(n, rows) < _PROGRAMS_PER_SM * num_sms:
+        rows //= 2
+    return GemvStreamConfig(rows, min(triton.next_power_of_2(k), max(16, _TILE_BYTES // (rows * element_bytes))))
+
+
+@triton.jit
+def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN: tl.constexpr, SCALED: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p: output columns [p R, p R + R). PARTIALS: the fp32 sums (a kernel after it finishes them); else
+    out in its dtype, times both scales where SCALED."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    row_mask = rows < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    pdl_start(PDL)
+    acc = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN:  # N % R == 0 and K % BLOCK_K == 0
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptr + k0 + offs_k)
+        else:
+            k_mask = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    sums = tl.sum(acc, 1)
+    if PARTIALS:
+        tl.store(out_ptr + rows, sums, mask=row_mask)
+    else:
+        if SCALED:
+            sums = sums * tl.load(xs_ptr) * tl.load(ws_ptr + rows, mask=row_mask, other=0.0)
+        tl.store(out_ptr + rows, sums.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def gemv_stream(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                out_dtype: torch.dtype | None = None, partials: bool = False,
+                config: GemvStreamConfig | None = None) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T -> [1, N] in out_dtype (x's by default), scaled by `scales` (flat x_scale [1],
+    w_scale [N] fp32; e4m3 operands), or with `partials` its unscaled fp32 sums as one split's partials [1, 1, N]."""
+    (m, k), n = x.shape, weight.shape[0]
+    if m != 1:
+        raise ValueError(f"x: one token expected, got shape {tuple(x.shape)}")
+    from kiln.models.quant.fp8_kernel import num_sms
+
+    config = config or pick_config(n, k, num_sms(x.device), weight.element_size())
+    if partials:
+        out = torch.empty((1, 1, n), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
+    xs, ws = scales if scales is not None else (out, out)  # unread without scales
+    even = n % config.rows == 0 and k % config.block_k == 0
+    _gemv_stream_kernel[(triton.cdiv(n, config.rows),)](
+        x, xs, weight, ws, out, n, k, weight.stride(0), R=config.rows, BLOCK_K=config.block_k, EVEN=even,
+        SCALED=scales is not None, PARTIALS=partials, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(x.device))
+    return out
