@@ -61,7 +61,7 @@ def applies(m: int, n: int, k: int, element_bytes: int) -> bool:
 
 
 def is_suspended() -> bool:
-    """Whether the caller runs inside `suspended()` (the FP8 matrix-vector kernel keeps the same rule)."""
+    """Whether the caller runs inside `suspended()` (the streaming kernel, gemv_stream.py, keeps the same rule)."""
     return _suspended.get()
 
 

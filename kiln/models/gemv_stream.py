@@ -33,8 +33,8 @@ from kiln.models.pdl import pdl_launch, pdl_start
 FP8_ENABLED = os.environ.get("KILN_FP8_GEMV", "1") == "1"
 WIDE_ENABLED = os.environ.get("KILN_GEMV_STREAM", "0") == "1"
 # Programs the rule aims for per SM: several resident programs keep enough weight loads in flight. 4: the sweep's best
-# rows at every Llama-3-8B FP8 projection (one H100, 2026-12-06, `bench_gemm --part gemv-stream`; 8 took half the
-# rows at o and qkv, 3-4% slower there)
+# rows at every Llama-3-8B FP8 projection (one H100, 2026-12-06, the e4m3 rows of `bench_gemm --part gemv-stream`; 8
+# took half the rows at o and qkv, 3-4% slower there)
 _PROGRAMS_PER_SM = 4
 _TILE_BYTES = 4096  # weight bytes a program loads per K step
 
