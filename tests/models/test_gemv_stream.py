@@ -20,20 +20,13 @@ if DEVICE == "cpu":
 from kiln.models import gemm_epilogues, gemv, gemv_stream  # noqa: E402
 from kiln.models.gemv_stream import GemvStreamConfig, pick_config  # noqa: E402
 from kiln.models.quant import fp8_kernel  # noqa: E402
-from kiln.models.quant.fp8 import quantize_per_token, quantize_weight  # noqa: E402
+from tests.models.test_fp8_kernel import operands  # noqa: E402 - e4m3 operands and scales, kiln's quantizers
 
 
 @pytest.fixture(autouse=True)
 def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    wq, ws = quantize_weight(torch.randn(n, k, generator=g) * 0.05)
-    xq, xs = quantize_per_token(torch.randn(m, k, generator=g))
-    return tuple(t.to(DEVICE) for t in (xq, wq, xs, ws))
 
 
 def products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
