@@ -100,6 +100,14 @@ def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
                     times[name] = graphed()
                 finally:
                     moe_kernels.PAIR_BLOCK_TOKENS = default
+        times["graphed_stream"] = times["fp8_graphed_stream"] = float("nan")
+        if tokens == 1:  # the pair kernels at the streaming rule (KILN_MOE_STREAM), 16-bit and e4m3 experts
+            fp8_args = [(w13q, w2q, s13, s2) for w13q, s13, w2q, s2 in fp8]
+            for name, element_bytes, args in (("graphed_stream", 2, copies), ("fp8_graphed_stream", 1, fp8_args)):
+                stream = moe_kernels.one_token_config(k, inter, h, element_bytes, x.device)
+                times[name] = graphed_microseconds(
+                    lambda i, x=x, weights=weights, ids=ids, stream=stream, args=args: fused_moe_triton(
+                        x, *args[i % 4][:2], weights, ids, *args[i % 4][2:], config=stream), calls=8)
         times["fp8_graphed"] = graphed_microseconds(
             lambda i, x=x, weights=weights, ids=ids: fused_moe_triton(
                 x, fp8[i % 4][0], fp8[i % 4][2], weights, ids, fp8[i % 4][1], fp8[i % 4][3]), calls=8)
@@ -111,6 +119,7 @@ def part_layer(spec: ModelSpec, copy_bps: float, rows: list[dict]) -> None:
                          speedup=times["torch loop"] / times["fused"], graphed_us=times["graphed"],
                          floor_us=floor_us, x_floor=times["graphed"] / floor_us, fp8_graphed_us=times["fp8_graphed"],
                          graphed_align_us=times["graphed_align"], graphed_pair_blocks_us=times["graphed_pair_blocks"],
+                         graphed_stream_us=times["graphed_stream"], fp8_graphed_stream_us=times["fp8_graphed_stream"],
                          rel_err=err))
         print(f"layer tokens={tokens}: loop {times['torch loop']:.0f} us, fused {times['fused']:.0f} us", flush=True)
 
@@ -191,7 +200,8 @@ def main() -> None:
             attempt("offline", part_offline, rt, spec, ceil.copy_bytes_per_s, args.requests, rows)
     print(report["stamp"], f"copy {report['copy_gb_per_s']:.0f} GB/s", f"build {report.get('build_s', 0):.0f} s")
     for part, cols in (("layer", ["tokens", "loop_us", "fused_us", "speedup", "graphed_us", "graphed_align_us",
-                                  "graphed_pair_blocks_us", "floor_us", "x_floor", "fp8_graphed_us", "rel_err"]),
+                                  "graphed_pair_blocks_us", "graphed_stream_us", "floor_us", "x_floor",
+                                  "fp8_graphed_us", "fp8_graphed_stream_us", "rel_err"]),
                        ("decode", ["batch", "step_ms", "active_floor_ms", "x_active_floor", "full_floor_ms",
                                    "x_full_floor"]),
                        ("offline", ["requests", "seconds", "output_tokens_per_s", "decode_floor_s", "x_floor",

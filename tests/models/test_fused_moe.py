@@ -108,6 +108,41 @@ def test_pair_blocks_equal_the_align_layout(tokens: int, experts: int, top_k: in
     torch.testing.assert_close(pair_blocks, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("fp8, hidden, inter", [(False, 40, 24), (True, 40, 24), (False, 32, 32)])
+def test_one_token_streams_its_pairs_by_the_rule(fp8: bool, hidden: int, inter: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """KILN_MOE_STREAM: one token's experts take the pair kernels at the streaming kernel's rule (rows for ~4
+    programs an SM over the k experts' gate rows, a 4 KB weight step); the same rows as the reference, e4m3 weights
+    too, a pair on another rank's expert zero; 32 x 32: whole K steps (the loops without masks). Suspended (a
+    speculating runner) and past one token: the table's."""
+    from kiln.models import gemv
+    from kiln.models.fused_moe import kernels
+
+    config = kernels.one_token_config(8, 768, 2048, 2, torch.device("cpu"))  # Qwen3-30B-A3B on 132 SMs
+    assert (config.block_m, config.block_n, config.block_k) == (1, 8, 256)  # 8 * 96 = 768 programs >= 4 * 132
+    assert kernels.one_token_config(8, 768, 2048, 1, torch.device("cpu")).block_k == 512
+    x, w13, w2, weights, ids = problem(1, 6, 3, hidden, inter, seed=5)
+    ids[0, 2] = 6
+    scales = ()
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_weight(w13), quantize_weight(w2)
+        scales = (s13, s2)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, *scales)]
+    chosen = []
+    real = kernels.one_token_config
+    monkeypatch.setattr(kernels, "one_token_config", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    monkeypatch.setattr(kernels, "STREAM_ONE_TOKEN", True)
+    got = fused_moe_triton(*args, remote_experts=True)
+    assert [c.block_m for c in chosen] == [1] and (hidden % chosen[0].block_k == 0) == (hidden == 32)
+    torch.testing.assert_close(got, fused_moe_reference(*args), rtol=1e-4, atol=1e-5)
+    assert torch.equal(got[0, 2], torch.zeros_like(got[0, 2]))
+    with gemv.suspended():
+        fused_moe_triton(*args, remote_experts=True)
+    two = [t.to(DEVICE) for t in problem(2, 6, 3, hidden, inter, seed=6)]
+    fused_moe_triton(*two)
+    assert len(chosen) == 1
+
+
 @pytest.mark.parametrize("block_m", [1, 16])
 def test_kernels_with_fp8_weights_match_reference(block_m: int) -> None:
     x, w13, w2, weights, ids = problem(6, 4, 2, 32, 16, seed=7)

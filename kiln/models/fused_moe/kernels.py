@@ -8,8 +8,9 @@ Two shapes of the same two GEMMs (h = silu(x W_gate^T) * (x W_up^T), then y = h 
   The gate and up slices are read by the same program, so SiLU-and-mul happens on the accumulators and only h is
   written. The down kernel scales each row by its routing weight and writes it to its pair's row.
 - pairs (BLOCK_M == 1, decode): no sorting at all. One program per (pair, N slice) streams its expert's weight
-  as a matrix-vector product, in both kernels. A repeated expert is read once per pair that chose it, which is
-  why this only pays while pairs are few (the tuned table says where).
+  as a matrix-vector product on the CUDA cores, in both kernels, the way kiln/models/gemv_stream.py streams a
+  dense projection. A repeated expert is read once per pair that chose it, which is why this only pays while pairs
+  are few (the tuned table says where; KILN_MOE_STREAM, below, for one token).
 
 Both return each pair's weighted row, [T, K, H]: the caller sums a token's K rows in the traced graph, where
 Inductor folds the sum into the residual add that follows (a zero fill and a sum kernel a layer fewer).
@@ -20,10 +21,13 @@ dtype before the product and the scale applied to the accumulator (exact: the sc
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from kiln.models import gemv, gemv_stream
 from kiln.models.fused_moe.align import align_by_expert
 from kiln.models.fused_moe.align_triton import MAX_PAIRS, align_by_expert_triton
 from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
@@ -36,6 +40,20 @@ from kiln.models.pdl import pdl_launch, pdl_start
 # program deriving the sorted layout from the ids in registers (the layout this replaced, `9541c57`) and 28.5
 # through align; eight tokens: 116.6 against 116.0 and 114.7, so from two tokens on align's layout serves.
 PAIR_BLOCK_TOKENS = 1
+# KILN_MOE_STREAM=1: a one-token step's experts run the pair kernels at the streaming matrix-vector rule
+# (gemv_stream.pick_config over the step's pairs: a few rows a program, ~4 programs an SM, 4 KB of weight a K step)
+# instead of the table's config. Off until measured in a decode step.
+STREAM_ONE_TOKEN = os.environ.get("KILN_MOE_STREAM", "0") == "1"
+
+
+def one_token_config(top_k: int, inter: int, hidden: int, element_bytes: int,
+                     device: torch.device) -> MoeKernelConfig:
+    """The pair kernels' config for one token's k pairs: the streaming kernel's rule over all k experts' gate rows
+    (the down kernel, k * hidden rows, gets at least as many programs)."""
+    from kiln.models.quant.fp8_kernel import num_sms
+
+    rule = gemv_stream.pick_config(top_k * inter, hidden, num_sms(device), element_bytes)
+    return MoeKernelConfig(1, rule.rows, rule.block_k, rule.num_warps, rule.num_stages)
 
 
 @triton.jit
@@ -140,40 +158,55 @@ def _grouped_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, sorted_ptr, block_expert_
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, s_xt, s_we, s_wn, s_ht,
                          TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         EVEN: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (pair, n): h[pair, rows] for BLOCK_N rows of the pair's expert, gate rows and the up rows INTER
+    below. The products accumulate element-wise in [BLOCK_N, BLOCK_K] and are summed once after the K loop (a sum
+    every step costs more shuffles than the loads it waits on)."""
     pdl_start(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert >= NUM_E:
         return
-    token = pair // TOPK
+    x_ptrs = x_ptr + (pair // TOPK).to(tl.int64) * s_xt + tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + expert * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     u_ptrs = g_ptrs + INTER * s_wn
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_mask = k0 + offs_k < H
-        a = tl.load(x_ptr + token * s_xt + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc_g += tl.sum(g * a[None, :], axis=1)
-        acc_u += tl.sum(u * a[None, :], axis=1)
+        if EVEN:  # INTER % BLOCK_N == 0 and H % BLOCK_K == 0
+            a = tl.load(x_ptrs)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            k_mask = k0 + offs_k < H
+            a = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            g = tl.load(g_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        a = a.to(tl.float32)[None, :]
+        acc_g += g.to(tl.float32) * a
+        acc_u += u.to(tl.float32) * a
+        x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    gate = tl.sum(acc_g, 1)
+    up = tl.sum(acc_u, 1)
     if SCALED:
-        acc_g *= tl.load(ws_ptr + expert * 2 * INTER + offs_n, mask=n_mask, other=0.0)
-        acc_u *= tl.load(ws_ptr + expert * 2 * INTER + INTER + offs_n, mask=n_mask, other=0.0)
-    h = _silu_mul(acc_g, acc_u)
+        gate *= tl.load(ws_ptr + expert * 2 * INTER + offs_n, mask=n_mask, other=0.0)
+        up *= tl.load(ws_ptr + expert * 2 * INTER + INTER + offs_n, mask=n_mask, other=0.0)
+    h = _silu_mul(gate, up)
     tl.store(h_ptr + pair.to(tl.int64) * s_ht + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _pair_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, NUM_E, s_ht, s_we, s_wn, s_yt,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """Program (pair, n): the pair's weighted y[pair, rows] for BLOCK_N rows of its expert's W_down (summed as the
+    gate/up kernel sums)."""
     pdl_start(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -185,18 +218,25 @@ def _pair_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, NU
         tl.store(y_ptrs, tl.zeros((BLOCK_N,), dtype=y_ptr.dtype.element_ty), mask=n_mask)
         return
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a_ptrs = h_ptr + pair.to(tl.int64) * s_ht + offs_k
     b_ptrs = w_ptr + expert * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        k_mask = k0 + offs_k < INTER
-        a = tl.load(h_ptr + pair.to(tl.int64) * s_ht + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(b * a[None, :], axis=1)
+        if EVEN:  # H % BLOCK_N == 0 and INTER % BLOCK_K == 0
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = k0 + offs_k < INTER
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
+        a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    y = tl.sum(acc, 1)
     if SCALED:
-        acc *= tl.load(ws_ptr + expert * H + offs_n, mask=n_mask, other=0.0)
-    acc *= tl.load(tw_ptr + pair)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+        y *= tl.load(ws_ptr + expert * H + offs_n, mask=n_mask, other=0.0)
+    y *= tl.load(tw_ptr + pair)
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -211,6 +251,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden size {hidden}")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("expert weights: the input dimension must be contiguous")
+    if config is None and num_tokens == 1 and STREAM_ONE_TOKEN and not gemv.is_suspended():
+        config = one_token_config(top_k, inter, hidden, w13.element_size(), x.device)
     config = config or pick_config(num_experts, inter, hidden, top_k, num_tokens, w13.dtype)
     x = x.contiguous()
     ids = topk_ids.contiguous()
@@ -226,10 +268,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # every row written, zeros included
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, config.block_n))](
             x, w13, ws13, ids, h, hidden, inter, num_experts, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-            TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
+            TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled,
+            EVEN=inter % config.block_n == 0 and hidden % config.block_k == 0, **launch)
         _pair_down_kernel[(num_pairs, triton.cdiv(hidden, config.block_n))](
             h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
-            y.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled, **launch)
+            y.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled,
+            EVEN=hidden % config.block_n == 0 and inter % config.block_k == 0, **launch)
         return y.view(num_tokens, top_k, hidden)
     pair_blocks = num_tokens <= PAIR_BLOCK_TOKENS
     if pair_blocks:  # block j = pair j, its expert from the ids
