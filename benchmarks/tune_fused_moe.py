@@ -27,7 +27,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # the pair kernels accumulate a [rows, BLOCK_K] tile element-wise: a few rows and ~4 KB of weight a step (the
 # streaming matrix-vector kernel's shapes, kiln/models/gemv_stream.py)
 PAIR_CANDIDATES = [MoeKernelConfig(1, bn, bk, w, s) for bn, bk, w, s in
-                   ((4, 512, 4, 3), (8, 256, 4, 3), (16, 128, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3))]
+                   ((2, 1024, 4, 3), (4, 512, 4, 3), (4, 1024, 4, 3), (8, 256, 4, 3), (16, 128, 4, 3), (8, 512, 4, 3),
+                    (16, 256, 4, 3))]
 GROUPED_CANDIDATES = [MoeKernelConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                       ((16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
                        (32, 64, 64, 4, 4), (32, 128, 64, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3),
@@ -83,6 +84,8 @@ def main() -> None:
                 timings[config] = time_config(x, weights, tw, ids, config)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate here
                 print(f"  {bucket} {config}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        for config, us in sorted(timings.items(), key=lambda item: item[1]):
+            print(f"  {bucket} {tuple(config.to_json().values())}: {us:.1f} us", flush=True)
         if not timings:
             continue
         best = min(timings, key=timings.get)

@@ -37,6 +37,11 @@ WIDE_ENABLED = os.environ.get("KILN_GEMV_STREAM", "0") == "1"
 # took half the rows at o and qkv, 3-4% slower there)
 _PROGRAMS_PER_SM = 4
 _TILE_BYTES = 4096  # weight bytes a program loads per K step
+# The most rows a program takes, by weight element size. 16-bit: 2 rows of 1024 elements a step, within 1% of the
+# sweep's best at Llama-3-8B's four projections and Qwen3-30B-A3B's qkv / o, where the e4m3 rows (8-16 rows of
+# 256-512) took up to 7% longer (gate_up 80.1 against 74.7 us, Qwen3's qkv 9.0 against 8.2; one H100, 2026-12-06,
+# `bench_gemm --part gemv-stream`): longer runs of a row's K per step stream 16-bit weights faster.
+_MAX_ROWS = {1: 16, 2: 2}
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,9 @@ def applies(m: int, element_bytes: int) -> bool:
 
 
 def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1) -> GemvStreamConfig:
-    """The most rows a program (at most 16) that still leaves _PROGRAMS_PER_SM programs an SM, and a K step of
-    _TILE_BYTES."""
-    rows = 16
+    """The most rows a program (at most _MAX_ROWS) that still leaves _PROGRAMS_PER_SM programs an SM, and a K step
+    of _TILE_BYTES."""
+    rows = _MAX_ROWS.get(element_bytes, 2)
     while rows > 1 and triton.cdiv(n, rows) < _PROGRAMS_PER_SM * num_sms:
         rows //= 2
     return GemvStreamConfig(rows, min(triton.next_power_of_2(k), max(16, _TILE_BYTES // (rows * element_bytes))))
