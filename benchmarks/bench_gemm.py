@@ -16,7 +16,7 @@ Two parts:
     python -m benchmarks.bench_gemm --preset qwen3-30b-a3b --projections qkv o --m 1 8 --json gemm.json
     python -m benchmarks.bench_gemm --part mid-m --m 256 128 192 64 --json mid.json   # H200: ~5 min
     python -m benchmarks.bench_gemm --preset tiny-llama --device cpu --m 1 16 --json /tmp/gemm.json  # CPU dry run
-- `gemv-stream` (M = 1, e4m3 and bf16 weights): the MMA kernel at its shipped tiles against the one-token streaming
+- `gemv-stream` (M = 1, e4m3 weights): the MMA kernel at its shipped tiles against the one-token streaming
   matrix-vector kernel (kiln/models/gemv_stream.py) at its rule's config and at each swept one, x the bytes floor.
 
     python -m benchmarks.bench_gemm --part gemv-stream --json gemv_stream.json          # H100: < 1 min
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -39,6 +38,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -369,73 +369,64 @@ def stream_candidates() -> list[Any]:
 
 
 def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
-    """One token's projections, e4m3 and bf16 weights: the MMA kernel at its shipped config against the streaming
-    matrix-vector kernel (kiln/models/gemv_stream.py) at its rule's config and at every swept one, us and x the
-    bytes floor, and the step's projections x layers."""
+    """One token's e4m3 projections: the MMA kernel at its shipped config against the streaming matrix-vector kernel
+    (kiln/models/gemv_stream.py) at its rule's config and at every swept one, us and x the bytes floor, and the
+    step's projections x layers."""
     import triton
 
     from kiln.models.gemv_stream import GemvStreamConfig, gemv_stream, pick_config
-    from kiln.models.quant.fp8_kernel import bf16_gemm_triton, fp8_gemm_triton, num_sms
+    from kiln.models.quant.fp8_kernel import fp8_gemm_triton, num_sms
+    from kiln.models.quant.fp8_kernel import pick_config as mma_config
 
     device = args.device
-    wide = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 loads are wrong
     bw = copy_gb_per_s(device) * 1e9
     shapes = projection_shapes(args.preset)
     if args.projections:
         shapes = {name: shape for name, shape in shapes.items() if name in args.projections}
     rows = []
-    for (proj, (k, n)), width in itertools.product(shapes.items(), (1, 2)):
-        copies = max(1, math.ceil(ROTATE_BYTES / (n * k * width))) if device == "cuda" else 1
-        w = torch.randn(n, k, device=device) * 0.02
-        x = torch.randn(1, k, device=device)
-        if width == 1:
-            (wq, ws), (xq, xs) = quantize_weight(w), quantize_per_token(x)
-            weights_ = [wq.clone() for _ in range(copies)]
-            flat = (xs.reshape(-1).float(), ws.reshape(-1).float())
-            mma = [lambda q=q, xq=xq, xs=xs, ws=ws: fp8_gemm_triton(xq, q, xs, ws, torch.bfloat16) for q in weights_]
-        else:
-            xq, flat = x.to(wide), None
-            weights_ = [w.to(wide) for _ in range(copies)]
-            mma = [lambda q=q, xq=xq: bf16_gemm_triton(xq, q) for q in weights_]
-        floor_us = n * k * width / bw * 1e6
-        rule = pick_config(n, k, num_sms(xq.device), width)
-        arms = [("mma", None, mma)]
-        swept = [GemvStreamConfig(r, min(step // (r * width), triton.next_power_of_2(k)), warps, stages)
+    for proj, (k, n) in shapes.items():
+        copies = max(1, math.ceil(ROTATE_BYTES / (n * k))) if device == "cuda" else 1
+        (wq, ws), (xq, xs) = quantize_weight(torch.randn(n, k, device=device) * 0.02), \
+            quantize_per_token(torch.randn(1, k, device=device))
+        weights_ = [wq.clone() for _ in range(copies)]
+        flat = (xs.reshape(-1).float(), ws.reshape(-1).float())
+        mma = mma_config(1, n, k, num_sms(xq.device))  # explicit: the MMA kernel even where the stream one is on
+        floor_us = n * k / bw * 1e6
+        rule = pick_config(n, k, num_sms(xq.device))
+        arms = [("mma", None, [partial(fp8_gemm_triton, xq, q, xs, ws, torch.bfloat16, mma) for q in weights_])]
+        swept = [GemvStreamConfig(r, min(step // r, triton.next_power_of_2(k)), warps, stages)
                  for r, step, warps, stages in stream_candidates()]
         for config in [rule, *swept]:
             arms.append(("stream_rule" if config is rule else "stream", asdict(config),
-                         [lambda q=q, c=config, xq=xq, f=flat: gemv_stream(xq, q, f, torch.bfloat16, config=c)
-                          for q in weights_]))
+                         [partial(gemv_stream, xq, q, flat, torch.bfloat16, config=config) for q in weights_]))
         for kernel, config, fns in arms:
             try:
                 us = graph_time_us(fns, device)
             except Exception:
-                errors[f"{proj} {width} {kernel} {config}"] = traceback.format_exc(limit=4)
+                errors[f"{proj} {kernel} {config}"] = traceback.format_exc(limit=4)
                 continue
-            rows.append(dict(proj=proj, N=n, K=k, element_bytes=width, kernel=kernel, config=config, us=us,
-                             x_floor=us / floor_us, floor_us=floor_us))
-        print(f"  {proj} ({'e4m3' if width == 1 else '16-bit'}): {len(rows)} rows", flush=True)
-        del weights_, mma, arms
+            rows.append(dict(proj=proj, N=n, K=k, kernel=kernel, config=config, us=us, x_floor=us / floor_us,
+                             floor_us=floor_us))
+        print(f"  {proj}: {len(rows)} rows", flush=True)
+        del weights_, arms
     summary = []
-    for key in dict.fromkeys((r["proj"], r["element_bytes"]) for r in rows):
-        sel = [r for r in rows if (r["proj"], r["element_bytes"]) == key]
+    for proj in dict.fromkeys(r["proj"] for r in rows):
+        sel = [r for r in rows if r["proj"] == proj]
         by = {r["kernel"]: r for r in sel if r["kernel"] != "stream"}
         if "mma" not in by or "stream_rule" not in by:
             continue
         best = min((r for r in sel if r["kernel"].startswith("stream")), key=lambda r: r["us"])
-        summary.append(dict(proj=key[0], element_bytes=key[1], floor_us=sel[0]["floor_us"], mma_us=by["mma"]["us"],
+        summary.append(dict(proj=proj, floor_us=sel[0]["floor_us"], mma_us=by["mma"]["us"],
                             rule_us=by["stream_rule"]["us"], rule_config=by["stream_rule"]["config"],
                             best_us=best["us"], best_config=best["config"]))
     layers = PRESETS[args.preset]["num_hidden_layers"]
-    totals = {f"{'fp8' if width == 1 else 'bf16'}_{key}": sum(r[key] for r in summary if r["element_bytes"] == width)
-              * layers / 1e3 for width in (1, 2) for key in ("floor_us", "mma_us", "rule_us", "best_us")}
+    totals = {key: sum(r[key] for r in summary) * layers / 1e3 for key in ("floor_us", "mma_us", "rule_us", "best_us")}
     cfg = (lambda c: f"{c['rows']}x{c['block_k']} w{c['num_warps']} st{c['num_stages']}")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    print(table(["proj", "weights", "floor us", "MMA us", "stream rule us", "rule config", "stream best us",
-                 "best config", "MMA x floor", "best x floor"],
-                [[r["proj"], "e4m3" if r["element_bytes"] == 1 else "bf16", r["floor_us"], r["mma_us"], r["rule_us"],
-                  cfg(r["rule_config"]), r["best_us"], cfg(r["best_config"]), r["mma_us"] / r["floor_us"],
-                  r["best_us"] / r["floor_us"]] for r in summary]))
+    print(table(["proj", "floor us", "MMA us", "stream rule us", "rule config", "stream best us", "best config",
+                 "MMA x floor", "best x floor"],
+                [[r["proj"], r["floor_us"], r["mma_us"], r["rule_us"], cfg(r["rule_config"]), r["best_us"],
+                  cfg(r["best_config"]), r["mma_us"] / r["floor_us"], r["best_us"] / r["floor_us"]] for r in summary]))
     print("a step's projections, ms: " + ", ".join(f"{k.replace('_us', '')} {v:.3f}" for k, v in totals.items()))
     return dict(copy_gb_per_s=bw / 1e9, rows=rows, summary=summary, step_ms=totals)
 

@@ -118,10 +118,10 @@ set_gemm_moe() {  # Qwen3-30B-A3B's attention projections at decode M: cuBLAS an
   step gemm_moe 200 python3 -m benchmarks.bench_gemm --part small-m --preset qwen3-30b-a3b --projections qkv o \
     --m 1 8 --json "$R/gemm_moe.json"
 }
-set_gemv_stream() {  # one token's projections, e4m3 and bf16 weights: the MMA kernel against the streaming matrix-vector
-  # kernel's rule and swept configs (GEMV_STREAM_PRESETS, default Llama-3-8B's four and Qwen3-30B-A3B's attention ones)
+set_gemv_stream() {  # one token's e4m3 projections: the MMA kernel against the streaming matrix-vector kernel's rule and
+  # swept configs (GEMV_STREAM_PRESETS, default Llama-3-8B's four; PRESET:qkv,o for some of a model's projections)
   local spec preset
-  for spec in ${GEMV_STREAM_PRESETS:-llama3-8b qwen3-30b-a3b:qkv,o}; do
+  for spec in ${GEMV_STREAM_PRESETS:-llama3-8b}; do
     preset=${spec%%:*}; local projections=""; [ "$spec" != "$preset" ] && projections=${spec#*:}
     step "gemv_stream_$preset" 150 python3 -m benchmarks.bench_gemm --part gemv-stream --preset "$preset" \
       ${projections:+--projections ${projections//,/ }} --json "$R/gemv_stream_${preset//[^A-Za-z0-9_]/_}.json"

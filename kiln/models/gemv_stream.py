@@ -1,21 +1,18 @@
 """A matrix-vector kernel for one token's projections of large weights: each program streams a few weight rows
-through a K loop and dots them against the token on the CUDA cores (e4m3 weights with both scales applied, or
-16-bit ones).
+through a K loop and dots them against the token on the CUDA cores (e4m3 weights, both scales applied).
 
 Why: at one token the MMA kernel (kiln/models/quant/fp8_kernel.py) pads the token to a 16-row MMA tile and needs
 split-K (and a reduce kernel after it) where N alone gives too few tiles. A dot on the CUDA cores has neither
 constraint: any number of rows a program, so many small programs spread every projection over the SMs in even
 waves, and no partial sums to reduce. The products are exact in fp32, so the values are the MMA kernel's up to
-summation order. Small 16-bit weights keep the kernel that holds whole rows in registers (kiln/models/gemv.py),
-whose loads start before the PDL wait; this one takes what that one does not.
+summation order. (Small 16-bit weights have a kernel that holds whole rows in registers, kiln/models/gemv.py.)
 
 Only M = 1 (decode at batch 1): the kernel reads the weight once per token. A runner that speculates suspends it as
 it suspends gemv.py's kernel: its decode must equal its verify bit for bit.
-- FP8 (`KILN_FP8_GEMV`, on): Llama-3-8B's four FP8 projections at one token 2.635 -> 2.541 ms a step (floor
-  2.313), FP8 8B decode at batch 1 3.538, 3.534 -> 3.513, 3.504 ms (one H100, 2026-12-06, two processes per arm,
-  alternated; docs/models.md).
-- 16-bit (`KILN_GEMV_STREAM`, off until measured in a decode step): Qwen3-30B-A3B's attention projections at one
-  token stream at ~60% of the copy bandwidth on the MMA kernel (docs/moe.md).
+On by measurement (`KILN_FP8_GEMV=0` turns it off): Llama-3-8B's four FP8 projections at one token 2.635 -> 2.541 ms
+a step (floor 2.313), FP8 8B decode at batch 1 3.538, 3.534 -> 3.513, 3.504 ms (one H100, 2026-12-06, two processes
+per arm, alternated; docs/models.md). 16-bit weights took it too, measured and removed: no faster in a decode step
+(docs/models.md). The rule (`pick_config`) also shapes the MoE pair kernels at one token (fused_moe/kernels.py).
 """
 
 from __future__ import annotations
@@ -31,17 +28,11 @@ from kiln.models import gemv
 from kiln.models.pdl import pdl_launch, pdl_start
 
 FP8_ENABLED = os.environ.get("KILN_FP8_GEMV", "1") == "1"
-WIDE_ENABLED = os.environ.get("KILN_GEMV_STREAM", "0") == "1"
 # Programs the rule aims for per SM: several resident programs keep enough weight loads in flight. 4: the sweep's best
 # rows at every Llama-3-8B FP8 projection (one H100, 2026-12-06, the e4m3 rows of `bench_gemm --part gemv-stream`; 8
 # took half the rows at o and qkv, 3-4% slower there)
 _PROGRAMS_PER_SM = 4
 _TILE_BYTES = 4096  # weight bytes a program loads per K step
-# The most rows a program takes, by weight element size. 16-bit: 2 rows of 1024 elements a step, within 1% of the
-# sweep's best at Llama-3-8B's four projections and Qwen3-30B-A3B's qkv / o, where the e4m3 rows (8-16 rows of
-# 256-512) took up to 7% longer (gate_up 80.1 against 74.7 us, Qwen3's qkv 9.0 against 8.2; one H100, 2026-12-06,
-# `bench_gemm --part gemv-stream`): longer runs of a row's K per step stream 16-bit weights faster.
-_MAX_ROWS = {1: 16, 2: 2}
 
 
 @dataclass(frozen=True)
@@ -56,14 +47,13 @@ class GemvStreamConfig:
 
 def applies(m: int, element_bytes: int) -> bool:
     """Whether M tokens' projection by a weight of `element_bytes` (1: e4m3) runs here."""
-    enabled = FP8_ENABLED if element_bytes == 1 else WIDE_ENABLED
-    return enabled and m == 1 and not gemv.is_suspended()
+    return FP8_ENABLED and element_bytes == 1 and m == 1 and not gemv.is_suspended()
 
 
 def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1) -> GemvStreamConfig:
-    """The most rows a program (at most _MAX_ROWS) that still leaves _PROGRAMS_PER_SM programs an SM, and a K step
-    of _TILE_BYTES."""
-    rows = _MAX_ROWS.get(element_bytes, 2)
+    """The most rows a program (at most 16) that still leaves _PROGRAMS_PER_SM programs an SM, and a K step of
+    _TILE_BYTES."""
+    rows = 16
     while rows > 1 and triton.cdiv(n, rows) < _PROGRAMS_PER_SM * num_sms:
         rows //= 2
     return GemvStreamConfig(rows, min(triton.next_power_of_2(k), max(16, _TILE_BYTES // (rows * element_bytes))))
@@ -103,7 +93,7 @@ def gemv_stream(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tenso
                 out_dtype: torch.dtype | None = None, partials: bool = False,
                 config: GemvStreamConfig | None = None) -> torch.Tensor:
     """x [1, K] @ weight [N, K]^T -> [1, N] in out_dtype (x's by default), scaled by `scales` (flat x_scale [1],
-    w_scale [N] fp32; e4m3 operands), or with `partials` its unscaled fp32 sums as one split's partials [1, 1, N]."""
+    w_scale [N] fp32), or with `partials` its unscaled fp32 sums as one split's partials [1, 1, N]."""
     (m, k), n = x.shape, weight.shape[0]
     if m != 1:
         raise ValueError(f"x: one token expected, got shape {tuple(x.shape)}")

@@ -119,7 +119,7 @@ def test_one_token_streams_its_pairs_by_the_rule(fp8: bool, hidden: int, inter: 
     from kiln.models.fused_moe import kernels
 
     config = kernels.one_token_config(8, 768, 2048, 2, torch.device("cpu"))  # Qwen3-30B-A3B on 132 SMs
-    assert (config.block_m, config.block_n, config.block_k) == (1, 2, 1024)  # 16-bit: 2 rows of 1024 a step
+    assert (config.block_m, config.block_n, config.block_k) == (1, 8, 256)  # 8 * 96 = 768 programs >= 4 * 132
     assert kernels.one_token_config(8, 768, 2048, 1, torch.device("cpu")).block_k == 512
     x, w13, w2, weights, ids = problem(1, 6, 3, hidden, inter, seed=5)
     ids[0, 2] = 6

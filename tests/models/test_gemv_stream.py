@@ -1,6 +1,6 @@
-"""The one-token streaming matrix-vector kernel (kiln/models/gemv_stream.py) against a float64 reference, e4m3 and
-16-bit weights, its unscaled sums as the add + RMSNorm epilogue's partials, and which calls the GEMM entry points hand
-it. Without a GPU it runs under Triton's CPU interpreter (16-bit in fp16: its bf16 loads are wrong there)."""
+"""The one-token streaming matrix-vector kernel (kiln/models/gemv_stream.py) against a float64 reference (e4m3
+weights), its unscaled sums as the add + RMSNorm epilogue's partials, and which calls the GEMM entry points hand it.
+Without a GPU it runs under Triton's CPU interpreter (16-bit operands in fp16: its bf16 loads are wrong there)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.double() @ w.double().t()  # e4m3 and 16-bit values and their products are exact in float64
+    return x.double() @ w.double().t()  # e4m3 values and their products are exact in float64
 
 
 def close(got: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
@@ -52,17 +52,6 @@ def test_fp8_output_and_partials_match_float64(n: int, k: int, config: GemvStrea
     close(partials[0], products(xq, wq))
 
 
-@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}" for n, k, _ in CASES])
-def test_16bit_output_is_the_rounded_sums(n: int, k: int, config: GemvStreamConfig | None) -> None:
-    g = torch.Generator().manual_seed(n * k)
-    x = torch.randn(1, k, generator=g).to(WIDE).to(DEVICE)
-    w = (torch.randn(n, k, generator=g) * 0.05).to(WIDE).to(DEVICE)
-    sums = gemv_stream.gemv_stream(x, w, partials=True, config=config)
-    close(sums[0], products(x, w))
-    got = gemv_stream.gemv_stream(x, w, config=config)
-    assert got.dtype == WIDE and torch.equal(got, sums[0].to(WIDE))  # one rounding of the same fp32 sums
-
-
 def test_more_than_one_token_is_refused() -> None:
     xq, wq, xs, ws = operands(2, 32, 64, seed=1)
     with pytest.raises(ValueError, match="x: one token"):
@@ -74,15 +63,15 @@ def test_more_than_one_token_is_refused() -> None:
 def test_the_rule_spreads_programs_over_the_sms(n: int, k: int, element_bytes: int) -> None:
     config = pick_config(n, k, num_sms=132, element_bytes=element_bytes)
     programs = -(-n // config.rows)
-    assert 1 <= config.rows <= (16 if element_bytes == 1 else 2) and (programs >= 4 * 132 or config.rows == 1)
+    assert 1 <= config.rows <= 16 and (programs >= 4 * 132 or config.rows == 1)
     step_bytes = config.rows * config.block_k * element_bytes
     assert step_bytes <= max(4096, 16 * config.rows * element_bytes) and config.block_k & (config.block_k - 1) == 0
 
 
 def test_one_token_calls_take_it_where_enabled_and_not_suspended(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8_gemm_triton, the FP8 add + RMSNorm + quantization epilogue and (16-bit, past what gemv.py takes)
-    bf16_gemm_triton at M = 1 run the kernel when enabled, with the values of the MMA kernel's path (up to summation
-    order); never under gemv.suspended() (a runner that speculates), at M > 1, or with an explicit MMA config."""
+    """fp8_gemm_triton and the FP8 add + RMSNorm + quantization epilogue at M = 1 run the kernel when enabled, with
+    the values of the MMA kernel's path (up to summation order); never for 16-bit weights (bf16_gemm_triton past what
+    gemv.py takes), under gemv.suspended() (a runner that speculates), at M > 1, or with an explicit MMA config."""
     calls: list[int] = []
     real = gemv_stream.gemv_stream
     monkeypatch.setattr(gemv_stream, "gemv_stream",
@@ -102,13 +91,11 @@ def test_one_token_calls_take_it_where_enabled_and_not_suspended(monkeypatch: py
         return [out, normed.float(), scale, summed, fp8_kernel.bf16_gemm_triton(x16, w16.to(DEVICE)).float()]
 
     monkeypatch.setattr(gemv_stream, "FP8_ENABLED", False)
-    monkeypatch.setattr(gemv_stream, "WIDE_ENABLED", False)
     mma = run()
     assert calls == []
     monkeypatch.setattr(gemv_stream, "FP8_ENABLED", True)
-    monkeypatch.setattr(gemv_stream, "WIDE_ENABLED", True)
     got = run()
-    assert calls == [1, 1, 2]
+    assert calls == [1, 1]
     # the fp32 results, up to summation order; on a GPU also up to Hopper's fp8 MMA, which sums each group of
     # products in reduced precision before promoting to fp32 (up to 1.7e-3 relative off float64 on the H200)
     rtol = 4e-3 if DEVICE == "cuda" else 1e-5
@@ -116,10 +103,10 @@ def test_one_token_calls_take_it_where_enabled_and_not_suspended(monkeypatch: py
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
     # rounded values: a sum a few ulps apart may round to the neighbouring e4m3 (3 mantissa bits) or 16-bit value
     torch.testing.assert_close(got[1], mma[1], rtol=2.0**-3, atol=0.0)
-    torch.testing.assert_close(got[4], mma[4], rtol=2.0**-7, atol=2.0**-7 * mma[4].abs().max().item())
+    assert torch.equal(got[4], mma[4])  # the same kernel
     with gemv.suspended():
         run()
     xq2, wq2, xs2, ws2 = operands(2, n, k, seed=7)
     fp8_kernel.fp8_gemm_triton(xq2, wq2, xs2, ws2, torch.float32)
     fp8_kernel.fp8_gemm_triton(xq, wq, xs, ws, torch.float32, fp8_kernel.Fp8GemmConfig(32, 64))
-    assert calls == [1, 1, 2]
+    assert calls == [1, 1]

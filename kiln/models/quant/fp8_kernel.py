@@ -299,9 +299,8 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     n = weight.shape[0]
     if config is None and x_scale is None and gemv.applies(m, n, k, q.element_size()):
         return gemv.gemv(q, weight)
-    if config is None and gemv_stream.applies(m, q.element_size()):
-        scales = (x_scale, weight_scale) if x_scale is not None and weight_scale is not None else None
-        return gemv_stream.gemv_stream(q, weight, scales, out_dtype)
+    if config is None and gemv_stream.applies(m, q.element_size()):  # e4m3 operands: both scales given
+        return gemv_stream.gemv_stream(q, weight, (x_scale, weight_scale), out_dtype)
     config = config or pick_config(m, n, k, num_sms(q.device), q.element_size())
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
