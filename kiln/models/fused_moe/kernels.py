@@ -158,6 +158,14 @@ def _grouped_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, sorted_ptr, block_expert_
 
 
 @triton.jit
+def _load_step(ptrs, mask, EVEN: tl.constexpr):
+    """One K step's tile of the pair kernels; EVEN: every row and K index in bounds, no mask."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, s_xt, s_we, s_wn, s_ht,
                          TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
                          EVEN: tl.constexpr, PDL: tl.constexpr = False):
@@ -178,19 +186,11 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, 
     u_ptrs = g_ptrs + INTER * s_wn
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN:  # INTER % BLOCK_N == 0 and H % BLOCK_K == 0
-            a = tl.load(x_ptrs)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            k_mask = k0 + offs_k < H
-            a = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            g = tl.load(g_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        a = a.to(tl.float32)[None, :]
-        acc_g += g.to(tl.float32) * a
-        acc_u += u.to(tl.float32) * a
+    for k0 in range(0, H, BLOCK_K):  # EVEN: INTER % BLOCK_N == 0 and H % BLOCK_K == 0
+        k_mask = k0 + offs_k < H
+        a = _load_step(x_ptrs, k_mask, EVEN).to(tl.float32)[None, :]
+        acc_g += _load_step(g_ptrs, n_mask[:, None] & k_mask[None, :], EVEN).to(tl.float32) * a
+        acc_u += _load_step(u_ptrs, n_mask[:, None] & k_mask[None, :], EVEN).to(tl.float32) * a
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -223,15 +223,10 @@ def _pair_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, NU
     a_ptrs = h_ptr + pair.to(tl.int64) * s_ht + offs_k
     b_ptrs = w_ptr + expert * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        if EVEN:  # H % BLOCK_N == 0 and INTER % BLOCK_K == 0
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_mask = k0 + offs_k < INTER
-            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
-            b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
+    for k0 in range(0, INTER, BLOCK_K):  # EVEN: H % BLOCK_N == 0 and INTER % BLOCK_K == 0
+        k_mask = k0 + offs_k < INTER
+        a = _load_step(a_ptrs, k_mask, EVEN).to(tl.float32)[None, :]
+        acc += _load_step(b_ptrs, n_mask[:, None] & k_mask[None, :], EVEN).to(tl.float32) * a
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     y = tl.sum(acc, 1)
