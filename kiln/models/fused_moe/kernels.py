@@ -42,9 +42,9 @@ from kiln.models.pdl import pdl_launch, pdl_start
 PAIR_BLOCK_TOKENS = 1
 # A one-token step's experts run the pair kernels at the streaming matrix-vector rule (gemv_stream.pick_config over
 # the step's pairs: a few rows a program, ~4 programs an SM, 4 KB of weight a K step) instead of the table's config:
-# Qwen3-30B-A3B's experts at one token 33.3 -> 28.8 us a layer inside CUDA graphs (floor 25.1; e4m3 experts 22.1 ->
-# 20.7), its decode at batch 1 3.31 -> 3.24 ms twice, arms alternated (rows 8 of 256, the rule then; one H100,
-# 2026-12-06, docs/moe.md). KILN_MOE_STREAM=0: the table's config.
+# Qwen3-30B-A3B's experts at one token 33.3 -> 28.8 us a layer inside CUDA graphs (floor 25.1; e4m3 experts, no table
+# entry, 22.1 -> 20.7 against the heuristic's pair tiles), its decode at batch 1 3.31 -> 3.24 ms twice, arms
+# alternated (8 rows of 256 at that layer; one H100, 2026-12-06, docs/moe.md). KILN_MOE_STREAM=0: the table's config.
 STREAM_ONE_TOKEN = os.environ.get("KILN_MOE_STREAM", "1") == "1"
 
 
