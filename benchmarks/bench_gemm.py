@@ -348,12 +348,19 @@ def interpreted_on_cpu(device: str) -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = previous
 
 
+def chosen_shapes(args: argparse.Namespace, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """The preset's projection shapes (and one rank's shards at `tp`), only --projections' where given (e.g. a MoE
+    preset's attention projections alone)."""
+    shapes = projection_shapes(args.preset, tp)
+    if args.projections:
+        shapes = {name: shape for name, shape in shapes.items() if name.partition("/")[0] in args.projections}
+    return shapes
+
+
 def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
     """The small-M table."""
     ms = tuple(args.m or KERNEL_M)
-    shapes = projection_shapes(args.preset, args.tp)
-    if args.projections:  # e.g. a MoE preset's attention projections alone
-        shapes = {name: shape for name, shape in shapes.items() if name.partition("/")[0] in args.projections}
+    shapes = chosen_shapes(args, args.tp)
     with interpreted_on_cpu(args.device):
         result = kernel_table(shapes, args.device, ms, args.budget_s, errors)
     result["step_totals"] = step_totals(result["summary"], PRESETS[args.preset]["num_hidden_layers"])
@@ -380,9 +387,7 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
 
     device = args.device
     bw = copy_gb_per_s(device) * 1e9
-    shapes = projection_shapes(args.preset)
-    if args.projections:
-        shapes = {name: shape for name, shape in shapes.items() if name in args.projections}
+    shapes = chosen_shapes(args)
     rows = []
     for proj, (k, n) in shapes.items():
         copies = max(1, math.ceil(ROTATE_BYTES / (n * k))) if device == "cuda" else 1

@@ -61,9 +61,9 @@ def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1) -> GemvStr
 
 @triton.jit
 def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN: tl.constexpr, SCALED: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr = False):
+                        EVEN: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: output columns [p R, p R + R). PARTIALS: the fp32 sums (a kernel after it finishes them); else
-    out in its dtype, times both scales where SCALED."""
+    out in its dtype, times both scales."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_mask = rows < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -84,30 +84,31 @@ def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl
     if PARTIALS:
         tl.store(out_ptr + rows, sums, mask=row_mask)
     else:
-        if SCALED:
-            sums = sums * tl.load(xs_ptr) * tl.load(ws_ptr + rows, mask=row_mask, other=0.0)
+        sums = sums * tl.load(xs_ptr) * tl.load(ws_ptr + rows, mask=row_mask, other=0.0)
         tl.store(out_ptr + rows, sums.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def gemv_stream(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                out_dtype: torch.dtype | None = None, partials: bool = False,
+                out_dtype: torch.dtype = torch.bfloat16, partials: bool = False,
                 config: GemvStreamConfig | None = None) -> torch.Tensor:
-    """x [1, K] @ weight [N, K]^T -> [1, N] in out_dtype (x's by default), scaled by `scales` (flat x_scale [1],
-    w_scale [N] fp32), or with `partials` its unscaled fp32 sums as one split's partials [1, 1, N]."""
+    """x [1, K] @ weight [N, K]^T (e4m3) -> [1, N] in out_dtype, scaled by `scales` (flat x_scale [1], w_scale [N]
+    fp32), or with `partials` its unscaled fp32 sums as one split's partials [1, 1, N] (no scales read)."""
     (m, k), n = x.shape, weight.shape[0]
     if m != 1:
         raise ValueError(f"x: one token expected, got shape {tuple(x.shape)}")
+    if scales is None and not partials:
+        raise ValueError("scales: the output is scaled; only partials go without")
     from kiln.models.quant.fp8_kernel import num_sms
 
     config = config or pick_config(n, k, num_sms(x.device), weight.element_size())
     if partials:
         out = torch.empty((1, 1, n), dtype=torch.float32, device=x.device)
     else:
-        out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
-    xs, ws = scales if scales is not None else (out, out)  # unread without scales
+        out = torch.empty((1, n), dtype=out_dtype, device=x.device)
+    xs, ws = scales if scales is not None else (out, out)  # unread for partials
     even = n % config.rows == 0 and k % config.block_k == 0
     _gemv_stream_kernel[(triton.cdiv(n, config.rows),)](
         x, xs, weight, ws, out, n, k, weight.stride(0), R=config.rows, BLOCK_K=config.block_k, EVEN=even,
-        SCALED=scales is not None, PARTIALS=partials, num_warps=config.num_warps, num_stages=config.num_stages,
+        PARTIALS=partials, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(x.device))
     return out

@@ -56,6 +56,8 @@ def test_more_than_one_token_is_refused() -> None:
     xq, wq, xs, ws = operands(2, 32, 64, seed=1)
     with pytest.raises(ValueError, match="x: one token"):
         gemv_stream.gemv_stream(xq, wq, fp8_kernel.flat_scales(xs, ws), torch.float32)
+    with pytest.raises(ValueError, match="scales"):  # the output is scaled: only partials go without
+        gemv_stream.gemv_stream(xq[:1], wq, out_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("element_bytes", [1, 2])
