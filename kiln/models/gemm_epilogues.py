@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.models import gemv
+from kiln.models import gemv, gemv_stream
 from kiln.models.pdl import pdl_launch, pdl_start
 from kiln.models.quant.fp8_kernel import (
     Fp8GemmConfig,
@@ -192,9 +192,10 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
 
 @triton.jit
 def _add_rms_norm_rows_kernel(p_ptr, xs_ptr, ws_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, sum_ptr, N, s_p, s_res, eps,
-                              fp8_max, min_scale, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, QUANT: tl.constexpr,
-                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program m: h = round(sum over splits, in order, of partial[s, m] [* x_scale[m] * w_scale]) + residual[m],
+                              fp8_max, min_scale, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, X_SCALED: tl.constexpr,
+                              QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program m: h = round(sum over splits, in order, of partial[s, m] [* x_scale[m] (X_SCALED) * w_scale]) +
+    residual[m],
     rounded (the plain GEMM's output, then the add, as the unfused graph rounds them); y = w * round(h * rsqrt(mean(h^2)
     + eps)), written as it is or (QUANT) quantized per token as quantize_per_token does: scale = max(amax|y| / 448,
     min_scale), e4m3(clamp(y / scale))."""
@@ -205,8 +206,10 @@ def _add_rms_norm_rows_kernel(p_ptr, xs_ptr, ws_ptr, res_ptr, w_ptr, out_ptr, sc
     acc = tl.load(p_ptr + row * N + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptr + s * s_p + row * N + offs, mask=mask, other=0.0)
-    if SCALED:  # in the order the FP8 GEMM applies its scales
-        acc = acc * tl.load(xs_ptr + row) * tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    if SCALED:  # in the order the FP8 GEMM applies its scales (weight-only FP8: the weight's alone)
+        if X_SCALED:
+            acc = acc * tl.load(xs_ptr + row)
+        acc = acc * tl.load(ws_ptr + offs, mask=mask, other=0.0)
     dtype = sum_ptr.dtype.element_ty
     res = tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
     h = (acc.to(dtype).to(tl.float32) + res).to(dtype)
@@ -225,10 +228,12 @@ def _add_rms_norm_rows_kernel(p_ptr, xs_ptr, ws_ptr, res_ptr, w_ptr, out_ptr, sc
         tl.store(out_ptr + row * N + offs, y, mask=mask)
 
 
-def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
-                       residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, quant: bool,
+def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor,
+                       scales: tuple[torch.Tensor | None, torch.Tensor] | None, residual: torch.Tensor,
+                       norm_weight: torch.Tensor, eps: float, quant: bool,
                        config: Fp8GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """-> (normed [M, N] in the residual's dtype, or its e4m3 values; their [M, 1] scale or None; h)."""
+    """-> (normed [M, N] in the residual's dtype, or its e4m3 values; their [M, 1] scale or None; h). Scales (None,
+    w_scale): a 16-bit token against an e4m3 weight (weight-only FP8), on the streaming kernel."""
     from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
     check_operands(x, weight)
@@ -241,15 +246,22 @@ def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torc
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device) if quant else None
     if m == 0:
         return out, scale, summed
-    scales = flat_scales(*scales) if scales is not None else None
-    partials = gemm_partials(x, weight, scales, config)  # fp32 sums, even with one split
+    if scales is not None and scales[0] is None:
+        scales = (None, scales[1].reshape(-1).float().contiguous())
+        if m != 1:
+            raise ValueError(f"x: weight-only FP8 takes one token, got {m}")
+        partials = gemv_stream.gemv_stream(x, weight, mode=gemv.PARTIALS)
+    else:
+        scales = flat_scales(*scales) if scales is not None else None
+        partials = gemm_partials(x, weight, scales, config)  # fp32 sums, even with one split
     split = partials.shape[0]
     xs, ws = scales if scales is not None else (partials, partials)  # unread without scales
     block = triton.next_power_of_2(n)
-    _add_rms_norm_rows_kernel[(m,)](partials, xs, ws, residual, norm_weight, out, scale if quant else partials, summed,
-                                    n, m * n, residual.stride(0), eps, FP8_MAX, MIN_SCALE, SPLIT_K=split,
-                                    SCALED=scales is not None, QUANT=quant, BLOCK=block,
-                                    num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device))
+    _add_rms_norm_rows_kernel[(m,)](partials, xs if xs is not None else ws, ws, residual, norm_weight, out,
+                                    scale if quant else partials, summed, n, m * n, residual.stride(0), eps, FP8_MAX,
+                                    MIN_SCALE, SPLIT_K=split, SCALED=scales is not None, X_SCALED=xs is not None,
+                                    QUANT=quant, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+                                    **pdl_launch(x.device))
     return out, scale, summed
 
 
@@ -273,3 +285,14 @@ def fp8_gemm_add_rms_norm_quant_triton(q: torch.Tensor, weight: torch.Tensor, x_
                                             config)
     assert scale is not None
     return out, scale, summed
+
+
+def fp8_gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
+                                 weight_scale: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight [N, K] with weight_scale [N] into the residual stream -> (rms_norm(h) * norm_weight, h) in the
+    residual's dtype, unquantized: x [M, K] e4m3 with x_scale [M, 1], or (x_scale None) one 16-bit token against
+    the e4m3 weight (weight-only FP8, on the streaming kernel)."""
+    normed, _, summed = _gemm_add_rms_norm(x, weight, (x_scale, weight_scale), residual, norm_weight, eps, False,
+                                           None)
+    return normed, summed

@@ -19,15 +19,18 @@ from typing import Any
 # silu_mul_quant and gate_up_silu_mul precede silu_mul for the same reason.
 # qkv_rope follows rope_kv and qk_norm_rope, which take the rotations they match first.
 # rmsnorm_gemm follows gemm_add_rmsnorm and gate_up_silu_mul, whose ops it matches.
-ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "gemm_add_rmsnorm",
-                               "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "rmsnorm_gemm", "silu_mul")
+# fp8_weight_only precedes gemm_add_rmsnorm, silu_mul_quant and gate_up_silu_mul: they fold its projections' neighbours.
+ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "fp8_weight_only", "allreduce_rmsnorm",
+                               "gemm_add_rmsnorm", "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "rmsnorm_gemm",
+                               "silu_mul")
 
 # Passes that rewrite only the captured graph, which serves every token count: a token bound cannot gate them.
 GRAPH_ONLY_PASSES: tuple[str, ...] = ("rope_kv", "qk_norm_rope")
 
 # Passes whose ops run on CUDA only (kiln's Triton GEMM epilogues): on a CPU they match nothing, and a token bound
 # of theirs would only cut the compile range, so the level defaults leave them out there.
-CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul", "rmsnorm_gemm")
+CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "fp8_weight_only", "gemm_add_rmsnorm", "gate_up_silu_mul",
+                                     "rmsnorm_gemm")
 
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
@@ -58,6 +61,9 @@ _ROPE_IN_ATTENTION = ("noop", "rope_kv", "qk_norm_rope")
 # matrix-vector kernel; a graph whose next weights that kernel never takes is left as it is), SmolLM2-135M with
 # the kernel on, one process per arm: 0.521, 0.515, 0.509, 0.515 -> 0.521 (host 0.49), 0.452, 0.595 (host 0.57),
 # 0.437 ms at batch 1 (one H100, 2026-12-06, docs/models.md).
+# fp8_weight_only (dense FP8 models: one token's projections weight-only, without the per-token quantization
+# kernels before them): to be measured (docs/passes.md).
+_FP8_ONE_TOKEN = "fp8_weight_only<=1"
 _DECODE_EPILOGUES = ("gemm_add_rmsnorm<=16", "gate_up_silu_mul<=16", "silu_mul_quant<=16", "rmsnorm_gemm<=16")
 LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
     0: (),
@@ -67,16 +73,20 @@ LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
 }
 
 
-def level_defaults(level: int, on_gpu: bool = True, mixture_of_experts: bool = False) -> tuple[str, ...]:
+def level_defaults(level: int, on_gpu: bool = True, mixture_of_experts: bool = False,
+                   fp8: bool = False) -> tuple[str, ...]:
     """The level's default passes, or those KILN_PASSES names (separated by "," or "+"; empty: none): an A/B of a
     pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key.
     Off a GPU, without the CUDA-only ones and rope_kv's; off a GPU and for a mixture of experts, without the
-    decode-size epilogues (whose bound would cut a CPU's one compile range in two)."""
+    decode-size epilogues (whose bound would cut a CPU's one compile range in two); for a dense FP8 model (`fp8`)
+    with fp8_weight_only, whose one-token range only such a model pays for."""
     names = os.environ.get("KILN_PASSES")
     if names is None:
         chosen = LEVEL_DEFAULTS.get(level, ())
+        if chosen and fp8 and not mixture_of_experts:
+            chosen = (_FP8_ONE_TOKEN, *chosen)
         if mixture_of_experts or not on_gpu:
-            chosen = tuple(n for n in chosen if n not in _DECODE_EPILOGUES)
+            chosen = tuple(n for n in chosen if n not in (*_DECODE_EPILOGUES, _FP8_ONE_TOKEN))
         if not on_gpu:  # on a CPU (the torch backend) rope_kv and noop are slower
             chosen = tuple(n for n in chosen if n not in _ROPE_IN_ATTENTION)
     else:
@@ -90,6 +100,7 @@ class PassConfig:
     rope_kv: bool = False
     qk_norm_rope: bool = False
     qkv_rope: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm (post-grad since 2026-12-04)
+    fp8_weight_only: bool = False  # FP8 models on CUDA only: matches kiln::fp8_gemm of a per-token quantization
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
     gemm_add_rmsnorm: bool = False  # CUDA only: matches kiln::dense_gemm and kiln::fp8_gemm
     add_rmsnorm: bool = False

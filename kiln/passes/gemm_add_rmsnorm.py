@@ -11,7 +11,9 @@ all-reduced first, and that pass takes the add and norm).
 
 FP8 projections (`kiln::fp8_gemm`, bf16 out) whose normalised row only feeds the next projection's per-token
 quantization become kiln::fp8_gemm_add_rms_norm_quant: the same row kernel also scales the sums and quantizes the
-normalised row, so the split-K reduce, Inductor's add + norm + quantization kernel and nothing else go.
+normalised row, so the split-K reduce, Inductor's add + norm + quantization kernel and nothing else go. One token's
+FP8 projections, which the fp8_weight_only pass made weight-only (kiln::fp8_weight_only_gemm), become
+kiln::fp8_weight_only_gemm_add_rms_norm: the 16-bit op's row kernel with the weight's scales.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def _rewrite(graph: fx.Graph, summed: fx.Node, operand: object, residual: object
         gemm, views = found
         replace_norm_of_sum(graph, torch.ops.kiln.gemm_add_rms_norm.default,
                             (*gemm.args[:2], residual, norm_weight, eps), summed, out, dead, [*views, gemm])
+        return True
+    found = gemm_behind(operand, torch.ops.kiln.fp8_weight_only_gemm.default)  # type: ignore[arg-type]
+    if found is not None and found[0].args[3] == summed.meta["val"].dtype:
+        gemm, views = found
+        replace_norm_of_sum(graph, torch.ops.kiln.fp8_weight_only_gemm_add_rms_norm.default,
+                            (*gemm.args[:3], residual, norm_weight, eps), summed, out, dead, [*views, gemm])
         return True
     found = gemm_behind(operand, torch.ops.kiln.fp8_gemm.default)  # type: ignore[arg-type]
     quant = quantization_of(out) if found is not None else None

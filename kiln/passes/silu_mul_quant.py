@@ -28,7 +28,7 @@ def _only_user(node: fx.Node, *targets) -> fx.Node | None:
     return user if single_user(node) and is_call(user, *targets) else None
 
 
-def _per_token_quant(amax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
+def per_token_quant(amax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
     """amax(|x32|, -1, keepdim) -> /448 -> clamp_min = scale; x32 / scale -> clamp(+-448) -> e4m3 = q.
     -> (x before its fp32 cast, scale, q, the chain's nodes) or None."""
     if amax.args[1:] != ([-1], True) or not is_call(amax.args[0], aten.abs.default):
@@ -54,7 +54,7 @@ def quantization_of(node: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | N
         return None
     absolute = next((u for u in x32.users if is_call(u, aten.abs.default)), None)
     amax = _only_user(absolute, aten.amax.default) if absolute is not None else None
-    quant = _per_token_quant(amax) if amax is not None else None
+    quant = per_token_quant(amax) if amax is not None else None
     if quant is None or quant[0] is not node or len(x32.users) != 2:
         return None
     return quant[1], quant[2], quant[3]
@@ -71,7 +71,7 @@ class SiluMulQuantPass(KilnPass):
         for amax in live_nodes(graph):
             if not is_call(amax, aten.amax.default):
                 continue
-            quant = _per_token_quant(amax)
+            quant = per_token_quant(amax)
             if quant is None or not is_call(quant[0], aten.mul.Tensor):
                 continue
             mul, scale, q, chain = quant

@@ -1,5 +1,6 @@
 """The one-token streaming matrix-vector kernel (kiln/models/gemv_stream.py) against a float64 reference (e4m3
-weights), its unscaled sums as the add + RMSNorm epilogue's partials, and which calls the GEMM entry points hand it.
+weights; e4m3 or 16-bit tokens), its unscaled sums as the add + RMSNorm epilogue's partials, its SiLU-mul, which
+calls the GEMM entry points hand it, and the weight-only FP8 ops built on it.
 Without a GPU it runs under Triton's CPU interpreter (16-bit operands in fp16: its bf16 loads are wrong there)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ if DEVICE == "cpu":
 from kiln.models import gemm_epilogues, gemv, gemv_stream  # noqa: E402
 from kiln.models.gemv_stream import GemvStreamConfig, pick_config  # noqa: E402
 from kiln.models.quant import fp8_kernel  # noqa: E402
+from kiln.models.quant.fp8 import quantize_per_token, quantize_weight  # noqa: E402
 from tests.models.test_fp8_kernel import operands  # noqa: E402 - e4m3 operands and scales, kiln's quantizers
 
 
@@ -47,7 +49,7 @@ def test_fp8_output_and_partials_match_float64(n: int, k: int, config: GemvStrea
     got = gemv_stream.gemv_stream(xq, wq, fp8_kernel.flat_scales(xs, ws), torch.float32, config=config)
     assert got.shape == (1, n) and got.dtype == torch.float32
     close(got, products(xq, wq) * xs.double() * ws.double().reshape(1, -1))
-    partials = gemv_stream.gemv_stream(xq, wq, partials=True, config=config)
+    partials = gemv_stream.gemv_stream(xq, wq, mode=gemv.PARTIALS, config=config)
     assert partials.shape == (1, 1, n) and partials.dtype == torch.float32
     close(partials[0], products(xq, wq))
 
@@ -112,3 +114,83 @@ def test_one_token_calls_take_it_where_enabled_and_not_suspended(monkeypatch: py
     fp8_kernel.fp8_gemm_triton(xq2, wq2, xs2, ws2, torch.float32)
     fp8_kernel.fp8_gemm_triton(xq, wq, xs, ws, torch.float32, fp8_kernel.Fp8GemmConfig(32, 64))
     assert calls == [1, 1]
+
+
+def weight_only_operands(n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A 16-bit token and an e4m3 weight with its per-channel scale (weight-only FP8)."""
+    g = torch.Generator().manual_seed(seed)
+    wq, ws = quantize_weight(torch.randn(n, k, generator=g) * 0.05)
+    return torch.randn(1, k, generator=g).to(WIDE).to(DEVICE), wq.to(DEVICE), ws.to(DEVICE)
+
+
+def weight_only_products(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    return products(x, wq) * ws.double().reshape(1, -1)  # 16-bit and e4m3 values are exact in float64
+
+
+@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}" for n, k, _ in CASES])
+def test_a_16_bit_token_against_e4m3_weights_matches_float64(n: int, k: int, config: GemvStreamConfig | None) -> None:
+    """Weight-only FP8: no token scale; the projection, its partials, and silu(gate) * up with each projection and
+    the SiLU rounded to the token's dtype (an FP8 graph's rounding)."""
+    x, wq, ws = weight_only_operands(n, k, seed=n)
+    got = gemv_stream.gemv_stream(x, wq, (None, ws), torch.float32, config=config)
+    close(got, weight_only_products(x, wq, ws))
+    close(gemv_stream.gemv_stream(x, wq, mode=gemv.PARTIALS, config=config)[0], products(x, wq))
+    half = n // 2
+    act = gemv_stream.gemv_stream(x, wq[:2 * half], (None, ws[:2 * half]), x.dtype, gemv.SILU_MUL, config=config)
+    assert act.shape == (1, half) and act.dtype == x.dtype
+    gate, up = weight_only_products(x, wq[:2 * half], ws[:2 * half]).to(x.dtype).float().chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+    # a gate or up sum a few fp32 ulps off float64 may round to the neighbouring 16-bit value
+    torch.testing.assert_close(act.float(), expected.float(), rtol=2.0**-7, atol=1e-6)
+    with pytest.raises(ValueError, match="gate and up"):
+        gemv_stream.gemv_stream(x, wq[:3], (None, ws[:3]), x.dtype, gemv.SILU_MUL)
+
+
+def test_the_weight_only_ops_stream_one_token_and_quantize_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kiln::fp8_weight_only_* where the streaming kernel runs (forced here on the interpreter): the 16-bit token
+    against the weight, against float64; where it does not (suspended, more tokens, the CPU) the per-token quantized
+    W8A8 values of the graph the fp8_weight_only pass rewrote, bit for bit."""
+    import kiln.passes.ops  # noqa: F401 - registers the ops
+    from kiln.passes import fp8_weight_only_ops
+    from kiln.passes.ops import rms_norm_ref
+
+    ops = torch.ops.kiln
+    n, k, eps = 64, 192, 1e-6
+    x, wq, ws = weight_only_operands(n, k, seed=11)
+    g = torch.Generator().manual_seed(12)
+    residual = torch.randn(1, n, generator=g).to(WIDE).to(DEVICE)
+    norm_weight = (torch.rand(n, generator=g) + 0.5).to(WIDE).to(DEVICE)
+
+    def run(tokens: torch.Tensor) -> list[torch.Tensor]:
+        rows = tokens.shape[0]
+        normed, summed = ops.fp8_weight_only_gemm_add_rms_norm(tokens, wq, ws, residual.expand(rows, n).contiguous(),
+                                                               norm_weight, eps)
+        return [ops.fp8_weight_only_gemm(tokens, wq, ws, tokens.dtype),
+                ops.fp8_weight_only_gate_up_silu_mul(tokens, wq, ws), normed, summed]
+
+    wide = fp8_weight_only_ops.runs_weight_only
+    monkeypatch.setattr(fp8_weight_only_ops, "runs_weight_only",
+                        lambda t, w: t.shape[0] == 1 and not gemv.is_suspended())
+    out, act, normed, summed = run(x)
+    close(out.float(), weight_only_products(x, wq, ws), rtol=2.0**-8)  # rounded to 16 bits
+    gate, up = weight_only_products(x, wq, ws).to(x.dtype).chunk(2, dim=-1)
+    torch.testing.assert_close(act.float(), (torch.nn.functional.silu(gate) * up).float(), rtol=2.0**-7, atol=1e-6)
+    h = (weight_only_products(x, wq, ws).to(x.dtype) + residual).float()
+    torch.testing.assert_close(summed.float(), h, rtol=2.0**-7, atol=1e-6)
+    torch.testing.assert_close(normed.float(), rms_norm_ref(h.to(x.dtype), norm_weight, eps).float(), rtol=2.0**-6,
+                               atol=1e-6)
+
+    def w8a8(tokens: torch.Tensor) -> list[torch.Tensor]:
+        q, scale = quantize_per_token(tokens)
+        y = ops.fp8_gemm(q, wq, scale, ws, tokens.dtype)
+        gate, up = y.chunk(2, dim=-1)
+        return [y, torch.nn.functional.silu(gate) * up]
+
+    if DEVICE == "cpu":
+        two = torch.cat([x, -x])
+        for got, want in zip(run(two)[:2], w8a8(two)):  # two tokens: the W8A8 path
+            assert torch.equal(got, want)
+        with gemv.suspended():
+            for got, want in zip(run(x)[:2], w8a8(x)):
+                assert torch.equal(got, want)
+        assert not wide(x, wq)  # the CPU never streams

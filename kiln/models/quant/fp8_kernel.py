@@ -282,7 +282,7 @@ def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Ten
     if config is None and scales is None and gemv.applies(m, n, k, x.element_size()):
         return gemv.gemv(x, weight, gemv.PARTIALS)
     if config is None and gemv_stream.applies(m, x.element_size()):
-        return gemv_stream.gemv_stream(x, weight, partials=True)
+        return gemv_stream.gemv_stream(x, weight, mode=gemv.PARTIALS)
     config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
     steps = split_k(k, config, config.split_k)
     partials = torch.empty((steps[0], m, n), dtype=torch.float32, device=x.device)
