@@ -15,7 +15,10 @@ Where the step after needs a whole row (a norm), the small-M GEMM writes fp32 su
   sums (split-K partials, or one whole-K "partial"), then one program per row sums them, adds the residual and
   RMS-normalises the row for the next layer: the split-K reduce and the add + norm kernel after it become one;
 - `fp8_gemm_add_rms_norm_quant_triton`: the same for an FP8 projection, the row kernel also applying the GEMM's
-  scales and quantizing the normalised row per token for the next FP8 projection.
+  scales and quantizing the normalised row per token for the next FP8 projection;
+- `fp8_gemm_add_rms_norm_triton`: the FP8 projection's row unquantized, for a next projection that takes the 16-bit
+  row: one token's weight-only FP8 (its sums from the streaming kernel, the weight's scales alone; the
+  fp8_weight_only pass) and that path's W8A8 fallback.
 
 The work sits after the sums, so the GEMM's operands stay plain asynchronous loads (the activation computed in the
 down GEMM's operand loads instead cost Llama-3-8B 8% at batch 1: docs/passes.md). Values are rounded where

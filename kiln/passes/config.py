@@ -78,8 +78,8 @@ def level_defaults(level: int, on_gpu: bool = True, mixture_of_experts: bool = F
     """The level's default passes, or those KILN_PASSES names (separated by "," or "+"; empty: none): an A/B of a
     pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key.
     Off a GPU, without the CUDA-only ones and rope_kv's; off a GPU and for a mixture of experts, without the
-    decode-size epilogues (whose bound would cut a CPU's one compile range in two); for a dense FP8 model (`fp8`)
-    with fp8_weight_only, whose one-token range only such a model pays for."""
+    decode-size epilogues (whose bound would cut a CPU's one compile range in two); for a dense FP8 model with
+    per-token activation scales (`fp8`) with fp8_weight_only, whose one-token range only such a model pays for."""
     names = os.environ.get("KILN_PASSES")
     if names is None:
         chosen = LEVEL_DEFAULTS.get(level, ())
