@@ -61,9 +61,6 @@ _ROPE_IN_ATTENTION = ("noop", "rope_kv", "qk_norm_rope")
 # matrix-vector kernel; a graph whose next weights that kernel never takes is left as it is), SmolLM2-135M with
 # the kernel on, one process per arm: 0.521, 0.515, 0.509, 0.515 -> 0.521 (host 0.49), 0.452, 0.595 (host 0.57),
 # 0.437 ms at batch 1 (one H100, 2026-12-06, docs/models.md).
-# fp8_weight_only (dense FP8 models: one token's projections weight-only, without the per-token quantization
-# kernels before them): to be measured (docs/passes.md).
-_FP8_ONE_TOKEN = "fp8_weight_only<=1"
 _DECODE_EPILOGUES = ("gemm_add_rmsnorm<=16", "gate_up_silu_mul<=16", "silu_mul_quant<=16", "rmsnorm_gemm<=16")
 LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
     0: (),
@@ -73,20 +70,16 @@ LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
 }
 
 
-def level_defaults(level: int, on_gpu: bool = True, mixture_of_experts: bool = False,
-                   fp8: bool = False) -> tuple[str, ...]:
+def level_defaults(level: int, on_gpu: bool = True, mixture_of_experts: bool = False) -> tuple[str, ...]:
     """The level's default passes, or those KILN_PASSES names (separated by "," or "+"; empty: none): an A/B of a
     pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key.
     Off a GPU, without the CUDA-only ones and rope_kv's; off a GPU and for a mixture of experts, without the
-    decode-size epilogues (whose bound would cut a CPU's one compile range in two); for a dense FP8 model with
-    per-token activation scales (`fp8`) with fp8_weight_only, whose one-token range only such a model pays for."""
+    decode-size epilogues (whose bound would cut a CPU's one compile range in two)."""
     names = os.environ.get("KILN_PASSES")
     if names is None:
         chosen = LEVEL_DEFAULTS.get(level, ())
-        if chosen and fp8 and not mixture_of_experts:
-            chosen = (_FP8_ONE_TOKEN, *chosen)
         if mixture_of_experts or not on_gpu:
-            chosen = tuple(n for n in chosen if n not in (*_DECODE_EPILOGUES, _FP8_ONE_TOKEN))
+            chosen = tuple(n for n in chosen if n not in _DECODE_EPILOGUES)
         if not on_gpu:  # on a CPU (the torch backend) rope_kv and noop are slower
             chosen = tuple(n for n in chosen if n not in _ROPE_IN_ATTENTION)
     else:

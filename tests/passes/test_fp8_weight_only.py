@@ -14,7 +14,6 @@ from kiln.compiler.ranges import CompileKey
 from kiln.models.layers import RMSNorm
 from kiln.models.quant.fp8 import quantize_per_token, quantize_weight
 from kiln.passes import PassConfig
-from kiln.passes.config import level_defaults
 from kiln.passes.manager import PassManager
 from tests.passes.harness import post_grad
 
@@ -82,10 +81,3 @@ def test_more_tokens_keep_the_quantized_path() -> None:
     assert matches.get("fp8_weight_only", 0) == 0 and matches["silu_mul_quant"] == 1
     assert "fp8_weight_only" not in after.code and after.code.count("kiln.fp8_gemm_add_rms_norm_quant") == 2
 
-
-def test_only_dense_fp8_models_on_a_gpu_get_it_by_default() -> None:
-    assert "fp8_weight_only<=1" in level_defaults(2, on_gpu=True, fp8=True)
-    for kwargs in (dict(on_gpu=True), dict(on_gpu=False, fp8=True),
-                   dict(on_gpu=True, fp8=True, mixture_of_experts=True)):
-        assert not any(n.startswith("fp8_weight_only") for n in level_defaults(2, **kwargs))
-    assert level_defaults(0, on_gpu=True, fp8=True) == ()
