@@ -146,12 +146,13 @@ def test_greedy_tokens_match_between_triton_and_scaled_mm(monkeypatch: pytest.Mo
 
 
 def test_one_token_runs_weight_only_and_follows_the_dequantized_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At batch 1 the -O2 FP8 model's projections take the 16-bit token (the fp8_weight_only pass: the streaming
+    """At batch 1 the -O2 FP8 model with fp8_weight_only takes the 16-bit token into its projections (the streaming
     kernel called with 16-bit tokens at capture) and its greedy choices follow what weight-only FP8 computes: a bf16
     model whose projection weights are the FP8 weights dequantized, teacher-forced on the FP8 model's own tokens,
     picks the same token at every position where its top two are more than NEAR_TIE apart, with the same logprob
     up to NEAR_TIE. A wrong scale, row or activation moves logits by far more."""
     from kiln.models import gemv_stream
+    from kiln.passes.config import level_defaults
 
     near_tie = 0.05
     token_bytes: list[int] = []
@@ -161,7 +162,9 @@ def test_one_token_runs_weight_only_and_follows_the_dequantized_model(monkeypatc
     prompts = random_prompts([1, 5, 17, 40, 9, 26], 49152, seed=9)
     common = dict(device="cuda", dtype="bf16", load_format="dummy", gpu_memory_utilization=0.3,
                   attention_backend="triton")
-    fp8 = Runtime("smollm2-135m", quantization="fp8", level=2, cudagraph_capture_sizes=(1, 2, 4, 8), **common)
+    passes = ("fp8_weight_only<=1", *level_defaults(2, on_gpu=True))  # not a default until measured
+    fp8 = Runtime("smollm2-135m", quantization="fp8", level=2, passes=passes, cudagraph_capture_sizes=(1, 2, 4, 8),
+                  **common)
     assert 2 in token_bytes  # captured with weight-only projections
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = [fp8.generate([p], params)[0].outputs[0] for p in prompts]  # one at a time: decode at batch 1
