@@ -249,13 +249,12 @@ def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor,
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device) if quant else None
     if m == 0:
         return out, scale, summed
-    if scales is not None and scales[0] is None:
-        scales = (None, scales[1].reshape(-1).float().contiguous())
+    scales = flat_scales(*scales) if scales is not None else None
+    if scales is not None and scales[0] is None:  # weight-only FP8: one 16-bit token, on the streaming kernel
         if m != 1:
             raise ValueError(f"x: weight-only FP8 takes one token, got {m}")
         partials = gemv_stream.gemv_stream(x, weight, mode=gemv.PARTIALS)
     else:
-        scales = flat_scales(*scales) if scales is not None else None
         partials = gemm_partials(x, weight, scales, config)  # fp32 sums, even with one split
     split = partials.shape[0]
     xs, ws = scales if scales is not None else (partials, partials)  # unread without scales

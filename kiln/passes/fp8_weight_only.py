@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, erase_if_dead, is_call, live_nodes, set_fake_value
-from kiln.passes.silu_mul_quant import per_token_quant
+from kiln.passes.base import KilnPass, erase_if_dead, is_call, set_fake_value
+from kiln.passes.silu_mul_quant import per_token_quants
 
 
 class Fp8WeightOnlyPass(KilnPass):
@@ -34,11 +34,9 @@ class Fp8WeightOnlyPass(KilnPass):
 
         op = torch.ops.kiln.fp8_weight_only_gemm.default
         count = 0
-        for amax in live_nodes(graph):
-            quant = per_token_quant(amax) if is_call(amax, torch.ops.aten.amax.default) else None
-            if quant is None or not _sixteen_bit(quant[0]):
+        for x, scale, q, chain in per_token_quants(graph):
+            if not _sixteen_bit(x):
                 continue
-            x, scale, q, chain = quant
             for gemm in list(q.users):
                 if not is_call(gemm, torch.ops.kiln.fp8_gemm.default) or gemm.args[2] is not scale:
                     continue

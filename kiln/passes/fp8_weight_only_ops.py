@@ -14,6 +14,7 @@ import torch
 from kiln.models import gemv, gemv_stream
 from kiln.models.quant.fp8 import quantize_per_token
 from kiln.models.quant.fp8_gemm import use_triton_kernel
+from kiln.models.quant.fp8_kernel import flat_scales
 
 
 def runs_weight_only(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -22,16 +23,12 @@ def runs_weight_only(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and gemv_stream.applies(1, weight.element_size())
 
 
-def _scales(weight_scale: torch.Tensor) -> tuple[None, torch.Tensor]:
-    return None, weight_scale.reshape(-1).float().contiguous()
-
-
 @torch.library.custom_op("kiln::fp8_weight_only_gemm", mutates_args=())
 def fp8_weight_only_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] 16-bit, weight [N, K] e4m3 with weight_scale [N] -> x W^T, [M, N] in out_dtype."""
     if runs_weight_only(x, weight):
-        return gemv_stream.gemv_stream(x, weight, _scales(weight_scale), out_dtype)
+        return gemv_stream.gemv_stream(x, weight, flat_scales(None, weight_scale), out_dtype)
     q, x_scale = quantize_per_token(x)
     return torch.ops.kiln.fp8_gemm(q, weight, x_scale, weight_scale, out_dtype)
 
@@ -46,7 +43,7 @@ def fp8_weight_only_gate_up_silu_mul(x: torch.Tensor, weight: torch.Tensor, weig
     """weight [2N, K] = [gate; up] -> silu(x gate^T) * (x up^T), [M, N] in x's dtype: each projection and the SiLU
     rounded to x's dtype, as an FP8 model's graph computes them (Inductor emulating eager's casts)."""
     if runs_weight_only(x, weight):
-        return gemv_stream.gemv_stream(x, weight, _scales(weight_scale), x.dtype, gemv.SILU_MUL)
+        return gemv_stream.gemv_stream(x, weight, flat_scales(None, weight_scale), x.dtype, gemv.SILU_MUL)
     gate_up = fp8_weight_only_gemm(x, weight, weight_scale, x.dtype)
     if x.is_cuda:
         from kiln.passes.kernels import silu_and_mul_triton

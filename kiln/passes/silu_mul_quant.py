@@ -12,6 +12,8 @@ Runs before silu_mul, which would otherwise take the SiLU-mul alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import fx
 
@@ -47,6 +49,14 @@ def per_token_quant(amax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.N
     return strip_cast(x32), scale, q, [q, high, low, divided[0], amax.args[0], amax, div, x32]
 
 
+def per_token_quants(graph: fx.Graph) -> Iterator[tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]]]:
+    """Each per-token quantization in the graph, as `per_token_quant` finds it from its amax."""
+    for amax in live_nodes(graph):
+        quant = per_token_quant(amax) if is_call(amax, aten.amax.default) else None
+        if quant is not None:
+            yield quant
+
+
 def quantization_of(node: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """The per-token quantization that is `node`'s only use (through its fp32 cast) -> (scale, q, its nodes)."""
     x32 = next(iter(node.users), None) if single_user(node) else None
@@ -68,13 +78,9 @@ class SiluMulQuantPass(KilnPass):
 
         op = torch.ops.kiln.silu_mul_quant.default
         count = 0
-        for amax in live_nodes(graph):
-            if not is_call(amax, aten.amax.default):
+        for mul, scale, q, chain in per_token_quants(graph):
+            if not is_call(mul, aten.mul.Tensor):
                 continue
-            quant = per_token_quant(amax)
-            if quant is None or not is_call(quant[0], aten.mul.Tensor):
-                continue
-            mul, scale, q, chain = quant
             operand = silu_mul_operand(mul)
             if operand is None:
                 continue
