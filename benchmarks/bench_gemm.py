@@ -371,10 +371,11 @@ def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
 
 def stream_candidates() -> list[Any]:
     """The streaming matrix-vector kernel's swept configs as (rows, weight bytes a K step, warps, stages): 4, 8 and
-    16 KB steps, rows 1 to 16."""
+    16 KB steps, rows 1 to 16; deeper pipelines at 8 and 16 rows (fewer programs, each with more loads in flight:
+    for a 16-bit token, which every program reads whole)."""
     return [(2, 4096, 4, 3), (4, 4096, 4, 3), (8, 4096, 4, 3), (16, 4096, 4, 3), (8, 4096, 4, 1), (4, 4096, 4, 1),
             (1, 4096, 4, 3), (4, 8192, 4, 3), (8, 8192, 4, 3), (16, 8192, 4, 3), (8, 16384, 8, 3),
-            (16, 16384, 8, 3), (4, 16384, 8, 3)]
+            (16, 16384, 8, 3), (4, 16384, 8, 3), (8, 4096, 4, 6), (16, 4096, 4, 6), (16, 4096, 8, 4)]
 
 
 def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
@@ -410,12 +411,13 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
         # weight-only FP8 (the fp8_weight_only pass): a 16-bit token, gate_up with its SiLU-mul as the pass runs it
         x16, wo_scales = torch.randn(1, k, device=device, dtype=torch.bfloat16), (None, flat[1])
         mode = gemv.SILU_MUL if proj.partition("/")[0] == "gate_up" else gemv.OUT
-        for config in [rule, *swept]:
-            arms.append(("wo_rule" if config is rule else "wo", asdict(config),
+        wo_rule = pick_config(n, k, num_sms(xq.device), token_bytes=2)  # KILN_GEMV_STREAM_TOKEN16_ROWS's rows
+        for config in [wo_rule, *swept]:
+            arms.append(("wo_rule" if config is wo_rule else "wo", asdict(config),
                          [partial(gemv_stream, x16, q, wo_scales, torch.bfloat16, mode, config) for q in weights_]))
         if mode == gemv.SILU_MUL:  # the 16-bit token alone, without the SiLU-mul's pairing of rows
-            arms.append(("wo_out_rule", asdict(rule),
-                         [partial(gemv_stream, x16, q, wo_scales, torch.bfloat16, config=rule) for q in weights_]))
+            arms.append(("wo_out_rule", asdict(wo_rule),
+                         [partial(gemv_stream, x16, q, wo_scales, torch.bfloat16, config=wo_rule) for q in weights_]))
         for kernel, config, fns in arms:
             try:
                 us = graph_time_us(fns, device)
@@ -485,13 +487,14 @@ def mlp_chain_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[st
     def rows_of(rows_gu: int | None, rows_down: int | None):
         chosen = {i2: rows_gu, h: rows_down}
 
-        def pick(n, k, num_sms, element_bytes=1):
+        def pick(n, k, num_sms, element_bytes=1, token_bytes=1):
             r = chosen.get(n)
-            return rule(n, k, num_sms, element_bytes) if r is None else stream.GemvStreamConfig(r, 4096 // r)
+            return rule(n, k, num_sms, element_bytes, token_bytes) if r is None else \
+                stream.GemvStreamConfig(r, 4096 // r)
         return pick
 
     arms = [("w8a8", None, None, w8a8)] + [("weight_only", g, d, weight_only) for g, d in
-                                              [(None, None), (8, None), (32, None), (None, 2), (None, 8), (8, 8)]]
+                                              [(None, None), (None, 8), (None, 16), (32, 16)]]
     rows = []
     for name, rows_gu, rows_down, chain in arms:
         stream.pick_config = rows_of(rows_gu, rows_down)

@@ -56,12 +56,20 @@ def applies(m: int, element_bytes: int) -> bool:
     return FP8_ENABLED and element_bytes == 1 and m == 1 and not gemv.is_suspended()
 
 
-def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1) -> GemvStreamConfig:
-    """The most rows a program (at most 16) that still leaves _PROGRAMS_PER_SM programs an SM, and a K step of
-    _TILE_BYTES."""
+# At least this many rows a program for a 16-bit token (weight-only FP8), 0: the rule's. Every program reads the whole
+# token, so at o and down (4 rows a program) a 16-bit token's reads from L2 are half the weight's bytes: 7.55 -> 9.06
+# and 21.2 -> 26.3 us against an e4m3 token (one H100, 2026-12-06, docs/passes.md). An A/B's switch until measured.
+TOKEN16_MIN_ROWS = int(os.environ.get("KILN_GEMV_STREAM_TOKEN16_ROWS", "0"))
+
+
+def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1, token_bytes: int = 1) -> GemvStreamConfig:
+    """The most rows a program (at most 16) that still leaves _PROGRAMS_PER_SM programs an SM (a 16-bit token: at
+    least TOKEN16_MIN_ROWS), and a K step of _TILE_BYTES of weight."""
     rows = 16
     while rows > 1 and triton.cdiv(n, rows) < _PROGRAMS_PER_SM * num_sms:
         rows //= 2
+    if token_bytes > 1:
+        rows = max(rows, TOKEN16_MIN_ROWS)
     return GemvStreamConfig(rows, min(triton.next_power_of_2(k), max(16, _TILE_BYTES // (rows * element_bytes))))
 
 
@@ -138,7 +146,7 @@ def gemv_stream(x: torch.Tensor, weight: torch.Tensor,
     from kiln.models.quant.fp8_kernel import num_sms
 
     config = config or pick_config(n * (2 if mode == gemv.SILU_MUL else 1), k, num_sms(x.device),
-                                   weight.element_size())
+                                   weight.element_size(), x.element_size())
     rows = max(1, config.rows // 2) if mode == gemv.SILU_MUL else config.rows  # gate + up: the rule's rows a program
     if mode == gemv.PARTIALS:
         out = torch.empty((1, 1, n), dtype=torch.float32, device=x.device)

@@ -72,6 +72,32 @@ def test_the_rule_spreads_programs_over_the_sms(n: int, k: int, element_bytes: i
     assert step_bytes <= max(4096, 16 * config.rows * element_bytes) and config.block_k & (config.block_k - 1) == 0
 
 
+def test_a_16_bit_token_takes_at_least_its_rows_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KILN_GEMV_STREAM_TOKEN16_ROWS: more rows a program for a 16-bit token (fewer programs re-reading it), the same
+    weight bytes a K step; an e4m3 token keeps the rule, and so does a 16-bit one where the switch is unset."""
+    rule = pick_config(4096, 14336, num_sms=132)
+    assert pick_config(4096, 14336, num_sms=132, token_bytes=2) == rule
+    monkeypatch.setattr(gemv_stream, "TOKEN16_MIN_ROWS", 16)
+    assert pick_config(4096, 14336, num_sms=132, token_bytes=2) == GemvStreamConfig(16, 256)
+    assert pick_config(4096, 14336, num_sms=132) == rule and rule.rows == 4
+    calls: list[tuple[tuple[int], int, int]] = []
+    real = gemv_stream._gemv_stream_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append((grid, kwargs["R"], kwargs["BLOCK_K"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(gemv_stream, "_gemv_stream_kernel", Spy())
+    _, wq, _, ws = operands(1, 64, 256, seed=4)
+    x16 = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE, WIDE)
+    got = gemv_stream.gemv_stream(x16, wq, fp8_kernel.flat_scales(None, ws), torch.float32)
+    assert calls == [((4,), 16, 256)]
+    close(got, products(x16, wq) * ws.double().reshape(1, -1))
+
+
 def test_one_token_calls_take_it_where_enabled_and_not_suspended(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8_gemm_triton and the FP8 add + RMSNorm + quantization epilogue at M = 1 run the kernel when enabled, with
     the values of the MMA kernel's path (up to summation order); never for 16-bit weights (bf16_gemm_triton past what
