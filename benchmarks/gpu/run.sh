@@ -21,6 +21,16 @@ set_decode() {  # Llama-3-8B and SmolLM2-135M decode at default settings, floors
     --async-scheduling on --hf --json "$R/decode.json"
   set_anchor
 }
+set_decode_table() {  # docs/BENCHMARKS.md's Decode table at default settings in one call, a process per row: SmolLM2-135M
+  # and Llama-3-8B bf16, Llama-3-8B FP8, each at batch 1 / 8 / 64, then Qwen3-30B-A3B (the MoE table's decode rows)
+  local models row
+  for row in "smollm2-135m:" "llama3-8b:" "llama3-8b:--quantization fp8"; do
+    models=${row%%:*}; local extra=${row#*:}; local tag=${models//[^A-Za-z0-9_]/_}${extra:+_fp8}
+    step "decode_table_$tag" 200 python3 -m benchmarks.bench_gpu decode --defaults --backend triton --models "$models" \
+      --async-scheduling on --batches 1 8 64 $extra --json "$R/decode_table_$tag.json"
+  done
+  step decode_table_qwen3_30b_a3b 240 python3 -m benchmarks.bench_moe --parts decode --json "$R/decode_table_qwen3_30b_a3b.json"
+}
 set_anchor() {  # the gpt-fast-style anchor alone
   step anchor 200 python3 -m benchmarks.bench_anchor --preset llama3-8b --batches 1 8 --json "$R/anchor.json"
 }
