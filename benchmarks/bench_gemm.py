@@ -39,7 +39,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -405,6 +405,7 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
         arms = [("mma", None, [partial(fp8_gemm_triton, xq, q, xs, ws, torch.bfloat16, mma) for q in weights_])]
         swept = [GemvStreamConfig(r, min(step // r, triton.next_power_of_2(k)), warps, stages)
                  for r, step, warps, stages in stream_candidates()]
+        swept += [replace(rule, prefetch=p) for p in (0, 1, 2) if p != rule.prefetch]  # the next tile loaded ahead
         for config in [rule, *swept]:
             arms.append(("stream_rule" if config is rule else "stream", asdict(config),
                          [partial(gemv_stream, xq, q, flat, torch.bfloat16, config=config) for q in weights_]))
@@ -412,7 +413,7 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
         x16, wo_scales = torch.randn(1, k, device=device, dtype=torch.bfloat16), (None, flat[1])
         mode = gemv.SILU_MUL if proj.partition("/")[0] == "gate_up" else gemv.OUT
         wo_rule = pick_config(n, k, num_sms(xq.device), token_bytes=2)  # KILN_GEMV_STREAM_TOKEN16_ROWS's rows
-        for config in [wo_rule, *swept]:
+        for config in dict.fromkeys([wo_rule, *swept, *(replace(wo_rule, prefetch=p) for p in (0, 1, 2))]):
             arms.append(("wo_rule" if config is wo_rule else "wo", asdict(config),
                          [partial(gemv_stream, x16, q, wo_scales, torch.bfloat16, mode, config) for q in weights_]))
         if mode == gemv.SILU_MUL:  # the 16-bit token alone, without the SiLU-mul's pairing of rows
@@ -444,7 +445,8 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
     layers = PRESETS[args.preset]["num_hidden_layers"]
     totals = {key: sum(r[key] for r in summary) * layers / 1e3
               for key in ("floor_us", "mma_us", "rule_us", "best_us", "wo_rule_us", "wo_best_us")}
-    cfg = (lambda c: f"{c['rows']}x{c['block_k']} w{c['num_warps']} st{c['num_stages']}")
+    cfg = (lambda c: f"{c['rows']}x{c['block_k']} w{c['num_warps']} st{c['num_stages']}"
+           + (f" p{c['prefetch']}" if c.get("prefetch") else ""))
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     print(table(["proj", "floor us", "MMA us", "stream rule us", "rule config", "stream best us", "best config",
                  "MMA x floor", "best x floor"],

@@ -39,11 +39,14 @@ def close(got: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None
     torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
 
 
-# N not a multiple of the rows, K not of the K step; both multiples (the unmasked loads); the rule's own config
-CASES = [(70, 300, GemvStreamConfig(4, 64)), (64, 256, GemvStreamConfig(8, 64, num_warps=2)), (96, 512, None)]
+# N not a multiple of the rows, K not of the K step; both multiples (the unmasked loads); the rule's own config; the
+# next step's tile loaded ahead (after the PDL wait, and the first before it), masked and unmasked
+CASES = [(70, 300, GemvStreamConfig(4, 64)), (64, 256, GemvStreamConfig(8, 64, num_warps=2)), (96, 512, None),
+         (70, 300, GemvStreamConfig(4, 64, prefetch=1)), (64, 256, GemvStreamConfig(8, 64, prefetch=2)),
+         (64, 192, GemvStreamConfig(4, 64, prefetch=1))]
 
 
-@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}" for n, k, _ in CASES])
+@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}-p{c.prefetch if c else 0}" for n, k, c in CASES])
 def test_fp8_output_and_partials_match_float64(n: int, k: int, config: GemvStreamConfig | None) -> None:
     xq, wq, xs, ws = operands(1, n, k, seed=n + k)
     got = gemv_stream.gemv_stream(xq, wq, fp8_kernel.flat_scales(xs, ws), torch.float32, config=config)
@@ -70,6 +73,14 @@ def test_the_rule_spreads_programs_over_the_sms(n: int, k: int, element_bytes: i
     assert 1 <= config.rows <= 16 and (programs >= 4 * 132 or config.rows == 1)
     step_bytes = config.rows * config.block_k * element_bytes
     assert step_bytes <= max(4096, 16 * config.rows * element_bytes) and config.block_k & (config.block_k - 1) == 0
+
+
+def test_the_rule_loads_ahead_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KILN_GEMV_STREAM_PREFETCH sets the rule's PREFETCH (the next step's tile loaded ahead) and nothing else."""
+    rule = pick_config(4096, 14336, num_sms=132)
+    assert rule.prefetch == 0
+    monkeypatch.setattr(gemv_stream, "PREFETCH", 2)
+    assert pick_config(4096, 14336, num_sms=132) == GemvStreamConfig(rule.rows, rule.block_k, prefetch=2)
 
 
 def test_a_16_bit_token_takes_at_least_its_rows_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,7 +164,7 @@ def weight_only_products(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) ->
     return products(x, wq) * ws.double().reshape(1, -1)  # 16-bit and e4m3 values are exact in float64
 
 
-@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}" for n, k, _ in CASES])
+@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}-p{c.prefetch if c else 0}" for n, k, c in CASES])
 def test_a_16_bit_token_against_e4m3_weights_matches_float64(n: int, k: int, config: GemvStreamConfig | None) -> None:
     """Weight-only FP8: no token scale; the projection, its partials, and silu(gate) * up with each projection and
     the SiLU rounded to the token's dtype (an FP8 graph's rounding)."""
