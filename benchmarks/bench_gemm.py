@@ -490,9 +490,8 @@ def mlp_chain_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[st
         chosen = {i2: rows_gu, h: rows_down}
 
         def pick(n, k, num_sms, element_bytes=1, token_bytes=1):
-            r = chosen.get(n)
-            return rule(n, k, num_sms, element_bytes, token_bytes) if r is None else \
-                stream.GemvStreamConfig(r, 4096 // r)
+            config, r = rule(n, k, num_sms, element_bytes, token_bytes), chosen.get(n)
+            return config if r is None else replace(config, rows=r, block_k=4096 // r)  # the rule's other fields
         return pick
 
     arms = [("w8a8", None, None, w8a8)] + [("weight_only", g, d, weight_only) for g, d in

@@ -44,9 +44,10 @@ def close(got: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None
 CASES = [(70, 300, GemvStreamConfig(4, 64)), (64, 256, GemvStreamConfig(8, 64, num_warps=2)), (96, 512, None),
          (70, 300, GemvStreamConfig(4, 64, prefetch=1)), (64, 256, GemvStreamConfig(8, 64, prefetch=2)),
          (64, 192, GemvStreamConfig(4, 64, prefetch=1))]
+CASE_IDS = [f"N{n}-K{k}-p{c.prefetch if c else 0}" for n, k, c in CASES]
 
 
-@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}-p{c.prefetch if c else 0}" for n, k, c in CASES])
+@pytest.mark.parametrize("n,k,config", CASES, ids=CASE_IDS)
 def test_fp8_output_and_partials_match_float64(n: int, k: int, config: GemvStreamConfig | None) -> None:
     xq, wq, xs, ws = operands(1, n, k, seed=n + k)
     got = gemv_stream.gemv_stream(xq, wq, fp8_kernel.flat_scales(xs, ws), torch.float32, config=config)
@@ -164,7 +165,7 @@ def weight_only_products(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) ->
     return products(x, wq) * ws.double().reshape(1, -1)  # 16-bit and e4m3 values are exact in float64
 
 
-@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}-p{c.prefetch if c else 0}" for n, k, c in CASES])
+@pytest.mark.parametrize("n,k,config", CASES, ids=CASE_IDS)
 def test_a_16_bit_token_against_e4m3_weights_matches_float64(n: int, k: int, config: GemvStreamConfig | None) -> None:
     """Weight-only FP8: no token scale; the projection, its partials, and silu(gate) * up with each projection and
     the SiLU rounded to the token's dtype (an FP8 graph's rounding)."""
