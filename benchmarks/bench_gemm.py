@@ -18,8 +18,7 @@ Two parts:
     python -m benchmarks.bench_gemm --preset tiny-llama --device cpu --m 1 16 --json /tmp/gemm.json  # CPU dry run
 - `gemv-stream` (M = 1, e4m3 weights): the MMA kernel at its shipped tiles against the one-token streaming
   matrix-vector kernel (kiln/models/gemv_stream.py) at its rule's config and at each swept one, x the bytes floor;
-  then the same kernel on a 16-bit token (weight-only FP8, gate_up with its SiLU-mul) at the rule and each swept one,
-  and the MLP's chain of kernels W8A8 against weight-only.
+  then the same kernel on a 16-bit token (weight-only FP8, gate_up with its SiLU-mul) at the rule and each swept one.
 
     python -m benchmarks.bench_gemm --part gemv-stream --json gemv_stream.json          # H100: < 1 min
 - `host` (the M of every CUDA-graph capture size): the host's microseconds per `kiln::dense_gemm` call (torch.mm
@@ -39,7 +38,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -405,15 +404,14 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
         arms = [("mma", None, [partial(fp8_gemm_triton, xq, q, xs, ws, torch.bfloat16, mma) for q in weights_])]
         swept = [GemvStreamConfig(r, min(step // r, triton.next_power_of_2(k)), warps, stages)
                  for r, step, warps, stages in stream_candidates()]
-        swept += [replace(rule, prefetch=p) for p in (0, 1, 2) if p != rule.prefetch]  # the next tile loaded ahead
         for config in [rule, *swept]:
             arms.append(("stream_rule" if config is rule else "stream", asdict(config),
                          [partial(gemv_stream, xq, q, flat, torch.bfloat16, config=config) for q in weights_]))
         # weight-only FP8 (the fp8_weight_only pass): a 16-bit token, gate_up with its SiLU-mul as the pass runs it
         x16, wo_scales = torch.randn(1, k, device=device, dtype=torch.bfloat16), (None, flat[1])
         mode = gemv.SILU_MUL if proj.partition("/")[0] == "gate_up" else gemv.OUT
-        wo_rule = pick_config(n, k, num_sms(xq.device), token_bytes=2)  # KILN_GEMV_STREAM_TOKEN16_ROWS's rows
-        for config in dict.fromkeys([wo_rule, *swept, *(replace(wo_rule, prefetch=p) for p in (0, 1, 2))]):
+        wo_rule = pick_config(n, k, num_sms(xq.device), token_bytes=2)
+        for config in dict.fromkeys([wo_rule, *swept]):
             arms.append(("wo_rule" if config is wo_rule else "wo", asdict(config),
                          [partial(gemv_stream, x16, q, wo_scales, torch.bfloat16, mode, config) for q in weights_]))
         if mode == gemv.SILU_MUL:  # the 16-bit token alone, without the SiLU-mul's pairing of rows
@@ -445,8 +443,7 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
     layers = PRESETS[args.preset]["num_hidden_layers"]
     totals = {key: sum(r[key] for r in summary) * layers / 1e3
               for key in ("floor_us", "mma_us", "rule_us", "best_us", "wo_rule_us", "wo_best_us")}
-    cfg = (lambda c: f"{c['rows']}x{c['block_k']} w{c['num_warps']} st{c['num_stages']}"
-           + (f" p{c['prefetch']}" if c.get("prefetch") else ""))
+    cfg = lambda c: f"{c['rows']}x{c['block_k']} w{c['num_warps']} st{c['num_stages']}"  # noqa: E731
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     print(table(["proj", "floor us", "MMA us", "stream rule us", "rule config", "stream best us", "best config",
                  "MMA x floor", "best x floor"],
@@ -459,56 +456,6 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
                   cfg(r["wo_best_config"]), r["wo_best_us"] / r["floor_us"]] for r in summary]))
     print("a step's projections, ms: " + ", ".join(f"{k.replace('_us', '')} {v:.3f}" for k, v in totals.items()))
     return dict(copy_gb_per_s=bw / 1e9, rows=rows, summary=summary, step_ms=totals)
-
-
-def mlp_chain_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
-    """One token's FP8 MLP as the decode step runs it after the post-attention norm, us inside a CUDA graph (PDL
-    as in the step): W8A8 (gate_up, SiLU-mul + quantization, down + add + norm + quantization) against weight-only
-    (gate_up with its SiLU-mul, down + add + norm) at the streaming kernel's rule and at other rows a program for
-    gate_up and down (4 KB of weight a K step)."""
-    import kiln.passes.ops  # noqa: F401 - registers the ops the chains call
-    from kiln.models import gemv_stream as stream
-
-    device, (h, i2) = args.device, projection_shapes(args.preset)["gate_up"]
-    ops, rule = torch.ops.kiln, stream.pick_config
-    copies = max(1, math.ceil(ROTATE_BYTES / (2 * i2 * h))) if device == "cuda" else 1
-    mlps = [(quantize_weight(torch.randn(i2, h, device=device) * 0.02),
-             quantize_weight(torch.randn(h, i2 // 2, device=device) * 0.02)) for _ in range(copies)]
-    x16 = torch.randn(1, h, device=device, dtype=torch.bfloat16)
-    (xq, xs), residual = quantize_per_token(x16), torch.randn(1, h, device=device, dtype=torch.bfloat16)
-    norm_w = torch.ones(h, device=device, dtype=torch.bfloat16)
-
-    def w8a8(gu, down):
-        q, q_scale = ops.silu_mul_quant(ops.fp8_gemm(xq, gu[0], xs, gu[1], torch.bfloat16))
-        return ops.fp8_gemm_add_rms_norm_quant(q, down[0], q_scale, down[1], residual, norm_w, 1e-5)
-
-    def weight_only(gu, down):
-        act = ops.fp8_weight_only_gate_up_silu_mul(x16, gu[0], gu[1])
-        return ops.fp8_weight_only_gemm_add_rms_norm(act, down[0], down[1], residual, norm_w, 1e-5)
-
-    def rows_of(rows_gu: int | None, rows_down: int | None):
-        chosen = {i2: rows_gu, h: rows_down}
-
-        def pick(n, k, num_sms, element_bytes=1, token_bytes=1):
-            config, r = rule(n, k, num_sms, element_bytes, token_bytes), chosen.get(n)
-            return config if r is None else replace(config, rows=r, block_k=4096 // r)  # the rule's other fields
-        return pick
-
-    arms = [("w8a8", None, None, w8a8)] + [("weight_only", g, d, weight_only) for g, d in
-                                              [(None, None), (None, 8), (None, 16), (32, 16)]]
-    rows = []
-    for name, rows_gu, rows_down, chain in arms:
-        stream.pick_config = rows_of(rows_gu, rows_down)
-        try:
-            us = graph_time_us([partial(chain, gu, down) for gu, down in mlps], device)
-            rows.append(dict(chain=name, gate_up_rows=rows_gu or "rule", down_rows=rows_down or "rule", us=us))
-        except Exception:
-            errors[f"mlp chain {name} {rows_gu} {rows_down}"] = traceback.format_exc(limit=4)
-        finally:
-            stream.pick_config = rule
-    print(table(["chain", "gate_up rows", "down rows", "us"],
-                [[r["chain"], r["gate_up_rows"], r["down_rows"], r["us"]] for r in rows]))
-    return dict(rows=rows)
 
 
 def mid_m(args: argparse.Namespace) -> dict[str, Any]:
@@ -621,8 +568,6 @@ def main() -> None:
     elif args.part == "gemv-stream":
         with interpreted_on_cpu(args.device):
             result["gemv_stream"] = gemv_stream_table(args, errors)
-            if "gate_up" in chosen_shapes(args) and "down" in chosen_shapes(args):
-                result["mlp_chain"] = mlp_chain_table(args, errors)
     else:
         result["mid_m"] = mid_m(args)
     if args.json:

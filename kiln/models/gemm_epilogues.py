@@ -276,13 +276,14 @@ def gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: to
     return normed, summed
 
 
-def fp8_gemm_add_rms_norm_quant_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor,
+def fp8_gemm_add_rms_norm_quant_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
                                        weight_scale: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                                        eps: float, config: Fp8GemmConfig | None = None,
                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The FP8 projection into the residual stream: q [M, K] e4m3 with x_scale [M, 1], weight [N, K] e4m3 with
-    weight_scale [N] -> (e4m3 [M, N] and its fp32 [M, 1] scale: quantize_per_token(rms_norm(h) * norm_weight), h in
-    the residual's dtype), summed as kiln::fp8_gemm's small-M kernel does for this shape."""
+    """The FP8 projection into the residual stream: q [M, K] e4m3 with x_scale [M, 1] (or, x_scale None, one 16-bit
+    token: weight-only FP8 on the streaming kernel), weight [N, K] e4m3 with weight_scale [N] -> (e4m3 [M, N] and its
+    fp32 [M, 1] scale: quantize_per_token(rms_norm(h) * norm_weight), h in the residual's dtype), summed as
+    kiln::fp8_gemm's small-M kernel does for this shape."""
     out, scale, summed = _gemm_add_rms_norm(q, weight, (x_scale, weight_scale), residual, norm_weight, eps, True,
                                             config)
     assert scale is not None

@@ -44,13 +44,12 @@ _TILE_BYTES = 4096  # weight bytes a program loads per K step
 @dataclass(frozen=True)
 class GemvStreamConfig:
     """rows: weight rows a program dots; block_k: K elements a step; num_warps / num_stages: Triton's (its pipeliner
-    leaves this loop alone: 1 and 3 stages timed the same); prefetch: the kernel's PREFETCH."""
+    leaves this loop alone: 1 and 3 stages timed the same)."""
 
     rows: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    prefetch: int = 0
 
 
 def applies(m: int, element_bytes: int) -> bool:
@@ -58,14 +57,11 @@ def applies(m: int, element_bytes: int) -> bool:
     return FP8_ENABLED and element_bytes == 1 and m == 1 and not gemv.is_suspended()
 
 
-# At least this many rows a program for a 16-bit token (weight-only FP8), 0: the rule's. Every program reads the whole
-# token, so at o and down (4 rows a program) a 16-bit token's reads from L2 are half the weight's bytes: 7.55 -> 9.06
-# and 21.2 -> 26.3 us against an e4m3 token (one H100, 2026-12-06, docs/passes.md). An A/B's switch until measured.
-TOKEN16_MIN_ROWS = int(os.environ.get("KILN_GEMV_STREAM_TOKEN16_ROWS", "0"))
-
-
-# The rule's PREFETCH (the kernel's), 0 by default: an A/B's switch until measured (docs/models.md)
-PREFETCH = int(os.environ.get("KILN_GEMV_STREAM_PREFETCH", "0"))
+# At least this many rows a program for a 16-bit token (weight-only FP8). Every program reads the whole token, so at 4
+# rows a program a 16-bit token's reads from L2 are half the weight's bytes; at 8 they are a quarter. Llama-3-8B's o /
+# down with a 16-bit token, us: 9.05 / 26.86 at the rule's 4 rows, 7.72 / 22.08 at 8 (the e4m3 token at 4: 7.61 /
+# 21.79); qkv and gate_up have 8 and 16 already (one H100, 2026-12-06, `run.sh gemv-stream`, docs/passes.md).
+TOKEN16_MIN_ROWS = 8
 
 
 def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1, token_bytes: int = 1) -> GemvStreamConfig:
@@ -76,70 +72,43 @@ def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1, token_byte
         rows //= 2
     if token_bytes > 1:
         rows = max(rows, TOKEN16_MIN_ROWS)
-    return GemvStreamConfig(rows, min(triton.next_power_of_2(k), max(16, _TILE_BYTES // (rows * element_bytes))),
-                            prefetch=PREFETCH)
-
-
-@triton.jit
-def _weight_step(w_ptrs, up_offset, k0, K, row_mask, offs_k, EVEN: tl.constexpr, MODE: tl.constexpr):
-    """One K step's weight tile from k0 (and SILU_MUL's up tile `up_offset` further; else the same tile again, no
-    second load); EVEN: every row and K index in bounds, no mask."""
-    if EVEN:
-        w = tl.load(w_ptrs)
-    else:
-        mask = row_mask[:, None] & (k0 + offs_k < K)[None, :]
-        w = tl.load(w_ptrs, mask=mask, other=0.0)
-    w_up = w
-    if MODE == 2:
-        if EVEN:
-            w_up = tl.load(w_ptrs + up_offset)
-        else:
-            w_up = tl.load(w_ptrs + up_offset, mask=mask, other=0.0)
-    return w, w_up
+    return GemvStreamConfig(rows, min(triton.next_power_of_2(k), max(16, _TILE_BYTES // (rows * element_bytes))))
 
 
 @triton.jit
 def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN: tl.constexpr, MODE: tl.constexpr, X_SCALED: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                        PDL: tl.constexpr = False):
+                        EVEN: tl.constexpr, MODE: tl.constexpr, X_SCALED: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: output columns [p R, p R + R). MODE (gemv.py's): OUT, out in its dtype, times the scales (the
     token's when X_SCALED: an e4m3 x; a 16-bit x has none); PARTIALS, the fp32 sums (a kernel after it finishes
     them); SILU_MUL, with the up rows N below the gate rows, silu(gate) * up, each projection scaled and rounded to
-    out's dtype first, the SiLU rounded too. PREFETCH (GemvStreamConfig.prefetch): 1, each step loads the next
-    step's weight tile before it computes its own (two tiles a program in flight); 2, the same with the first tile
-    loaded before the PDL wait (weights are not written during a step)."""
+    out's dtype first, the SiLU rounded too."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_mask = rows < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * s_wn + offs_k[None, :]
-    up_offset = N * s_wn
-    if PREFETCH == 2:
-        w, w_up = _weight_step(w_ptrs, up_offset, 0, K, row_mask, offs_k, EVEN, MODE)
     pdl_start(PDL)
-    if PREFETCH == 1:
-        w, w_up = _weight_step(w_ptrs, up_offset, 0, K, row_mask, offs_k, EVEN, MODE)
     acc = tl.zeros((R, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((R, BLOCK_K), dtype=tl.float32)  # SILU_MUL's up rows; unused (and dropped) otherwise
     for k0 in range(0, K, BLOCK_K):
-        # The weight's loads before the token's: with the token's first, the PTX widened the token to fp32 (waiting
-        # on its load) before it issued the weight's loads, and 8B's FP8 projections streamed 3-8% slower (gate_up
-        # 43.0-43.7 against 40.2 us; FP8 8B decode at batch 1 3.617 / 3.610 against 3.506 / 3.505 ms, one H100,
-        # 2026-12-06; docs/models.md)
-        if PREFETCH:  # the next step's tile (none past K: a masked load reads nothing)
-            w_next, w_up_next = _weight_step(w_ptrs + BLOCK_K, up_offset, k0 + BLOCK_K, K, row_mask, offs_k, False,
-                                             MODE)
-        else:
-            w, w_up = _weight_step(w_ptrs, up_offset, k0, K, row_mask, offs_k, EVEN, MODE)
-        if EVEN:
+        # The weight's loads before the token's: with the token's first, 8B's FP8 projections streamed 3-8% slower
+        # (gate_up 43.0-43.7 against 40.2 us) and FP8 8B decode at batch 1 took 3.617 / 3.610 against 3.506 / 3.505
+        # ms (one H100, 2026-12-06; docs/models.md)
+        if EVEN:  # N % R == 0 and K % BLOCK_K == 0
+            w = tl.load(w_ptrs)
+            if MODE == 2:
+                w_up = tl.load(w_ptrs + N * s_wn)
             x = tl.load(x_ptr + k0 + offs_k)
         else:
-            x = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+            k_mask = k0 + offs_k < K
+            mask = row_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_ptrs, mask=mask, other=0.0)
+            if MODE == 2:
+                w_up = tl.load(w_ptrs + N * s_wn, mask=mask, other=0.0)
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
         x = x.to(tl.float32)[None, :]
         acc += w.to(tl.float32) * x
         if MODE == 2:
             acc_up += w_up.to(tl.float32) * x
-        if PREFETCH:
-            w, w_up = w_next, w_up_next
         w_ptrs += BLOCK_K
     sums = tl.sum(acc, 1)
     if MODE == 1:
@@ -189,7 +158,6 @@ def gemv_stream(x: torch.Tensor, weight: torch.Tensor,
     even = n % rows == 0 and k % config.block_k == 0
     _gemv_stream_kernel[(triton.cdiv(n, rows),)](
         x, xs if xs is not None else ws, weight, ws, out, n, k, weight.stride(0), R=rows, BLOCK_K=config.block_k,
-        EVEN=even, MODE=mode, X_SCALED=xs is not None, PREFETCH=config.prefetch, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        EVEN=even, MODE=mode, X_SCALED=xs is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(x.device))
     return out

@@ -1,20 +1,24 @@
-"""One token's FP8 projections without the per-token quantization (kiln::fp8_weight_only_gemm), on CUDA.
+"""One token's FP8 projection of an activation from outside the graph without its per-token quantization
+(kiln::fp8_weight_only_gemm), on CUDA.
 
 An FP8 linear quantizes its activation per token (amax, scale, divide, e4m3) and runs the W8A8 GEMM. At one token
 the GEMM is the streaming kernel (kiln/models/gemv_stream.py), which widens both operands to fp32 anyway, so the
-quantization buys nothing there and costs a row reduction in a kernel before every projection: at batch 1 on
-Llama-3-8B FP8 those kernels (with the add + norm, the SiLU-mul) took 12.3 us a layer against ~3 for the 16-bit
-model's (one H200, 2026-12-05, docs/BENCHMARKS.md). Matched in the post-grad graph, `kiln::fp8_gemm` of a per-token
-quantization of a 16-bit x becomes `kiln::fp8_weight_only_gemm(x, W, w_scale)`: the 16-bit token against the e4m3
-weight (weight-only FP8, closer to the 16-bit model than W8A8). gemm_add_rmsnorm and gate_up_silu_mul then fold the
-add + norm and the SiLU-mul into these projections as they do for 16-bit ones.
+quantization buys nothing there. Where the activation is computed in the graph (a norm's output, the SiLU-mul's),
+Inductor or a kiln epilogue folds the quantization into the kernel that computes it, at no cost. Where it comes from
+outside the graph (the o projection: the attention's output, the piece's input after the split at the attention),
+the quantization is a kernel of its own (1.4 us a layer on Llama-3-8B, one H100, 2026-12-06). Matched in the
+post-grad graph, `kiln::fp8_gemm` of a per-token quantization of such a 16-bit x becomes
+`kiln::fp8_weight_only_gemm(x, W, w_scale)`: the 16-bit token against the e4m3 weight (weight-only FP8). Then
+gemm_add_rmsnorm folds the add + norm after it, and the next projection's quantization, into its row kernel.
+
+Why not every projection: with every one weight-only, FP8 Llama-3-8B at batch 1 took 3.549 ms against 3.506 (one
+H100, 2026-12-06): every program re-reads the 16-bit token, and the MLP's kernels (gate_up with its SiLU-mul, down,
+its add + norm) took 70.6-85.6 us a layer against W8A8's 68.9 at every row count swept (docs/passes.md).
 
 Only for one token (the `<=1` bound gives that count a compile range of its own): the kernel re-reads the weight
 per token. A runner that speculates suspends the kernel (its decode must equal its verify, which runs W8A8), and
 the ops then quantize themselves (kiln/passes/fp8_weight_only_ops.py). Runs before gemm_add_rmsnorm,
-silu_mul_quant and gate_up_silu_mul. Not a default: FP8 Llama-3-8B at batch 1 took 3.549 ms with it against 3.506
-without (one H100): at o and down, 4 rows a program, every program re-reads the 16-bit token (docs/passes.md);
-`passes=(..., "fp8_weight_only<=1")` selects it.
+silu_mul_quant and gate_up_silu_mul. `passes=(..., "fp8_weight_only<=1")` selects it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from torch import fx
 
 from kiln.passes.base import KilnPass, erase_if_dead, is_call, set_fake_value
 from kiln.passes.silu_mul_quant import per_token_quants
+
+aten = torch.ops.aten
 
 
 class Fp8WeightOnlyPass(KilnPass):
@@ -36,7 +42,7 @@ class Fp8WeightOnlyPass(KilnPass):
         op = torch.ops.kiln.fp8_weight_only_gemm.default
         count = 0
         for x, scale, q, chain in per_token_quants(graph):
-            if not _sixteen_bit(x):
+            if not _sixteen_bit(x) or _computed_in_graph(x):
                 continue
             for gemm in list(q.users):
                 if not is_call(gemm, torch.ops.kiln.fp8_gemm.default) or gemm.args[2] is not scale:
@@ -55,3 +61,11 @@ class Fp8WeightOnlyPass(KilnPass):
 def _sixteen_bit(node: object) -> bool:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     return isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16)
+
+
+def _computed_in_graph(node: object) -> bool:
+    """Whether `node`, through views, is computed in this graph (its quantization then fuses into the kernel that
+    computes it) rather than a graph input."""
+    while is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        node = node.args[0]  # type: ignore[union-attr]
+    return not (isinstance(node, fx.Node) and node.op == "placeholder")

@@ -81,3 +81,24 @@ def fp8_weight_only_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, wei
 def _fp8_weight_only_gemm_add_rms_norm_fake(x, weight, weight_scale, residual, norm_weight, eps):
     out = residual.new_empty((x.shape[0], weight.shape[0]))
     return out, torch.empty_like(out)
+
+
+@torch.library.custom_op("kiln::fp8_weight_only_gemm_add_rms_norm_quant", mutates_args=())
+def fp8_weight_only_gemm_add_rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                                            residual: torch.Tensor, norm_weight: torch.Tensor,
+                                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As fp8_weight_only_gemm_add_rms_norm, but the normalised row feeds a W8A8 projection: -> (its e4m3 values and
+    [M, 1] scale, quantize_per_token(rms_norm(h) * norm_weight), h), quantized by the same row kernel."""
+    if runs_weight_only(x, weight):
+        from kiln.models.gemm_epilogues import fp8_gemm_add_rms_norm_quant_triton
+
+        return fp8_gemm_add_rms_norm_quant_triton(x, weight, None, weight_scale, residual, norm_weight, eps)
+    q, x_scale = quantize_per_token(x)
+    return torch.ops.kiln.fp8_gemm_add_rms_norm_quant(q, weight, x_scale, weight_scale, residual, norm_weight, eps)
+
+
+@fp8_weight_only_gemm_add_rms_norm_quant.register_fake
+def _fp8_weight_only_gemm_add_rms_norm_quant_fake(x, weight, weight_scale, residual, norm_weight, eps):
+    from kiln.passes.ops import _fp8_gemm_add_rms_norm_quant_fake
+
+    return _fp8_gemm_add_rms_norm_quant_fake(x, weight, None, weight_scale, residual, norm_weight, eps)

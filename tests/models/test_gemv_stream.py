@@ -21,7 +21,7 @@ if DEVICE == "cpu":
 from kiln.models import gemm_epilogues, gemv, gemv_stream  # noqa: E402
 from kiln.models.gemv_stream import GemvStreamConfig, pick_config  # noqa: E402
 from kiln.models.quant import fp8_kernel  # noqa: E402
-from kiln.models.quant.fp8 import quantize_per_token, quantize_weight  # noqa: E402
+from kiln.models.quant.fp8 import FP8_DTYPE, quantize_per_token, quantize_weight  # noqa: E402
 from tests.models.test_fp8_kernel import operands  # noqa: E402 - e4m3 operands and scales, kiln's quantizers
 
 
@@ -39,15 +39,11 @@ def close(got: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None
     torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
 
 
-# N not a multiple of the rows, K not of the K step; both multiples (the unmasked loads); the rule's own config; the
-# next step's tile loaded ahead (after the PDL wait, and the first before it), masked and unmasked
-CASES = [(70, 300, GemvStreamConfig(4, 64)), (64, 256, GemvStreamConfig(8, 64, num_warps=2)), (96, 512, None),
-         (70, 300, GemvStreamConfig(4, 64, prefetch=1)), (64, 256, GemvStreamConfig(8, 64, prefetch=2)),
-         (64, 192, GemvStreamConfig(4, 64, prefetch=1))]
-CASE_IDS = [f"N{n}-K{k}-p{c.prefetch if c else 0}" for n, k, c in CASES]
+# N not a multiple of the rows, K not of the K step; both multiples (the unmasked loads); the rule's own config
+CASES = [(70, 300, GemvStreamConfig(4, 64)), (64, 256, GemvStreamConfig(8, 64, num_warps=2)), (96, 512, None)]
 
 
-@pytest.mark.parametrize("n,k,config", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}" for n, k, _ in CASES])
 def test_fp8_output_and_partials_match_float64(n: int, k: int, config: GemvStreamConfig | None) -> None:
     xq, wq, xs, ws = operands(1, n, k, seed=n + k)
     got = gemv_stream.gemv_stream(xq, wq, fp8_kernel.flat_scales(xs, ws), torch.float32, config=config)
@@ -76,22 +72,14 @@ def test_the_rule_spreads_programs_over_the_sms(n: int, k: int, element_bytes: i
     assert step_bytes <= max(4096, 16 * config.rows * element_bytes) and config.block_k & (config.block_k - 1) == 0
 
 
-def test_the_rule_loads_ahead_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KILN_GEMV_STREAM_PREFETCH sets the rule's PREFETCH (the next step's tile loaded ahead) and nothing else."""
+def test_a_16_bit_token_takes_at_least_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16-bit token (weight-only FP8): at least TOKEN16_MIN_ROWS rows a program (fewer programs re-reading it), the
+    same weight bytes a K step; an e4m3 token keeps the rule's rows."""
     rule = pick_config(4096, 14336, num_sms=132)
-    assert rule.prefetch == 0
-    monkeypatch.setattr(gemv_stream, "PREFETCH", 2)
-    assert pick_config(4096, 14336, num_sms=132) == GemvStreamConfig(rule.rows, rule.block_k, prefetch=2)
-
-
-def test_a_16_bit_token_takes_at_least_its_rows_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KILN_GEMV_STREAM_TOKEN16_ROWS: more rows a program for a 16-bit token (fewer programs re-reading it), the same
-    weight bytes a K step; an e4m3 token keeps the rule, and so does a 16-bit one where the switch is unset."""
-    rule = pick_config(4096, 14336, num_sms=132)
-    assert pick_config(4096, 14336, num_sms=132, token_bytes=2) == rule
-    monkeypatch.setattr(gemv_stream, "TOKEN16_MIN_ROWS", 16)
-    assert pick_config(4096, 14336, num_sms=132, token_bytes=2) == GemvStreamConfig(16, 256)
-    assert pick_config(4096, 14336, num_sms=132) == rule and rule.rows == 4
+    assert rule.rows == 4 < gemv_stream.TOKEN16_MIN_ROWS == 8
+    assert pick_config(4096, 14336, num_sms=132, token_bytes=2) == GemvStreamConfig(8, 512)
+    assert pick_config(28672, 4096, num_sms=132, token_bytes=2) == pick_config(28672, 4096, num_sms=132)
+    monkeypatch.setattr(gemv_stream, "TOKEN16_MIN_ROWS", 16)  # the launch below at rows the CPU's rule would not pick
     calls: list[tuple[tuple[int], int, int]] = []
     real = gemv_stream._gemv_stream_kernel
 
@@ -106,7 +94,7 @@ def test_a_16_bit_token_takes_at_least_its_rows_where_set(monkeypatch: pytest.Mo
     _, wq, _, ws = operands(1, 64, 256, seed=4)
     x16 = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE, WIDE)
     got = gemv_stream.gemv_stream(x16, wq, fp8_kernel.flat_scales(None, ws), torch.float32)
-    assert calls == [((4,), 16, 256)]
+    assert calls == [((4,), 16, 256)]  # 64 rows, 16 a program, 4 KB of weight a step
     close(got, products(x16, wq) * ws.double().reshape(1, -1))
 
 
@@ -165,7 +153,7 @@ def weight_only_products(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) ->
     return products(x, wq) * ws.double().reshape(1, -1)  # 16-bit and e4m3 values are exact in float64
 
 
-@pytest.mark.parametrize("n,k,config", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n,k,config", CASES, ids=[f"N{n}-K{k}" for n, k, _ in CASES])
 def test_a_16_bit_token_against_e4m3_weights_matches_float64(n: int, k: int, config: GemvStreamConfig | None) -> None:
     """Weight-only FP8: no token scale; the projection, its partials, and silu(gate) * up with each projection and
     the SiLU rounded to the token's dtype (an FP8 graph's rounding)."""
@@ -217,6 +205,13 @@ def test_the_weight_only_ops_stream_one_token_and_quantize_otherwise(monkeypatch
     torch.testing.assert_close(summed.float(), h, rtol=2.0**-7, atol=1e-6)
     torch.testing.assert_close(normed.float(), rms_norm_ref(h.to(x.dtype), norm_weight, eps).float(), rtol=2.0**-6,
                                atol=1e-6)
+    # the row kernel also quantizing the normalised row for a W8A8 projection: the same sum, its scale, e4m3 values
+    # within an ulp
+    q8, scale, summed_q = ops.fp8_weight_only_gemm_add_rms_norm_quant(x, wq, ws, residual, norm_weight, eps)
+    assert torch.equal(summed_q, summed) and q8.dtype == FP8_DTYPE and scale.shape == (1, 1)
+    torch.testing.assert_close(scale, normed.float().abs().amax(-1, keepdim=True) / 448, rtol=2.0**-6, atol=0)
+    if DEVICE == "cuda":  # the interpreter's e4m3 cast is not the GPU's: there only the scale and the sum
+        torch.testing.assert_close(q8.float() * scale, normed.float(), rtol=2.0**-3, atol=scale.item() * 2.0**-6)
 
     def w8a8(tokens: torch.Tensor) -> list[torch.Tensor]:
         q, scale = quantize_per_token(tokens)
@@ -231,4 +226,9 @@ def test_the_weight_only_ops_stream_one_token_and_quantize_otherwise(monkeypatch
         with gemv.suspended():
             for got, want in zip(run(x)[:2], w8a8(x)):
                 assert torch.equal(got, want)
+            q, x_scale = quantize_per_token(x)
+            want = ops.fp8_gemm_add_rms_norm_quant(q, wq, x_scale, ws, residual, norm_weight, eps)
+            for got, expected in zip(ops.fp8_weight_only_gemm_add_rms_norm_quant(x, wq, ws, residual, norm_weight,
+                                                                                 eps), want):
+                assert torch.equal(got, expected)
         assert not wide(x, wq)  # the CPU never streams
