@@ -18,7 +18,7 @@ Two parts:
     python -m benchmarks.bench_gemm --preset tiny-llama --device cpu --m 1 16 --json /tmp/gemm.json  # CPU dry run
 - `gemv-stream` (M = 1, e4m3 weights): the MMA kernel at its shipped tiles against the one-token streaming
   matrix-vector kernel (kiln/models/gemv_stream.py) at its rule's config and at each swept one, x the bytes floor;
-  then the same kernel on a 16-bit token (weight-only FP8, gate_up with its SiLU-mul) at the rule and each swept one.
+  then the same kernel on a 16-bit token (weight-only FP8) at the rule and each swept one.
 
     python -m benchmarks.bench_gemm --part gemv-stream --json gemv_stream.json          # H100: < 1 min
 - `host` (the M of every CUDA-graph capture size): the host's microseconds per `kiln::dense_gemm` call (torch.mm
@@ -383,7 +383,6 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
     step's projections x layers."""
     import triton
 
-    from kiln.models import gemv
     from kiln.models.gemv_stream import GemvStreamConfig, gemv_stream, pick_config
     from kiln.models.quant.fp8_kernel import fp8_gemm_triton, num_sms
     from kiln.models.quant.fp8_kernel import pick_config as mma_config
@@ -407,16 +406,12 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
         for config in [rule, *swept]:
             arms.append(("stream_rule" if config is rule else "stream", asdict(config),
                          [partial(gemv_stream, xq, q, flat, torch.bfloat16, config=config) for q in weights_]))
-        # weight-only FP8 (the fp8_weight_only pass): a 16-bit token, gate_up with its SiLU-mul as the pass runs it
+        # weight-only FP8 (the fp8_weight_only pass): a 16-bit token
         x16, wo_scales = torch.randn(1, k, device=device, dtype=torch.bfloat16), (None, flat[1])
-        mode = gemv.SILU_MUL if proj.partition("/")[0] == "gate_up" else gemv.OUT
         wo_rule = pick_config(n, k, num_sms(xq.device), token_bytes=2)
         for config in dict.fromkeys([wo_rule, *swept]):
             arms.append(("wo_rule" if config is wo_rule else "wo", asdict(config),
-                         [partial(gemv_stream, x16, q, wo_scales, torch.bfloat16, mode, config) for q in weights_]))
-        if mode == gemv.SILU_MUL:  # the 16-bit token alone, without the SiLU-mul's pairing of rows
-            arms.append(("wo_out_rule", asdict(wo_rule),
-                         [partial(gemv_stream, x16, q, wo_scales, torch.bfloat16, config=wo_rule) for q in weights_]))
+                         [partial(gemv_stream, x16, q, wo_scales, torch.bfloat16, config=config) for q in weights_]))
         for kernel, config, fns in arms:
             try:
                 us = graph_time_us(fns, device)
@@ -438,8 +433,7 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
         summary.append(dict(proj=proj, floor_us=sel[0]["floor_us"], mma_us=by["mma"]["us"],
                             rule_us=by["stream_rule"]["us"], rule_config=by["stream_rule"]["config"],
                             best_us=best["us"], best_config=best["config"], wo_rule_us=by["wo_rule"]["us"],
-                            wo_out_rule_us=by.get("wo_out_rule", by["wo_rule"])["us"], wo_best_us=wo_best["us"],
-                            wo_best_config=wo_best["config"]))
+                            wo_best_us=wo_best["us"], wo_best_config=wo_best["config"]))
     layers = PRESETS[args.preset]["num_hidden_layers"]
     totals = {key: sum(r[key] for r in summary) * layers / 1e3
               for key in ("floor_us", "mma_us", "rule_us", "best_us", "wo_rule_us", "wo_best_us")}
@@ -449,11 +443,10 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
                  "MMA x floor", "best x floor"],
                 [[r["proj"], r["floor_us"], r["mma_us"], r["rule_us"], cfg(r["rule_config"]), r["best_us"],
                   cfg(r["best_config"]), r["mma_us"] / r["floor_us"], r["best_us"] / r["floor_us"]] for r in summary]))
-    print("weight-only FP8, a 16-bit token (gate_up with its SiLU-mul; 'no SiLU-mul': the same rows, out as they are)")
-    print(table(["proj", "e4m3 token, rule us", "16-bit, rule us", "16-bit no SiLU-mul, rule us", "16-bit best us",
-                 "best config", "best x floor"],
-                [[r["proj"], r["rule_us"], r["wo_rule_us"], r["wo_out_rule_us"], r["wo_best_us"],
-                  cfg(r["wo_best_config"]), r["wo_best_us"] / r["floor_us"]] for r in summary]))
+    print("weight-only FP8, a 16-bit token")
+    print(table(["proj", "e4m3 token, rule us", "16-bit, rule us", "16-bit best us", "best config", "best x floor"],
+                [[r["proj"], r["rule_us"], r["wo_rule_us"], r["wo_best_us"], cfg(r["wo_best_config"]),
+                  r["wo_best_us"] / r["floor_us"]] for r in summary]))
     print("a step's projections, ms: " + ", ".join(f"{k.replace('_us', '')} {v:.3f}" for k, v in totals.items()))
     return dict(copy_gb_per_s=bw / 1e9, rows=rows, summary=summary, step_ms=totals)
 

@@ -8,10 +8,7 @@ waves, and no partial sums to reduce. The products are exact in fp32, so the val
 summation order. (Small 16-bit weights have a kernel that holds whole rows in registers, kiln/models/gemv.py.)
 
 The token may also be 16-bit against the e4m3 weight (weight-only FP8, the fp8_weight_only pass's ops): the products
-are fp32 either way, and the per-token quantization kernels before each projection then go (docs/passes.md). For
-that the kernel also finishes the MLP's activation (SILU_MUL: a program's gate rows and the up rows that pair with
-them), as gemv.py's does, with the SiLU rounded before the product as an FP8 model's graph rounds it (Inductor
-emulates eager's casts there: kiln/runtime/worker.py).
+are fp32 either way, and the per-token quantization kernel before the projection then goes (docs/passes.md).
 
 Only M = 1 (decode at batch 1): the kernel reads the weight once per token. A runner that speculates suspends it as
 it suspends gemv.py's kernel: its decode must equal its verify bit for bit.
@@ -80,35 +77,27 @@ def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl
                         EVEN: tl.constexpr, MODE: tl.constexpr, X_SCALED: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: output columns [p R, p R + R). MODE (gemv.py's): OUT, out in its dtype, times the scales (the
     token's when X_SCALED: an e4m3 x; a 16-bit x has none); PARTIALS, the fp32 sums (a kernel after it finishes
-    them); SILU_MUL, with the up rows N below the gate rows, silu(gate) * up, each projection scaled and rounded to
-    out's dtype first, the SiLU rounded too."""
+    them)."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_mask = rows < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     pdl_start(PDL)
     acc = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((R, BLOCK_K), dtype=tl.float32)  # SILU_MUL's up rows; unused (and dropped) otherwise
     for k0 in range(0, K, BLOCK_K):
         # The weight's loads before the token's: with the token's first, 8B's FP8 projections streamed 3-8% slower
         # (gate_up 43.0-43.7 against 40.2 us) and FP8 8B decode at batch 1 took 3.617 / 3.610 against 3.506 / 3.505
         # ms (one H100, 2026-12-06; docs/models.md)
         if EVEN:  # N % R == 0 and K % BLOCK_K == 0
             w = tl.load(w_ptrs)
-            if MODE == 2:
-                w_up = tl.load(w_ptrs + N * s_wn)
             x = tl.load(x_ptr + k0 + offs_k)
         else:
             k_mask = k0 + offs_k < K
             mask = row_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs, mask=mask, other=0.0)
-            if MODE == 2:
-                w_up = tl.load(w_ptrs + N * s_wn, mask=mask, other=0.0)
             x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
         x = x.to(tl.float32)[None, :]
         acc += w.to(tl.float32) * x
-        if MODE == 2:
-            acc_up += w_up.to(tl.float32) * x
         w_ptrs += BLOCK_K
     sums = tl.sum(acc, 1)
     if MODE == 1:
@@ -118,13 +107,6 @@ def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl
         if X_SCALED:  # the scales in the order the MMA kernel applies them
             sums = sums * tl.load(xs_ptr)
         sums = sums * tl.load(ws_ptr + rows, mask=row_mask, other=0.0)
-        if MODE == 2:
-            up = tl.sum(acc_up, 1)
-            if X_SCALED:
-                up = up * tl.load(xs_ptr)
-            up = (up * tl.load(ws_ptr + N + rows, mask=row_mask, other=0.0)).to(dtype).to(tl.float32)
-            gate = sums.to(dtype).to(tl.float32)
-            sums = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up  # eager's rounding, as FP8 graphs keep it
         tl.store(out_ptr + rows, sums.to(dtype), mask=row_mask)
 
 
@@ -134,22 +116,16 @@ def gemv_stream(x: torch.Tensor, weight: torch.Tensor,
                 config: GemvStreamConfig | None = None) -> torch.Tensor:
     """x [1, K] @ weight [N, K]^T (e4m3) -> [1, N] in out_dtype, scaled by `scales` (flat fp32 x_scale [1] of an
     e4m3 x, or None for a 16-bit x: weight-only FP8; w_scale [N]); gemv.PARTIALS: its unscaled fp32 sums as one
-    split's partials [1, 1, N] (no scales read); gemv.SILU_MUL: weight [2N, K] = [gate; up] -> silu(gate) * up,
-    [1, N]."""
+    split's partials [1, 1, N] (no scales read)."""
     (m, k), n = x.shape, weight.shape[0]
     if m != 1:
         raise ValueError(f"x: one token expected, got shape {tuple(x.shape)}")
     if scales is None and mode != gemv.PARTIALS:
         raise ValueError("scales: the output is scaled; only partials go without")
-    if mode == gemv.SILU_MUL:
-        if n % 2:
-            raise ValueError(f"weight: {n} rows, expected gate and up halves of equal size")
-        n //= 2
     from kiln.models.quant.fp8_kernel import num_sms
 
-    config = config or pick_config(n * (2 if mode == gemv.SILU_MUL else 1), k, num_sms(x.device),
-                                   weight.element_size(), x.element_size())
-    rows = max(1, config.rows // 2) if mode == gemv.SILU_MUL else config.rows  # gate + up: the rule's rows a program
+    config = config or pick_config(n, k, num_sms(x.device), weight.element_size(), x.element_size())
+    rows = config.rows
     if mode == gemv.PARTIALS:
         out = torch.empty((1, 1, n), dtype=torch.float32, device=x.device)
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.models import gemv, gemv_stream
+from kiln.models import gemv_stream
 from kiln.models.quant.fp8 import quantize_per_token
 from kiln.models.quant.fp8_gemm import use_triton_kernel
 from kiln.models.quant.fp8_kernel import flat_scales
@@ -36,26 +36,6 @@ def fp8_weight_only_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 @fp8_weight_only_gemm.register_fake
 def _fp8_weight_only_gemm_fake(x, weight, weight_scale, out_dtype):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
-
-
-@torch.library.custom_op("kiln::fp8_weight_only_gate_up_silu_mul", mutates_args=())
-def fp8_weight_only_gate_up_silu_mul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """weight [2N, K] = [gate; up] -> silu(x gate^T) * (x up^T), [M, N] in x's dtype: each projection and the SiLU
-    rounded to x's dtype, as an FP8 model's graph computes them (Inductor emulating eager's casts)."""
-    if runs_weight_only(x, weight):
-        return gemv_stream.gemv_stream(x, weight, flat_scales(None, weight_scale), x.dtype, gemv.SILU_MUL)
-    gate_up = fp8_weight_only_gemm(x, weight, weight_scale, x.dtype)
-    if x.is_cuda:
-        from kiln.passes.kernels import silu_and_mul_triton
-
-        return silu_and_mul_triton(gate_up, round_act=True)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
-@fp8_weight_only_gate_up_silu_mul.register_fake
-def _fp8_weight_only_gate_up_silu_mul_fake(x, weight, weight_scale):
-    return x.new_empty((x.shape[0], weight.shape[0] // 2))
 
 
 @torch.library.custom_op("kiln::fp8_weight_only_gemm_add_rms_norm", mutates_args=())

@@ -7,9 +7,7 @@ takes each tile's gate rows with the up rows that pair with them and writes silu
 (kiln/models/gemm_epilogues.py). The activation is computed after the sums, where the operands of
 the GEMM stay plain loads (the opposite placement, in the down GEMM's operand loads, cost Llama-3-8B 8% at batch
 1: docs/passes.md). Larger M runs the unfused graph's GEMM and kiln::silu_and_mul. `kiln::dense_gemm` only
-appears on CUDA (16-bit projections), so elsewhere the pass matches nothing. One token's weight-only FP8 gate_up
-(kiln::fp8_weight_only_gemm, the fp8_weight_only pass) becomes kiln::fp8_weight_only_gate_up_silu_mul, the streaming
-kernel's activation epilogue. Runs before silu_mul.
+appears on CUDA (16-bit projections), so elsewhere the pass matches nothing. Runs before silu_mul.
 """
 
 from __future__ import annotations
@@ -45,23 +43,18 @@ class GateUpSiluMulPass(KilnPass):
         import kiln.models.dense_gemm  # noqa: F401 - registers kiln::dense_gemm
         import kiln.passes.ops  # noqa: F401 - registers kiln::gate_up_silu_mul
 
+        op = torch.ops.kiln.gate_up_silu_mul.default
         count = 0
         for mul in live_nodes(graph):
             operand = silu_mul_operand(mul) if is_call(mul, aten.mul.Tensor) else None
-            if operand is None or mul.meta["val"].dtype != operand[0].meta["val"].dtype:
+            found = gemm_behind(operand[0]) if operand is not None else None
+            if found is None or mul.meta["val"].dtype != operand[0].meta["val"].dtype:
                 continue
-            found = gemm_behind(operand[0])
-            if found is not None:
-                op, args = torch.ops.kiln.gate_up_silu_mul.default, found[0].args[:2]
-            else:  # one token's FP8 gate_up, weight-only (the fp8_weight_only pass)
-                found = gemm_behind(operand[0], torch.ops.kiln.fp8_weight_only_gemm.default)
-                if found is None or found[0].args[3] != mul.meta["val"].dtype:
-                    continue
-                op, args = torch.ops.kiln.fp8_weight_only_gate_up_silu_mul.default, found[0].args[:3]
             gemm, views = found
+            x, weight = gemm.args[:2]
             with graph.inserting_before(mul):
-                fused = graph.call_function(op, args)
-            set_fake_value(fused, op, *args)
+                fused = graph.call_function(op, (x, weight))
+            set_fake_value(fused, op, x, weight)
             mul.replace_all_uses_with(fused)
             erase_if_dead(graph, [*operand[1], *views, gemm])
             count += 1

@@ -74,7 +74,7 @@ def test_one_token_runs_weight_only_where_the_activation_comes_from_outside_the_
     assert "amax" not in code and "rsqrt" not in code and "sigmoid" not in code
     assert code.count("kiln.fp8_weight_only_gemm_add_rms_norm_quant") == 1
     assert code.count("kiln.fp8_gemm_add_rms_norm_quant") == 1 and code.count("kiln.silu_mul_quant") == 1
-    assert code.count("kiln.fp8_gemm.") == 2 and "fp8_weight_only_gate_up" not in code
+    assert code.count("kiln.fp8_gemm.") == 2  # gate_up and qkv
     with torch.inference_mode():  # the CPU: every op's W8A8 path, the unfused graph's arithmetic
         for got, want in zip(after(*inputs), before(*inputs)):
             assert torch.equal(got, want)
