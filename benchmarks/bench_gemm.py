@@ -17,8 +17,7 @@ Two parts:
     python -m benchmarks.bench_gemm --part mid-m --m 256 128 192 64 --json mid.json   # H200: ~5 min
     python -m benchmarks.bench_gemm --preset tiny-llama --device cpu --m 1 16 --json /tmp/gemm.json  # CPU dry run
 - `gemv-stream` (M = 1, e4m3 weights): the MMA kernel at its shipped tiles against the one-token streaming
-  matrix-vector kernel (kiln/models/gemv_stream.py) at its rule's config and at each swept one, x the bytes floor;
-  then the same kernel on a 16-bit token (weight-only FP8) at the rule and each swept one.
+  matrix-vector kernel (kiln/models/gemv_stream.py) at its rule's config and at each swept one, x the bytes floor.
 
     python -m benchmarks.bench_gemm --part gemv-stream --json gemv_stream.json          # H100: < 1 min
 - `host` (the M of every CUDA-graph capture size): the host's microseconds per `kiln::dense_gemm` call (torch.mm
@@ -370,8 +369,7 @@ def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
 
 def stream_candidates() -> list[Any]:
     """The streaming matrix-vector kernel's swept configs as (rows, weight bytes a K step, warps, stages): 4, 8 and
-    16 KB steps, rows 1 to 16; deeper pipelines at 8 and 16 rows (fewer programs, each with more loads in flight:
-    for a 16-bit token, which every program reads whole)."""
+    16 KB steps, rows 1 to 16; deeper pipelines at 8 and 16 rows (fewer programs, each with more loads in flight)."""
     return [(2, 4096, 4, 3), (4, 4096, 4, 3), (8, 4096, 4, 3), (16, 4096, 4, 3), (8, 4096, 4, 1), (4, 4096, 4, 1),
             (1, 4096, 4, 3), (4, 8192, 4, 3), (8, 8192, 4, 3), (16, 8192, 4, 3), (8, 16384, 8, 3),
             (16, 16384, 8, 3), (4, 16384, 8, 3), (8, 4096, 4, 6), (16, 4096, 4, 6), (16, 4096, 8, 4)]
@@ -406,12 +404,6 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
         for config in [rule, *swept]:
             arms.append(("stream_rule" if config is rule else "stream", asdict(config),
                          [partial(gemv_stream, xq, q, flat, torch.bfloat16, config=config) for q in weights_]))
-        # weight-only FP8 (the fp8_weight_only pass): a 16-bit token
-        x16, wo_scales = torch.randn(1, k, device=device, dtype=torch.bfloat16), (None, flat[1])
-        wo_rule = pick_config(n, k, num_sms(xq.device), token_bytes=2)
-        for config in dict.fromkeys([wo_rule, *swept]):
-            arms.append(("wo_rule" if config is wo_rule else "wo", asdict(config),
-                         [partial(gemv_stream, x16, q, wo_scales, torch.bfloat16, config=config) for q in weights_]))
         for kernel, config, fns in arms:
             try:
                 us = graph_time_us(fns, device)
@@ -425,28 +417,22 @@ def gemv_stream_table(args: argparse.Namespace, errors: dict[str, str]) -> dict[
     summary = []
     for proj in dict.fromkeys(r["proj"] for r in rows):
         sel = [r for r in rows if r["proj"] == proj]
-        by = {r["kernel"]: r for r in sel if r["kernel"] not in ("stream", "wo")}
-        if not {"mma", "stream_rule", "wo_rule"} <= by.keys():
+        by = {r["kernel"]: r for r in sel if r["kernel"] != "stream"}
+        if not {"mma", "stream_rule"} <= by.keys():
             continue
-        best, wo_best = (min((r for r in sel if r["kernel"] in (arm, f"{arm}_rule")), key=lambda r: r["us"])
-                         for arm in ("stream", "wo"))
+        best = min((r for r in sel if r["kernel"] in ("stream", "stream_rule")), key=lambda r: r["us"])
         summary.append(dict(proj=proj, floor_us=sel[0]["floor_us"], mma_us=by["mma"]["us"],
                             rule_us=by["stream_rule"]["us"], rule_config=by["stream_rule"]["config"],
-                            best_us=best["us"], best_config=best["config"], wo_rule_us=by["wo_rule"]["us"],
-                            wo_best_us=wo_best["us"], wo_best_config=wo_best["config"]))
+                            best_us=best["us"], best_config=best["config"]))
     layers = PRESETS[args.preset]["num_hidden_layers"]
     totals = {key: sum(r[key] for r in summary) * layers / 1e3
-              for key in ("floor_us", "mma_us", "rule_us", "best_us", "wo_rule_us", "wo_best_us")}
+              for key in ("floor_us", "mma_us", "rule_us", "best_us")}
     cfg = lambda c: f"{c['rows']}x{c['block_k']} w{c['num_warps']} st{c['num_stages']}"  # noqa: E731
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     print(table(["proj", "floor us", "MMA us", "stream rule us", "rule config", "stream best us", "best config",
                  "MMA x floor", "best x floor"],
                 [[r["proj"], r["floor_us"], r["mma_us"], r["rule_us"], cfg(r["rule_config"]), r["best_us"],
                   cfg(r["best_config"]), r["mma_us"] / r["floor_us"], r["best_us"] / r["floor_us"]] for r in summary]))
-    print("weight-only FP8, a 16-bit token")
-    print(table(["proj", "e4m3 token, rule us", "16-bit, rule us", "16-bit best us", "best config", "best x floor"],
-                [[r["proj"], r["rule_us"], r["wo_rule_us"], r["wo_best_us"], cfg(r["wo_best_config"]),
-                  r["wo_best_us"] / r["floor_us"]] for r in summary]))
     print("a step's projections, ms: " + ", ".join(f"{k.replace('_us', '')} {v:.3f}" for k, v in totals.items()))
     return dict(copy_gb_per_s=bw / 1e9, rows=rows, summary=summary, step_ms=totals)
 

@@ -15,10 +15,7 @@ Where the step after needs a whole row (a norm), the small-M GEMM writes fp32 su
   sums (split-K partials, or one whole-K "partial"), then one program per row sums them, adds the residual and
   RMS-normalises the row for the next layer: the split-K reduce and the add + norm kernel after it become one;
 - `fp8_gemm_add_rms_norm_quant_triton`: the same for an FP8 projection, the row kernel also applying the GEMM's
-  scales and quantizing the normalised row per token for the next FP8 projection;
-- `fp8_gemm_add_rms_norm_triton`: the FP8 projection's row unquantized, for a next projection that takes the 16-bit
-  row: one token's weight-only FP8 (its sums from the streaming kernel, the weight's scales alone; the
-  fp8_weight_only pass) and that path's W8A8 fallback.
+  scales and quantizing the normalised row per token for the next FP8 projection.
 
 The work sits after the sums, so the GEMM's operands stay plain asynchronous loads (the activation computed in the
 down GEMM's operand loads instead cost Llama-3-8B 8% at batch 1: docs/passes.md). Values are rounded where
@@ -33,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.models import gemv, gemv_stream
+from kiln.models import gemv
 from kiln.models.pdl import pdl_launch, pdl_start
 from kiln.models.quant.fp8_kernel import (
     Fp8GemmConfig,
@@ -195,10 +192,9 @@ def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
 
 @triton.jit
 def _add_rms_norm_rows_kernel(p_ptr, xs_ptr, ws_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, sum_ptr, N, s_p, s_res, eps,
-                              fp8_max, min_scale, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, X_SCALED: tl.constexpr,
-                              QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program m: h = round(sum over splits, in order, of partial[s, m] [* x_scale[m] (X_SCALED) * w_scale]) +
-    residual[m],
+                              fp8_max, min_scale, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, QUANT: tl.constexpr,
+                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program m: h = round(sum over splits, in order, of partial[s, m] [* x_scale[m] * w_scale]) + residual[m],
     rounded (the plain GEMM's output, then the add, as the unfused graph rounds them); y = w * round(h * rsqrt(mean(h^2)
     + eps)), written as it is or (QUANT) quantized per token as quantize_per_token does: scale = max(amax|y| / 448,
     min_scale), e4m3(clamp(y / scale))."""
@@ -209,10 +205,8 @@ def _add_rms_norm_rows_kernel(p_ptr, xs_ptr, ws_ptr, res_ptr, w_ptr, out_ptr, sc
     acc = tl.load(p_ptr + row * N + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptr + s * s_p + row * N + offs, mask=mask, other=0.0)
-    if SCALED:  # in the order the FP8 GEMM applies its scales (weight-only FP8: the weight's alone)
-        if X_SCALED:
-            acc = acc * tl.load(xs_ptr + row)
-        acc = acc * tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    if SCALED:  # in the order the FP8 GEMM applies its scales
+        acc = acc * tl.load(xs_ptr + row) * tl.load(ws_ptr + offs, mask=mask, other=0.0)
     dtype = sum_ptr.dtype.element_ty
     res = tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
     h = (acc.to(dtype).to(tl.float32) + res).to(dtype)
@@ -231,12 +225,10 @@ def _add_rms_norm_rows_kernel(p_ptr, xs_ptr, ws_ptr, res_ptr, w_ptr, out_ptr, sc
         tl.store(out_ptr + row * N + offs, y, mask=mask)
 
 
-def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor,
-                       scales: tuple[torch.Tensor | None, torch.Tensor] | None, residual: torch.Tensor,
-                       norm_weight: torch.Tensor, eps: float, quant: bool,
+def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+                       residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, quant: bool,
                        config: Fp8GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """-> (normed [M, N] in the residual's dtype, or its e4m3 values; their [M, 1] scale or None; h). Scales (None,
-    w_scale): a 16-bit token against an e4m3 weight (weight-only FP8), on the streaming kernel."""
+    """-> (normed [M, N] in the residual's dtype, or its e4m3 values; their [M, 1] scale or None; h)."""
     from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
     check_operands(x, weight)
@@ -250,20 +242,14 @@ def _gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor,
     if m == 0:
         return out, scale, summed
     scales = flat_scales(*scales) if scales is not None else None
-    if scales is not None and scales[0] is None:  # weight-only FP8: one 16-bit token, on the streaming kernel
-        if m != 1:
-            raise ValueError(f"x: weight-only FP8 takes one token, got {m}")
-        partials = gemv_stream.gemv_stream(x, weight, mode=gemv.PARTIALS)
-    else:
-        partials = gemm_partials(x, weight, scales, config)  # fp32 sums, even with one split
+    partials = gemm_partials(x, weight, scales, config)  # fp32 sums, even with one split
     split = partials.shape[0]
     xs, ws = scales if scales is not None else (partials, partials)  # unread without scales
     block = triton.next_power_of_2(n)
-    _add_rms_norm_rows_kernel[(m,)](partials, xs if xs is not None else ws, ws, residual, norm_weight, out,
-                                    scale if quant else partials, summed, n, m * n, residual.stride(0), eps, FP8_MAX,
-                                    MIN_SCALE, SPLIT_K=split, SCALED=scales is not None, X_SCALED=xs is not None,
-                                    QUANT=quant, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-                                    **pdl_launch(x.device))
+    _add_rms_norm_rows_kernel[(m,)](partials, xs, ws, residual, norm_weight, out, scale if quant else partials, summed,
+                                    n, m * n, residual.stride(0), eps, FP8_MAX, MIN_SCALE, SPLIT_K=split,
+                                    SCALED=scales is not None, QUANT=quant, BLOCK=block,
+                                    num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device))
     return out, scale, summed
 
 
@@ -276,26 +262,14 @@ def gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: to
     return normed, summed
 
 
-def fp8_gemm_add_rms_norm_quant_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
+def fp8_gemm_add_rms_norm_quant_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor,
                                        weight_scale: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                                        eps: float, config: Fp8GemmConfig | None = None,
                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The FP8 projection into the residual stream: q [M, K] e4m3 with x_scale [M, 1] (or, x_scale None, one 16-bit
-    token: weight-only FP8 on the streaming kernel), weight [N, K] e4m3 with weight_scale [N] -> (e4m3 [M, N] and its
-    fp32 [M, 1] scale: quantize_per_token(rms_norm(h) * norm_weight), h in the residual's dtype), summed as
-    kiln::fp8_gemm's small-M kernel does for this shape."""
+    """The FP8 projection into the residual stream: q [M, K] e4m3 with x_scale [M, 1], weight [N, K] e4m3 with
+    weight_scale [N] -> (e4m3 [M, N] and its fp32 [M, 1] scale: quantize_per_token(rms_norm(h) * norm_weight), h in
+    the residual's dtype), summed as kiln::fp8_gemm's small-M kernel does for this shape."""
     out, scale, summed = _gemm_add_rms_norm(q, weight, (x_scale, weight_scale), residual, norm_weight, eps, True,
                                             config)
     assert scale is not None
     return out, scale, summed
-
-
-def fp8_gemm_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
-                                 weight_scale: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """An e4m3 weight [N, K] with weight_scale [N] into the residual stream -> (rms_norm(h) * norm_weight, h) in the
-    residual's dtype, unquantized: x [M, K] e4m3 with x_scale [M, 1], or (x_scale None) one 16-bit token against
-    the e4m3 weight (weight-only FP8, on the streaming kernel)."""
-    normed, _, summed = _gemm_add_rms_norm(x, weight, (x_scale, weight_scale), residual, norm_weight, eps, False,
-                                           None)
-    return normed, summed

@@ -7,9 +7,6 @@ constraint: any number of rows a program, so many small programs spread every pr
 waves, and no partial sums to reduce. The products are exact in fp32, so the values are the MMA kernel's up to
 summation order. (Small 16-bit weights have a kernel that holds whole rows in registers, kiln/models/gemv.py.)
 
-The token may also be 16-bit against the e4m3 weight (weight-only FP8, the fp8_weight_only pass's ops): the products
-are fp32 either way, and the per-token quantization kernel before the projection then goes (docs/passes.md).
-
 Only M = 1 (decode at batch 1): the kernel reads the weight once per token. A runner that speculates suspends it as
 it suspends gemv.py's kernel: its decode must equal its verify bit for bit.
 On by measurement (`KILN_FP8_GEMV=0` turns it off): Llama-3-8B's four FP8 projections at one token 2.635 -> 2.541 ms
@@ -54,30 +51,20 @@ def applies(m: int, element_bytes: int) -> bool:
     return FP8_ENABLED and element_bytes == 1 and m == 1 and not gemv.is_suspended()
 
 
-# At least this many rows a program for a 16-bit token (weight-only FP8). Every program reads the whole token, so at 4
-# rows a program a 16-bit token's reads from L2 are half the weight's bytes; at 8 they are a quarter. Llama-3-8B's o /
-# down with a 16-bit token, us: 9.05 / 26.86 at the rule's 4 rows, 7.72 / 22.08 at 8 (the e4m3 token at 4: 7.61 /
-# 21.79); qkv and gate_up have 8 and 16 already (one H100, 2026-12-06, `run.sh gemv-stream`, docs/passes.md).
-TOKEN16_MIN_ROWS = 8
-
-
-def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1, token_bytes: int = 1) -> GemvStreamConfig:
-    """The most rows a program (at most 16) that still leaves _PROGRAMS_PER_SM programs an SM (a 16-bit token: at
-    least TOKEN16_MIN_ROWS), and a K step of _TILE_BYTES of weight."""
+def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1) -> GemvStreamConfig:
+    """The most rows a program (at most 16) that still leaves _PROGRAMS_PER_SM programs an SM, and a K step of
+    _TILE_BYTES."""
     rows = 16
     while rows > 1 and triton.cdiv(n, rows) < _PROGRAMS_PER_SM * num_sms:
         rows //= 2
-    if token_bytes > 1:
-        rows = max(rows, TOKEN16_MIN_ROWS)
     return GemvStreamConfig(rows, min(triton.next_power_of_2(k), max(16, _TILE_BYTES // (rows * element_bytes))))
 
 
 @triton.jit
 def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN: tl.constexpr, MODE: tl.constexpr, X_SCALED: tl.constexpr, PDL: tl.constexpr = False):
-    """Program p: output columns [p R, p R + R). MODE (gemv.py's): OUT, out in its dtype, times the scales (the
-    token's when X_SCALED: an e4m3 x; a 16-bit x has none); PARTIALS, the fp32 sums (a kernel after it finishes
-    them)."""
+    """Program p: output columns [p R, p R + R). MODE (gemv.py's): OUT, out in its dtype, times the scales
+    (X_SCALED: given); PARTIALS, the fp32 sums (a kernel after it finishes them)."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_mask = rows < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -111,12 +98,11 @@ def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl
 
 
 def gemv_stream(x: torch.Tensor, weight: torch.Tensor,
-                scales: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                 out_dtype: torch.dtype = torch.bfloat16, mode: int = gemv.OUT,
                 config: GemvStreamConfig | None = None) -> torch.Tensor:
-    """x [1, K] @ weight [N, K]^T (e4m3) -> [1, N] in out_dtype, scaled by `scales` (flat fp32 x_scale [1] of an
-    e4m3 x, or None for a 16-bit x: weight-only FP8; w_scale [N]); gemv.PARTIALS: its unscaled fp32 sums as one
-    split's partials [1, 1, N] (no scales read)."""
+    """x [1, K] (e4m3) @ weight [N, K]^T (e4m3) -> [1, N] in out_dtype, scaled by `scales` (flat fp32 x_scale [1],
+    w_scale [N]); gemv.PARTIALS: its unscaled fp32 sums as one split's partials [1, 1, N] (no scales read)."""
     (m, k), n = x.shape, weight.shape[0]
     if m != 1:
         raise ValueError(f"x: one token expected, got shape {tuple(x.shape)}")
@@ -124,7 +110,7 @@ def gemv_stream(x: torch.Tensor, weight: torch.Tensor,
         raise ValueError("scales: the output is scaled; only partials go without")
     from kiln.models.quant.fp8_kernel import num_sms
 
-    config = config or pick_config(n, k, num_sms(x.device), weight.element_size(), x.element_size())
+    config = config or pick_config(n, k, num_sms(x.device), weight.element_size())
     rows = config.rows
     if mode == gemv.PARTIALS:
         out = torch.empty((1, 1, n), dtype=torch.float32, device=x.device)

@@ -19,18 +19,15 @@ from typing import Any
 # silu_mul_quant and gate_up_silu_mul precede silu_mul for the same reason.
 # qkv_rope follows rope_kv and qk_norm_rope, which take the rotations they match first.
 # rmsnorm_gemm follows gemm_add_rmsnorm and gate_up_silu_mul, whose ops it matches.
-# fp8_weight_only precedes gemm_add_rmsnorm, silu_mul_quant and gate_up_silu_mul: they fold its projections' neighbours.
-ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "fp8_weight_only", "allreduce_rmsnorm",
-                               "gemm_add_rmsnorm", "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "rmsnorm_gemm",
-                               "silu_mul")
+ALL_PASSES: tuple[str, ...] = ("noop", "rope_kv", "qk_norm_rope", "qkv_rope", "allreduce_rmsnorm", "gemm_add_rmsnorm",
+                               "add_rmsnorm", "silu_mul_quant", "gate_up_silu_mul", "rmsnorm_gemm", "silu_mul")
 
 # Passes that rewrite only the captured graph, which serves every token count: a token bound cannot gate them.
 GRAPH_ONLY_PASSES: tuple[str, ...] = ("rope_kv", "qk_norm_rope")
 
 # Passes whose ops run on CUDA only (kiln's Triton GEMM epilogues): on a CPU they match nothing, and a token bound
 # of theirs would only cut the compile range, so the level defaults leave them out there.
-CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "fp8_weight_only", "gemm_add_rmsnorm", "gate_up_silu_mul",
-                                     "rmsnorm_gemm")
+CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_silu_mul", "rmsnorm_gemm")
 
 # -O2/-O3 defaults. Only passes with a measured gain belong here (docs/passes.md, docs/BENCHMARKS.md).
 # allreduce_rmsnorm (tensor parallel only; it matches nothing with one rank): one kernel for the all-reduce,
@@ -93,7 +90,6 @@ class PassConfig:
     rope_kv: bool = False
     qk_norm_rope: bool = False
     qkv_rope: bool = False  # 16-bit weights on CUDA only: matches kiln::dense_gemm (post-grad since 2026-12-04)
-    fp8_weight_only: bool = False  # FP8 models on CUDA only: matches kiln::fp8_gemm of a per-token quantization
     allreduce_rmsnorm: bool = False  # tensor parallel only: matches nothing with one rank
     gemm_add_rmsnorm: bool = False  # CUDA only: matches kiln::dense_gemm and kiln::fp8_gemm
     add_rmsnorm: bool = False

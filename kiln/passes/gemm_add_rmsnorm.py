@@ -11,10 +11,7 @@ all-reduced first, and that pass takes the add and norm).
 
 FP8 projections (`kiln::fp8_gemm`, bf16 out) whose normalised row only feeds the next projection's per-token
 quantization become kiln::fp8_gemm_add_rms_norm_quant: the same row kernel also scales the sums and quantizes the
-normalised row, so the split-K reduce, Inductor's add + norm + quantization kernel and nothing else go. One token's
-FP8 projections, which the fp8_weight_only pass made weight-only (kiln::fp8_weight_only_gemm), become
-kiln::fp8_weight_only_gemm_add_rms_norm: the 16-bit op's row kernel with the weight's scales, or, where the normalised
-row feeds a W8A8 projection's quantization, kiln::fp8_weight_only_gemm_add_rms_norm_quant, which also quantizes it.
+normalised row, so the split-K reduce, Inductor's add + norm + quantization kernel and nothing else go.
 """
 
 from __future__ import annotations
@@ -54,34 +51,16 @@ def _rewrite(graph: fx.Graph, summed: fx.Node, operand: object, residual: object
         replace_norm_of_sum(graph, torch.ops.kiln.gemm_add_rms_norm.default,
                             (*gemm.args[:2], residual, norm_weight, eps), summed, out, dead, [*views, gemm])
         return True
-    found = gemm_behind(operand, torch.ops.kiln.fp8_weight_only_gemm.default)  # type: ignore[arg-type]
-    if found is not None and found[0].args[3] == summed.meta["val"].dtype:
-        (gemm, views), quant = found, quantization_of(out)
-        args = (*gemm.args[:3], residual, norm_weight, eps)
-        if quant is None:
-            replace_norm_of_sum(graph, torch.ops.kiln.fp8_weight_only_gemm_add_rms_norm.default, args, summed, out,
-                                dead, [*views, gemm])
-        else:  # the next projection is W8A8: the row kernel quantizes for it
-            _replace_quantized(graph, torch.ops.kiln.fp8_weight_only_gemm_add_rms_norm_quant.default, args, summed,
-                               quant, [*dead, *views, gemm])
-        return True
     found = gemm_behind(operand, torch.ops.kiln.fp8_gemm.default)  # type: ignore[arg-type]
     quant = quantization_of(out) if found is not None else None
     if quant is None or found[0].args[4] != summed.meta["val"].dtype:  # the GEMM's bf16 is the sum's dtype
         return False
-    gemm, views = found
-    _replace_quantized(graph, torch.ops.kiln.fp8_gemm_add_rms_norm_quant.default,
-                       (*gemm.args[:4], residual, norm_weight, eps), summed, quant, [*dead, *views, gemm])
-    return True
-
-
-def _replace_quantized(graph: fx.Graph, op: object, args: tuple, summed: fx.Node,
-                       quant: tuple[fx.Node, fx.Node, list[fx.Node]], dead: list[fx.Node]) -> None:
-    """`op`(args) -> (q, scale, sum) in place of the quantization `quant` of the norm of `summed`, and of `summed`."""
-    scale, q, chain = quant
+    (gemm, views), (scale, q, chain) = found, quant
     with graph.inserting_before(summed):
-        new_q, new_scale, new_sum = call_outputs(graph, op, args, 3)
+        new_q, new_scale, new_sum = call_outputs(graph, torch.ops.kiln.fp8_gemm_add_rms_norm_quant.default,
+                                                 (*gemm.args[:4], residual, norm_weight, eps), 3)
     q.replace_all_uses_with(new_q)
     scale.replace_all_uses_with(new_scale)
     summed.replace_all_uses_with(new_sum)
-    erase_if_dead(graph, [*chain, scale, *dead, summed])
+    erase_if_dead(graph, [*chain, scale, *dead, summed, *views, gemm])
+    return True

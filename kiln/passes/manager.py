@@ -29,7 +29,6 @@ GRAPH_SCOPE = "graph"  # stats/dump name for the pre-split graph
 def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.add_rmsnorm import AddRMSNormPass
     from kiln.passes.allreduce_rmsnorm import AllReduceRMSNormPass
-    from kiln.passes.fp8_weight_only import Fp8WeightOnlyPass
     from kiln.passes.gate_up_silu_mul import GateUpSiluMulPass
     from kiln.passes.gemm_add_rmsnorm import GemmAddRMSNormPass
     from kiln.passes.noop import NoOpEliminationPass
@@ -40,9 +39,9 @@ def pass_classes() -> dict[str, type[KilnPass]]:
     from kiln.passes.silu_mul import SiluMulPass
     from kiln.passes.silu_mul_quant import SiluMulQuantPass
 
-    classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, QKVRopePass, Fp8WeightOnlyPass,
-               AllReduceRMSNormPass, GemmAddRMSNormPass, AddRMSNormPass, SiluMulQuantPass, GateUpSiluMulPass,
-               RMSNormGemmPass, SiluMulPass]
+    classes = [NoOpEliminationPass, RopeKVCachePass, QKNormRopePass, QKVRopePass, AllReduceRMSNormPass,
+               GemmAddRMSNormPass, AddRMSNormPass, SiluMulQuantPass, GateUpSiluMulPass, RMSNormGemmPass,
+               SiluMulPass]
     return {cls.name: cls for cls in classes}
 
 

@@ -367,6 +367,3 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
 def _all_reduce_add_rms_norm_fake(x, residual, weight, eps, group_name):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
-
-
-import kiln.passes.fp8_weight_only_ops  # noqa: E402, F401 - registers the weight-only FP8 ops with the rest

@@ -12,8 +12,6 @@ Runs before silu_mul, which would otherwise take the SiLU-mul alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import fx
 
@@ -30,7 +28,7 @@ def _only_user(node: fx.Node, *targets) -> fx.Node | None:
     return user if single_user(node) and is_call(user, *targets) else None
 
 
-def per_token_quant(amax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
+def _per_token_quant(amax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
     """amax(|x32|, -1, keepdim) -> /448 -> clamp_min = scale; x32 / scale -> clamp(+-448) -> e4m3 = q.
     -> (x before its fp32 cast, scale, q, the chain's nodes) or None."""
     if amax.args[1:] != ([-1], True) or not is_call(amax.args[0], aten.abs.default):
@@ -49,14 +47,6 @@ def per_token_quant(amax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.N
     return strip_cast(x32), scale, q, [q, high, low, divided[0], amax.args[0], amax, div, x32]
 
 
-def per_token_quants(graph: fx.Graph) -> Iterator[tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]]]:
-    """Each per-token quantization in the graph, as `per_token_quant` finds it from its amax."""
-    for amax in live_nodes(graph):
-        quant = per_token_quant(amax) if is_call(amax, aten.amax.default) else None
-        if quant is not None:
-            yield quant
-
-
 def quantization_of(node: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """The per-token quantization that is `node`'s only use (through its fp32 cast) -> (scale, q, its nodes)."""
     x32 = next(iter(node.users), None) if single_user(node) else None
@@ -64,7 +54,7 @@ def quantization_of(node: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | N
         return None
     absolute = next((u for u in x32.users if is_call(u, aten.abs.default)), None)
     amax = _only_user(absolute, aten.amax.default) if absolute is not None else None
-    quant = per_token_quant(amax) if amax is not None else None
+    quant = _per_token_quant(amax) if amax is not None else None
     if quant is None or quant[0] is not node or len(x32.users) != 2:
         return None
     return quant[1], quant[2], quant[3]
@@ -78,9 +68,13 @@ class SiluMulQuantPass(KilnPass):
 
         op = torch.ops.kiln.silu_mul_quant.default
         count = 0
-        for mul, scale, q, chain in per_token_quants(graph):
-            if not is_call(mul, aten.mul.Tensor):
+        for amax in live_nodes(graph):
+            if not is_call(amax, aten.amax.default):
                 continue
+            quant = _per_token_quant(amax)
+            if quant is None or not is_call(quant[0], aten.mul.Tensor):
+                continue
+            mul, scale, q, chain = quant
             operand = silu_mul_operand(mul)
             if operand is None:
                 continue

@@ -228,12 +228,9 @@ def fp8_gemm_triton(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor
     return _small_m_gemm(q, weight, *flat_scales(x_scale, weight_scale), out_dtype, config)
 
 
-def flat_scales(x_scale: torch.Tensor | None,
-                weight_scale: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The per-token and per-channel scales as the kernels read them: flat, contiguous fp32 (no per-token scale for
-    a 16-bit token against e4m3 weights: weight-only FP8)."""
-    flat = weight_scale.reshape(-1).float().contiguous()
-    return (x_scale.reshape(-1).float().contiguous() if x_scale is not None else None), flat
+def flat_scales(x_scale: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token and per-channel scales as the kernels read them: flat, contiguous fp32."""
+    return x_scale.reshape(-1).float().contiguous(), weight_scale.reshape(-1).float().contiguous()
 
 
 def bf16_gemm_triton(x: torch.Tensor, weight: torch.Tensor, config: Fp8GemmConfig | None = None) -> torch.Tensor:
