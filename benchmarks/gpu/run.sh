@@ -133,7 +133,7 @@ set_gemv_stream() {  # one token's e4m3 projections: the MMA kernel against the 
   local spec preset
   for spec in ${GEMV_STREAM_PRESETS:-llama3-8b}; do
     preset=${spec%%:*}; local projections=""; [ "$spec" != "$preset" ] && projections=${spec#*:}
-    step "gemv_stream_$preset" 300 python3 -m benchmarks.bench_gemm --part gemv-stream --preset "$preset" \
+    step "gemv_stream_$preset" 150 python3 -m benchmarks.bench_gemm --part gemv-stream --preset "$preset" \
       ${projections:+--projections ${projections//,/ }} --json "$R/gemv_stream_${preset//[^A-Za-z0-9_]/_}.json"
   done
 }

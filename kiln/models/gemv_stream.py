@@ -62,9 +62,9 @@ def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1) -> GemvStr
 
 @triton.jit
 def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN: tl.constexpr, MODE: tl.constexpr, X_SCALED: tl.constexpr, PDL: tl.constexpr = False):
-    """Program p: output columns [p R, p R + R). MODE (gemv.py's): OUT, out in its dtype, times the scales
-    (X_SCALED: given); PARTIALS, the fp32 sums (a kernel after it finishes them)."""
+                        EVEN: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p: output columns [p R, p R + R). MODE (gemv.py's): OUT, out in its dtype, times both scales;
+    PARTIALS, the fp32 sums (a kernel after it finishes them)."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_mask = rows < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -91,9 +91,7 @@ def _gemv_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, s_wn, R: tl
         tl.store(out_ptr + rows, sums, mask=row_mask)
     else:
         dtype = out_ptr.dtype.element_ty
-        if X_SCALED:  # the scales in the order the MMA kernel applies them
-            sums = sums * tl.load(xs_ptr)
-        sums = sums * tl.load(ws_ptr + rows, mask=row_mask, other=0.0)
+        sums = sums * tl.load(xs_ptr) * tl.load(ws_ptr + rows, mask=row_mask, other=0.0)  # the MMA kernel's order
         tl.store(out_ptr + rows, sums.to(dtype), mask=row_mask)
 
 
@@ -111,15 +109,13 @@ def gemv_stream(x: torch.Tensor, weight: torch.Tensor,
     from kiln.models.quant.fp8_kernel import num_sms
 
     config = config or pick_config(n, k, num_sms(x.device), weight.element_size())
-    rows = config.rows
     if mode == gemv.PARTIALS:
         out = torch.empty((1, 1, n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((1, n), dtype=out_dtype, device=x.device)
-    xs, ws = scales if scales is not None else (None, out)  # unread for partials
-    even = n % rows == 0 and k % config.block_k == 0
-    _gemv_stream_kernel[(triton.cdiv(n, rows),)](
-        x, xs if xs is not None else ws, weight, ws, out, n, k, weight.stride(0), R=rows, BLOCK_K=config.block_k,
-        EVEN=even, MODE=mode, X_SCALED=xs is not None, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_launch(x.device))
+    xs, ws = scales if scales is not None else (out, out)  # unread for partials
+    even = n % config.rows == 0 and k % config.block_k == 0
+    _gemv_stream_kernel[(triton.cdiv(n, config.rows),)](
+        x, xs, weight, ws, out, n, k, weight.stride(0), R=config.rows, BLOCK_K=config.block_k, EVEN=even, MODE=mode,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
     return out
