@@ -37,7 +37,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -116,8 +116,10 @@ def candidate_bf16_tiles() -> list[Any]:
     return [type(t)(t.block_n, t.block_k // 2, 1, t.num_warps, t.num_stages) for t in candidate_tiles()]
 
 
-def sweep_configs(m: int, n: int, k: int, tiles_of: Callable[[], list[Any]] = candidate_tiles) -> list[Any]:
-    """Every candidate tile at every split that leaves each split a few K steps and the grid not absurd."""
+def sweep_configs(m: int, n: int, k: int, tiles_of: Callable[[], list[Any]] = candidate_tiles,
+                  promotes: tuple[int, ...] = (32,)) -> list[Any]:
+    """Every candidate tile at every split that leaves each split a few K steps and the grid not absurd, at each
+    fp32 promotion interval of `promotes` the tile's K step holds (`Fp8GemmConfig.promote`; e4m3 operands only)."""
     from kiln.models.quant.fp8_kernel import block_m_for
 
     configs = []
@@ -125,12 +127,22 @@ def sweep_configs(m: int, n: int, k: int, tiles_of: Callable[[], list[Any]] = ca
         tiles = math.ceil(n / tile.block_n) * math.ceil(m / block_m_for(m))
         for split in SPLITS:
             if split == 1 or (k // split >= 2 * tile.block_k and tiles * split <= 8 * 132):
-                configs.append(type(tile)(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages))
+                configs += [type(tile)(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages, promote)
+                            for promote in promotes if promote <= tile.block_k]
     return configs
 
 
+@dataclass(frozen=True)
+class Sweep:
+    """What the small-M sweep tries besides each tile and split: the FP8 kernel's fp32 promotion intervals, and
+    whether the 16-bit kernel's tiles are swept too (cuBLAS's bf16 is always timed)."""
+
+    promotes: tuple[int, ...] = (32,)
+    bf16: bool = True
+
+
 def shape_rows(proj: str, n: int, k: int, device: str, floor_bw: float, ms: tuple[int, ...],
-               errors: dict[str, str], fp8: bool = True) -> list[dict]:
+               errors: dict[str, str], fp8: bool = True, sweep: Sweep = Sweep()) -> list[dict]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     copies = max(1, math.ceil(ROTATE_BYTES / (n * k))) if device == "cuda" else 1
     w = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(min(copies, 2))]
@@ -138,13 +150,13 @@ def shape_rows(proj: str, n: int, k: int, device: str, floor_bw: float, ms: tupl
     quant = [quantize_weight(t) for t in w] if fp8 else []
     rows: list[dict] = []
     for m in ms:
-        rows += m_rows(proj, m, w, quant, floor_bw, errors)
+        rows += m_rows(proj, m, w, quant, floor_bw, errors, sweep)
         print(f"  {proj} M={m}: {len(rows)} rows", flush=True)
     return rows
 
 
 def m_rows(proj: str, m: int, w: list[torch.Tensor], quant: list[tuple[torch.Tensor, torch.Tensor]],
-           floor_bw: float, errors: dict[str, str]) -> list[dict]:
+           floor_bw: float, errors: dict[str, str], sweep: Sweep = Sweep()) -> list[dict]:
     """One projection at M tokens: bf16, _scaled_mm, the heuristic's Triton config and every swept one."""
     from kiln.models.quant.fp8_kernel import bf16_gemm_triton, fp8_gemm_triton, num_sms, pick_config
 
@@ -167,11 +179,11 @@ def m_rows(proj: str, m: int, w: list[torch.Tensor], quant: list[tuple[torch.Ten
     if quant:
         record("scaled_mm", None, [lambda q=q: scaled_mm(xq, q[0], xs, q[1], dtype) for q in quant], n * k)
         auto = pick_config(m, n, k, num_sms(xq.device))
-        for config in [auto, *sweep_configs(m, n, k)]:
+        for config in [auto, *sweep_configs(m, n, k, promotes=sweep.promotes)]:
             label = "triton_auto" if config is auto else "triton"
             record(label, asdict(config),
                    [lambda q=q, c=config: fp8_gemm_triton(xq, q[0], xs, q[1], dtype, c) for q in quant], n * k)
-    if device == "cuda":  # the same kernel on the bf16 weight, against cuBLAS's bf16 (the interpreter: no bf16)
+    if device == "cuda" and sweep.bf16:  # the same kernel on the bf16 weight against cuBLAS (the interpreter: no bf16)
         auto = pick_config(m, n, k, num_sms(x.device), 2)
         for config in [auto, *sweep_configs(m, n, k, candidate_bf16_tiles)]:
             label = "bf16triton_auto" if config is auto else "bf16triton"
@@ -220,7 +232,8 @@ def suggested_tuned(best: list[dict]) -> str:
         for e in sorted(entries, key=lambda e: (e["N"], e["K"], e["max_m"])):
             c = e["config"]
             rows.append(f"    ({e['N']}, {e['K']}, {e['max_m']}): Fp8GemmConfig({c['block_n']}, {c['block_k']}, "
-                        f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}),")
+                        f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}"
+                        + (f", {c['promote']}" if c.get("promote", 32) != 32 else "") + "),")
         return "\n".join(rows)
 
     entries = table_entries(best)
@@ -239,7 +252,7 @@ def write_table(path: str, entries: dict[str, list[dict]]) -> None:
 
 
 def kernel_table(shapes: dict[str, tuple[int, int]], device: str, ms: tuple[int, ...], budget_s: float,
-                 errors: dict[str, str]) -> dict[str, Any]:
+                 errors: dict[str, str], sweep: Sweep = Sweep()) -> dict[str, Any]:
     """shapes: proj -> (K, N). Stops starting new shapes once budget_s has passed (recorded as skipped)."""
     start = time.perf_counter()
     bw = copy_gb_per_s(device) * 1e9
@@ -250,7 +263,7 @@ def kernel_table(shapes: dict[str, tuple[int, int]], device: str, ms: tuple[int,
             skipped.append(proj)
             continue
         try:  # tensor-parallel shards ("/tp2"): the bf16 comparison only
-            rows += shape_rows(proj, n, k, device, bw, ms, errors, fp8="/tp" not in proj)
+            rows += shape_rows(proj, n, k, device, bw, ms, errors, fp8="/tp" not in proj, sweep=sweep)
         except Exception:
             errors[f"kernels {proj}"] = traceback.format_exc(limit=6)
             print(errors[f"kernels {proj}"], flush=True)
@@ -314,6 +327,7 @@ def print_kernels(kernels: dict[str, Any]) -> None:
     print(f"copy bandwidth {kernels['copy_gb_per_s']:.0f} GB/s; sweep {kernels['seconds']:.0f} s"
           + (f"; skipped (budget): {kernels['skipped']}" if kernels["skipped"] else ""))
     cfg = (lambda c: f"{c['block_n']}x{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"
+           + (f" p{c['promote']}" if c.get("promote", 32) != 32 else "")
            if c else "-")
     print(table(["proj", "M", "bf16 us", "_scaled_mm us", "triton auto us", "triton best us", "best config",
                  "best GB/s", "fp8 floor us", "best x floor", "_scaled_mm / best", "auto / best"],
@@ -362,7 +376,8 @@ def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
     ms = tuple(args.m or KERNEL_M)
     shapes = chosen_shapes(args, args.tp)
     with interpreted_on_cpu(args.device):
-        result = kernel_table(shapes, args.device, ms, args.budget_s, errors)
+        result = kernel_table(shapes, args.device, ms, args.budget_s, errors,
+                              Sweep(tuple(args.promote), not args.no_bf16_sweep))
     result["step_totals"] = step_totals(result["summary"], PRESETS[args.preset]["num_hidden_layers"])
     return result
 
@@ -528,6 +543,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="also one rank's shards at this TP (small-m: bf16 only)")
     parser.add_argument("--projections", nargs="+", choices=["qkv", "o", "gate_up", "down"], default=None,
                         help="small-m / gemv-stream: only these projections")
+    parser.add_argument("--promote", type=int, nargs="+", default=[32],
+                        help="small-m: the FP8 kernel's fp32 promotion intervals to sweep (0: Triton's default)")
+    parser.add_argument("--no-bf16-sweep", action="store_true", help="small-m: no 16-bit kernel tiles (cuBLAS only)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="no new shape or autotune after this")
     parser.add_argument("--json", default=None)
     parser.add_argument("--table-out", default=None,

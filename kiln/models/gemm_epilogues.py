@@ -65,7 +65,7 @@ def _gate_up_silu_mul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = accumulate(x_ptr, w_ptr, cols + (rows // (BLOCK_N // 2)) * N, n_mask, offs_m, m_mask, K, 0, k_steps,
-                     s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, False)
+                     s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, False, 0)
     dtype = out_ptr.dtype.element_ty
     gate, up = _halves(acc, dtype, BLOCK_N, BLOCK_M)
     act = gate * tl.sigmoid(gate)  # in fp32 to the product, as Inductor compiles silu(gate) * up
@@ -90,7 +90,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, M, K, k
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = accumulate(x_ptr, w_ptr, offs_n, offs_n >= 0, offs_m, m_mask, K, 0, k_steps, s_xm, s_wn, BLOCK_M,
-                     BLOCK_N, BLOCK_K, EVEN_K, True, False)
+                     BLOCK_N, BLOCK_K, EVEN_K, True, False, 0)
     dtype = q_ptr.dtype.element_ty
     x1, x2 = _halves(acc, dtype, BLOCK_N, BLOCK_M)
     rows_m = offs_m[None, :].to(tl.int64)

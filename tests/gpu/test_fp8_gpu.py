@@ -3,6 +3,8 @@ the compiled, CUDA-graphed FP8 model against the eager FP8 model (skipped withou
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -81,7 +83,8 @@ def test_triton_fp8_gemm_matches_scaled_mm_at_llama_shapes(proj: str, m: int) ->
 
 @pytest.mark.parametrize("m", [3, 64])
 def test_every_swept_tile_config_is_correct(m: int) -> None:
-    """The tiles bench_gemm's sweep may put into fp8_kernel.TUNED, each with and without split-K."""
+    """The tiles bench_gemm's sweep may put into fp8_kernel.TUNED, each with and without split-K, at each fp32
+    promotion interval it sweeps but Triton's default (0: the whole K loop, up to 3 bf16 ulps off)."""
     from benchmarks.bench_gemm import candidate_tiles
     from kiln.models.quant.fp8_gemm import scaled_mm
     from kiln.models.quant.fp8_kernel import Fp8GemmConfig, fp8_gemm_triton
@@ -91,8 +94,8 @@ def test_every_swept_tile_config_is_correct(m: int) -> None:
     xq, xs = quantize_per_token(torch.randn(m, 4096, device="cuda", generator=g).bfloat16())
     expected = scaled_mm(xq, wq, xs, ws, torch.bfloat16).float()
     for tile in candidate_tiles():
-        for split in (1, 4):
-            config = Fp8GemmConfig(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages)
+        for split, promote in itertools.product((1, 4), (32, 64, 128)):
+            config = Fp8GemmConfig(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages, promote)
             got = fp8_gemm_triton(xq, wq, xs, ws, torch.bfloat16, config).float()
             torch.testing.assert_close(got, expected, rtol=2.0**-7, atol=1e-3 * expected.abs().max().item(),
                                        msg=lambda text, c=config: f"{c}: {text}")

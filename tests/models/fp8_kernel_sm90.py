@@ -3,7 +3,7 @@
 Run as its own process by tests/models/test_fp8_kernel.py: Triton must be imported with TRITON_INTERPRET
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
-    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1)
+    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1) [PROMOTE (default 32)]
     python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py)
 """
@@ -11,6 +11,7 @@ may have imported it under the interpreter.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 
@@ -32,16 +33,18 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool) 
     ptx = compiled.asm["ptx"]
     return {"wgmma": "wgmma" in ptx, "e4m3": "e4m3" in ptx, "bf16": "bf16" in ptx, "cp_async": "cp.async" in ptx,
             "shared": compiled.metadata.shared, "gdc_wait": "griddepcontrol.wait" in ptx,
-            "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl)}
+            "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl),
+            "add_f32": len(re.findall(r"\badd(\.rn)?\.f32\b", ptx))}
 
 
-def fp8_gemm(block_m: int, split: bool, pdl: bool) -> dict:
+def fp8_gemm(block_m: int, split: bool, pdl: bool, promote: int = 32) -> dict:
     from kiln.models.quant.fp8_kernel import _fp8_gemm_kernel
 
     pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
                 "out_ptr": "*fp32" if split else "*bf16"}
     return compile_sm90(_fp8_gemm_kernel, pointers, {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256,
-                                                     "SPLIT": split, "EVEN_K": True, "EVEN_N": True, "SCALED": True},
+                                                     "SPLIT": split, "EVEN_K": True, "EVEN_N": True, "SCALED": True,
+                                                     "PROMOTE": promote},
                         pdl)
 
 
@@ -69,6 +72,7 @@ def epilogue(name: str) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1].isdigit():
-        print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])))))
+        print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])),
+                                  *map(int, sys.argv[4:5]))))
     else:
         print(json.dumps(epilogue(sys.argv[1])))

@@ -59,7 +59,15 @@ CASES = [
     (33, 40, 200, Fp8GemmConfig(block_n=32, block_k=32, split_k=5)),
     (70, 48, 128, Fp8GemmConfig(block_n=32, block_k=64, split_k=2)),
     (5, 128, 1024, None),  # the heuristic's own choice
+    (40, 64, 512, Fp8GemmConfig(block_n=64, block_k=128, split_k=2, promote=128)),  # one fp32 add a K step
+    (9, 64, 320, Fp8GemmConfig(block_n=32, block_k=64, promote=0)),  # Triton's default: none
 ]
+
+
+@pytest.mark.parametrize("promote", [-1, 129])
+def test_config_rejects_a_promotion_interval_outside_its_k_step(promote: int) -> None:
+    with pytest.raises(ValueError, match="promote"):
+        Fp8GemmConfig(block_n=64, block_k=128, promote=promote)
 
 
 @pytest.mark.parametrize("m,n,k,config", CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}" for c in CASES])
@@ -209,6 +217,13 @@ def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: 
     stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
     assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer
     assert ptx["gdc_wait"] == ptx["gdc_launch"] == ptx["launch_pdl"] == pdl, ptx
+
+
+def test_promotion_interval_sets_the_fp32_adds_of_a_k_step() -> None:
+    """Ahead-of-time for sm90: the e4m3 MMA's partial sums go to the fp32 accumulator every `promote` products, so a
+    K step of 256 makes 8 rounds of adds at 32, 2 at 128, none at 0 (Triton's default: the whole loop imprecise)."""
+    adds = {promote: sm90_ptx("16", "0", "1", str(promote))["add_f32"] for promote in (0, 32, 128)}
+    assert adds[128] > adds[0] and adds[32] - adds[0] == 4 * (adds[128] - adds[0]), adds
 
 
 @pytest.mark.parametrize("m,n,k,config", [

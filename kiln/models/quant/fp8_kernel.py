@@ -40,13 +40,20 @@ from kiln.models.pdl import pdl_launch, pdl_start
 @dataclass(frozen=True)
 class Fp8GemmConfig:
     """One tile configuration. block_n / block_k: the weight tile each program streams per step; split_k:
-    programs along K per output tile; num_warps / num_stages: Triton's launch and pipelining depth."""
+    programs along K per output tile; num_warps / num_stages: Triton's launch and pipelining depth; promote (e4m3
+    operands only): products Hopper's fp8 MMA sums in its reduced-precision accumulator before each fp32 add, at
+    most block_k (0: Triton's default, the whole K loop)."""
 
     block_n: int = 64
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    promote: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.promote <= self.block_k:
+            raise ValueError(f"promote={self.promote}: must be in [0, block_k={self.block_k}]")
 
 
 # (N, K, largest M) -> config, measured on an H200 (benchmarks/bench_gemm.py --part small-m). The first
@@ -145,7 +152,7 @@ def num_sms(device: torch.device) -> int:
 @triton.jit
 def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s_xm, s_wn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               EVEN_N: tl.constexpr, SCALED: tl.constexpr):
+               EVEN_N: tl.constexpr, SCALED: tl.constexpr, PROMOTE: tl.constexpr):
     """acc[BLOCK_N, BLOCK_M] = sum over [k_lo, k_lo + k_steps * BLOCK_K) of W[offs_n, k] * X[offs_m, k]: the
     weight rows a program streams (any rows: the epilogue kernels pair them) against its tokens, past K masked."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -164,8 +171,8 @@ def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s
             x_mask = m_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if SCALED:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; promote to fp32 every 32 products
-            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=32)
+        if SCALED and PROMOTE > 0:  # e4m3: Hopper's fp8 MMA accumulates in reduced precision; fp32 adds between
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
         else:
             acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
@@ -178,7 +185,8 @@ def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr = False):
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PROMOTE: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
     are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
     pdl_start(PDL)
@@ -191,7 +199,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
     m_mask = offs_m < M
     # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
     acc = accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, pid_k * k_steps * BLOCK_K, k_steps, s_xm,
-                     s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED)
+                     s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED, PROMOTE)
     out_mask = n_mask[:, None] & m_mask[None, :]
     out_offs = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     if SPLIT:
@@ -269,7 +277,7 @@ def launch_gemm(q: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tenso
     _fp8_gemm_kernel[(triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))](
         q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n, BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=target.dim() == 3, EVEN_K=even_k,
-        EVEN_N=n % config.block_n == 0, SCALED=scales is not None, num_warps=config.num_warps,
+        EVEN_N=n % config.block_n == 0, SCALED=scales is not None, PROMOTE=config.promote, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl)
 
 
