@@ -11,6 +11,7 @@ cache alone (flashinfer or torch, not triton).
     python -m benchmarks.bench_passes --preset llama3-8b --prefill 2048
     python -m benchmarks.bench_passes --preset tiny-llama --device cpu --steps 4 --prefill 64   # smoke
     python -m benchmarks.bench_passes --kernels smollm2-135m llama3-8b qwen3-8b   # rope_kv kernels alone
+    python -m benchmarks.bench_passes --silu-quant-kernels 14336                  # silu_mul_quant's kernels alone
     python -m benchmarks.bench_passes --preset llama3-8b --quantization fp8 --configs off silu_mul_quant \
         --batches 1 64 --prefill 1024                                            # the FP8 fusion
 
@@ -163,6 +164,34 @@ def _time_rope_kv(hq: int, hkv: int, dim: int, qk_norm: bool, tokens: int) -> tu
     return do_bench_cudagraph(unfused) * 1e3, do_bench_cudagraph(fused) * 1e3
 
 
+def silu_quant_rows(n: int, token_counts: list[int]) -> list[list[Any]]:
+    """silu_mul_quant at kernel level (CUDA graphs): Inductor's kernel for the unfused SiLU-mul + per-token
+    quantization against each of kiln's three shapes (kiln/passes/kernels.py) forced at every row count."""
+    from triton.testing import do_bench_cudagraph
+
+    from kiln.passes import kernels as K
+    from kiln.passes.ops import silu_mul_quant_ref
+
+    inductor = torch.compile(silu_mul_quant_ref, dynamic=False)
+    shapes = {"whole row": (1 << 30, 0), "chunks, 2 kernels": (0, 1 << 30), "a row looped": (0, 0)}
+    saved = K.WHOLE_ROW_MAX_ROWS, K.SPLIT_ROWS
+    rows = []
+    try:
+        for tokens in token_counts:
+            x = torch.randn(tokens, 2 * n, device="cuda", dtype=torch.bfloat16)
+            inductor(x)
+            row = [n, tokens, do_bench_cudagraph(lambda x=x: inductor(x)) * 1e3]
+            for whole, split in shapes.values():
+                K.WHOLE_ROW_MAX_ROWS, K.SPLIT_ROWS = whole, split
+                row.append(do_bench_cudagraph(lambda x=x: K.silu_mul_quant_triton(x)) * 1e3)
+            K.WHOLE_ROW_MAX_ROWS, K.SPLIT_ROWS = saved
+            row.append(do_bench_cudagraph(lambda x=x: K.silu_mul_quant_triton(x)) * 1e3)
+            rows.append(row + [row[2] / row[-1]])
+    finally:
+        K.WHOLE_ROW_MAX_ROWS, K.SPLIT_ROWS = saved
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="smollm2-135m")
@@ -178,7 +207,19 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--kernels", nargs="*", default=None, metavar="PRESET",
                         help="only the rope_kv kernel micro-benchmark (CUDA), for these presets")
+    parser.add_argument("--silu-quant-kernels", type=int, nargs="*", default=None, metavar="N",
+                        help="only the silu_mul_quant kernel micro-benchmark (CUDA) at these widths (8B's 14336)")
     args = parser.parse_args()
+    if args.silu_quant_kernels is not None:
+        rows = [r for n in (args.silu_quant_kernels or [14336])
+                for r in silu_quant_rows(n, [1, 8, 16, 32, 64, 128, 256, 1024, 4096])]
+        print(f"\nsilu_mul_quant kernels (us) | {stamp()}\n")
+        print(table(["N", "tokens", "Inductor", "whole row", "chunks, 2 kernels", "a row looped", "kiln's choice",
+                     "Inductor / choice"], rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"stamp": stamp(), "silu_quant_kernels": rows}, f, indent=1)
+        return
     if args.kernels is not None:
         rows = [r for p in (args.kernels or [args.preset]) for r in kernel_rows(p, [1, 32, 256, 2048])]
         print(f"\nrope_kv kernels | {stamp()}\n")
