@@ -117,9 +117,9 @@ def candidate_bf16_tiles() -> list[Any]:
 
 
 def sweep_configs(m: int, n: int, k: int, tiles_of: Callable[[], list[Any]] = candidate_tiles,
-                  promotes: tuple[int, ...] = (32,)) -> list[Any]:
+                  promotes: tuple[int, ...] = (128,)) -> list[Any]:
     """Every candidate tile at every split that leaves each split a few K steps and the grid not absurd, at each
-    fp32 promotion interval of `promotes` the tile's K step holds (`Fp8GemmConfig.promote`; e4m3 operands only)."""
+    fp32 promotion interval of `promotes` (`Fp8GemmConfig.promote`, at most the tile's K step; e4m3 operands only)."""
     from kiln.models.quant.fp8_kernel import block_m_for
 
     configs = []
@@ -128,7 +128,7 @@ def sweep_configs(m: int, n: int, k: int, tiles_of: Callable[[], list[Any]] = ca
         for split in SPLITS:
             if split == 1 or (k // split >= 2 * tile.block_k and tiles * split <= 8 * 132):
                 configs += [type(tile)(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages, promote)
-                            for promote in promotes if promote <= tile.block_k]
+                            for promote in sorted({min(p, tile.block_k) for p in promotes})]
     return configs
 
 
@@ -137,7 +137,7 @@ class Sweep:
     """What the small-M sweep tries besides each tile and split: the FP8 kernel's fp32 promotion intervals, and
     whether the 16-bit kernel's tiles are swept too (cuBLAS's bf16 is always timed)."""
 
-    promotes: tuple[int, ...] = (32,)
+    promotes: tuple[int, ...] = (128,)
     bf16: bool = True
 
 
@@ -233,7 +233,7 @@ def suggested_tuned(best: list[dict]) -> str:
             c = e["config"]
             rows.append(f"    ({e['N']}, {e['K']}, {e['max_m']}): Fp8GemmConfig({c['block_n']}, {c['block_k']}, "
                         f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}"
-                        + (f", {c['promote']}" if c.get("promote", 32) != 32 else "") + "),")
+                        + (f", {c['promote']}" if c.get("promote", 128) != 128 else "") + "),")
         return "\n".join(rows)
 
     entries = table_entries(best)
@@ -327,7 +327,7 @@ def print_kernels(kernels: dict[str, Any]) -> None:
     print(f"copy bandwidth {kernels['copy_gb_per_s']:.0f} GB/s; sweep {kernels['seconds']:.0f} s"
           + (f"; skipped (budget): {kernels['skipped']}" if kernels["skipped"] else ""))
     cfg = (lambda c: f"{c['block_n']}x{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"
-           + (f" p{c['promote']}" if c.get("promote", 32) != 32 else "")
+           + (f" p{c['promote']}" if c.get("promote", 128) != 128 else "")
            if c else "-")
     print(table(["proj", "M", "bf16 us", "_scaled_mm us", "triton auto us", "triton best us", "best config",
                  "best GB/s", "fp8 floor us", "best x floor", "_scaled_mm / best", "auto / best"],
@@ -543,7 +543,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="also one rank's shards at this TP (small-m: bf16 only)")
     parser.add_argument("--projections", nargs="+", choices=["qkv", "o", "gate_up", "down"], default=None,
                         help="small-m / gemv-stream: only these projections")
-    parser.add_argument("--promote", type=int, nargs="+", default=[32],
+    parser.add_argument("--promote", type=int, nargs="+", default=[128],
                         help="small-m: the FP8 kernel's fp32 promotion intervals to sweep (0: Triton's default)")
     parser.add_argument("--no-bf16-sweep", action="store_true", help="small-m: no 16-bit kernel tiles (cuBLAS only)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="no new shape or autotune after this")

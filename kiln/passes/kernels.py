@@ -206,57 +206,6 @@ def silu_and_mul_triton(x: torch.Tensor, round_act: bool = True) -> torch.Tensor
 
 
 @triton.jit
-def _silu_mul_chunk(x_row, offs, n, dtype: tl.constexpr):
-    """silu(gate) * up at columns `offs` of a [gate | up] row, rounded to `dtype` at each step as eager torch does
-    (past n: zeros)."""
-    mask = offs < n
-    g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + n + offs, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (act * up).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _silu_mul_amax_kernel(x_ptr, part_ptr, s_x, n, chunks, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row, chunk): the chunk's amax of silu(gate) * up -> part[row, chunk]."""
-    pdl_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    y = _silu_mul_chunk(x_ptr + row * s_x, offs, n, x_ptr.dtype.element_ty)
-    tl.store(part_ptr + row * chunks + tl.program_id(1), tl.max(tl.abs(y), 0))
-
-
-@triton.jit
-def _silu_mul_quant_chunks_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, s_x, s_q, n, chunks, fp8_max, min_scale,
-                                  SPLIT: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
-                                  PDL: tl.constexpr = False):
-    """Program (row, chunk): quantizes its chunk by the row's scale. SPLIT: the row's amax from the partial ones
-    the kernel before wrote (part[row, :chunks], CHUNKS its power-of-two cover); else the program owns the whole
-    row and loops over it twice, for the amax and to quantize (the second pass re-reads from L2)."""
-    pdl_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * s_x
-    dtype = x_ptr.dtype.element_ty
-    offs = tl.arange(0, BLOCK)
-    if SPLIT:
-        parts = tl.load(part_ptr + row * chunks + tl.arange(0, CHUNKS), mask=tl.arange(0, CHUNKS) < chunks, other=0.0)
-        amax = tl.max(parts, 0)
-        lo, hi = tl.program_id(1) * BLOCK, tl.program_id(1) * BLOCK + BLOCK
-    else:
-        amax = tl.zeros((), dtype=tl.float32)
-        for start in range(0, n, BLOCK):
-            amax = tl.maximum(amax, tl.max(tl.abs(_silu_mul_chunk(x_row, start + offs, n, dtype)), 0))
-        lo, hi = 0, n
-    scale = tl.maximum(amax / fp8_max, min_scale)
-    for start in range(lo, hi, BLOCK):
-        y = _silu_mul_chunk(x_row, start + offs, n, dtype)
-        q = tl.minimum(tl.maximum(y / scale, -fp8_max), fp8_max)
-        tl.store(q_ptr + row * s_q + start + offs, q.to(q_ptr.dtype.element_ty), mask=start + offs < n)
-    if tl.program_id(1) == 0:
-        tl.store(scale_ptr + row, scale)
-
-
-@triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, s_x, s_q, n, fp8_max, min_scale, BLOCK: tl.constexpr,
                            PDL: tl.constexpr = False):
     """One program per row, the whole row in registers: gate and up read once, the e4m3 row and its scale
@@ -276,15 +225,6 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, s_x, s_q, n, fp8_max, min_sc
     tl.store(scale_ptr + row, scale)
 
 
-# silu_mul_quant_triton's three shapes: up to WHOLE_ROW_MAX_ROWS rows one program a row holding it whole (one DRAM
-# round trip); below SPLIT_ROWS, too few rows to fill the GPU a program each, every row cut in CHUNK-column chunks
-# over two kernels (partial amaxes, then the quantization); from SPLIT_ROWS one program a row looping over it twice,
-# as Inductor's kernel does (the second pass re-reads from L2).
-WHOLE_ROW_MAX_ROWS = 16
-SPLIT_ROWS = 256
-CHUNK = 2048
-
-
 def silu_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, 2N] = [gate | up] -> (e4m3 [T, N], fp32 [T, 1]): the per-token quantization of silu(gate) * up."""
     from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
@@ -293,19 +233,8 @@ def silu_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = x.shape[0], x.shape[1] // 2
     q = torch.empty((rows, n), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    pdl = pdl_launch(x.device)
-    if 0 < rows <= WHOLE_ROW_MAX_ROWS:
+    if rows:
         block = triton.next_power_of_2(n)
         _silu_mul_quant_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE, BLOCK=block,
-                                        num_warps=min(16, max(4, block // 512)), **pdl)
-    elif rows:  # chunks of `block` columns, a program each in both kernels; from SPLIT_ROWS rows one a row
-        block = min(CHUNK, triton.next_power_of_2(n))
-        split = rows < SPLIT_ROWS
-        chunks = triton.cdiv(n, block) if split else 1
-        part = torch.empty((rows, chunks), dtype=torch.float32, device=x.device) if split else scale  # unread
-        if split:
-            _silu_mul_amax_kernel[(rows, chunks)](x, part, x.stride(0), n, chunks, BLOCK=block, num_warps=4, **pdl)
-        _silu_mul_quant_chunks_kernel[(rows, chunks)](
-            x, part, q, scale, x.stride(0), q.stride(0), n, chunks, FP8_MAX, MIN_SCALE, SPLIT=split,
-            CHUNKS=triton.next_power_of_2(chunks), BLOCK=block, num_warps=4, **pdl)
+                                        num_warps=min(16, max(4, block // 512)), **pdl_launch(x.device))
     return q, scale

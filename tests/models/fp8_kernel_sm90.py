@@ -3,7 +3,7 @@
 Run as its own process by tests/models/test_fp8_kernel.py: Triton must be imported with TRITON_INTERPRET
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
-    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1) [PROMOTE (default 32)]
+    python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1) [PROMOTE (default 128)]
     python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py)
 """
@@ -37,7 +37,7 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool) 
             "add_f32": len(re.findall(r"\badd(\.rn)?\.f32\b", ptx))}
 
 
-def fp8_gemm(block_m: int, split: bool, pdl: bool, promote: int = 32) -> dict:
+def fp8_gemm(block_m: int, split: bool, pdl: bool, promote: int = 128) -> dict:
     from kiln.models.quant.fp8_kernel import _fp8_gemm_kernel
 
     pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",

@@ -42,41 +42,40 @@ class Fp8GemmConfig:
     """One tile configuration. block_n / block_k: the weight tile each program streams per step; split_k:
     programs along K per output tile; num_warps / num_stages: Triton's launch and pipelining depth; promote (e4m3
     operands only): products Hopper's fp8 MMA sums in its reduced-precision accumulator before each fp32 add, at
-    most block_k (0: Triton's default, the whole K loop)."""
+    most one K step's (block_k; more means that), 0 Triton's default (the whole K loop, up to 3 bf16 ulps off)."""
 
     block_n: int = 64
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    promote: int = 32
+    promote: int = 128
 
     def __post_init__(self) -> None:
-        if not 0 <= self.promote <= self.block_k:
-            raise ValueError(f"promote={self.promote}: must be in [0, block_k={self.block_k}]")
+        if self.promote < 0:
+            raise ValueError(f"promote={self.promote}: must be >= 0")
 
 
 # (N, K, largest M) -> config, measured on an H200 (benchmarks/bench_gemm.py --part small-m). The first
 # entry whose N, K match and whose largest M is >= M wins (entries of a shape in ascending M); shapes not listed
 # fall back to the rule below. Llama-3-8B's projections (o 4096 x 4096, down 4096 x 14336, qkv 6144 x 4096, gate_up
-# 28672 x 4096), us, the sweep's best tile: M = 1 and 8 re-swept 2026-12-03 after the kernel promoted its fp8 MMA
-# accumulator to fp32 every 32 products (benchmarks/results/2026-12-03-h200-eb449ad; gate_up 41.8 -> 30.4 at M = 1,
-# qkv 10.1 -> 9.1, o at M = 8 9.9 -> 6.9), M = 16 / 32 / 64 on 2026-12-04 (`GEMM_M="16 32 64" run.sh gemm`,
-# benchmarks/results/2026-12-04-h200x2-8726e90, one H200), where the table's older tiles took o 9.8 / 11.5 / 9.7 ->
-# 6.9 / 7.5 / 8.9, qkv 10.2 / 11.8 / 14.8 -> 9.1 / 9.8 / 12.6, down 17.4 / 20.8 / 25.1 -> 17.4 / 18.5 / 20.7 (gate_up
-# kept its tiles); FP8 8B decode then 3.21 / 3.72 / 4.44 -> 3.11 / 3.48 / 4.17 ms at batch 16 / 32 / 64 (one H200,
-# 2026-12-04, two processes per arm, benchmarks/results/2026-12-04-h200-78809a5). qkv's M = 2 and 4 were never swept.
+# 28672 x 4096): M = 16 / 32 / 64 swept with the fp32 promotion every 32, 64 and 128 products (one H200, 2026-12-06,
+# `GEMM_M="16 32 64" GEMM_ARGS="--promote 32 64 128 --no-bf16-sweep" run.sh gemm`, benchmarks/results/
+# 2026-12-06-h200-88b16de), us at M = 64, the best tile at 32 -> at 128: qkv 12.61 -> 10.17, o 8.87 -> 7.95, gate_up
+# 34.51 -> 33.51, down 20.62 -> 19.98 (at M = 16 within 0.3 us; the same tile's median ratio 1.00 at M = 16, 1.03-1.05
+# at 64). FP8 8B decode with these tiles 2.892 / 2.883 and 4.013 / 4.006 ms at batch 8 / 64 against 2.910 / 2.903 and
+# 4.102 / 4.109 (two processes per arm, the same machine). The M = 1 entry of qkv and the M = 4 / 8 ones of down
+# and qkv (swept 2026-12-03 at 32) went: M <= 16 runs the same BLOCK_M = 16 program as M = 16.
 TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {
-    (4096, 4096, 64): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (4096, 14336, 4): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (4096, 14336, 8): Fp8GemmConfig(64, 256, 4, 4, 4),
-    (4096, 14336, 64): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (6144, 4096, 1): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (6144, 4096, 4): Fp8GemmConfig(64, 256, 1, 4, 4),
-    (6144, 4096, 32): Fp8GemmConfig(64, 128, 4, 4, 6),
-    (6144, 4096, 64): Fp8GemmConfig(64, 128, 2, 4, 6),
+    (4096, 4096, 32): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 4096, 64): Fp8GemmConfig(64, 128, 2, 4, 6),
+    (4096, 14336, 32): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (4096, 14336, 64): Fp8GemmConfig(64, 128, 2, 4, 6),
+    (6144, 4096, 16): Fp8GemmConfig(64, 128, 4, 4, 6),
+    (6144, 4096, 64): Fp8GemmConfig(64, 128, 1, 4, 6),
+    (28672, 4096, 16): Fp8GemmConfig(64, 256, 1, 4, 4, 64),
     (28672, 4096, 32): Fp8GemmConfig(64, 256, 1, 4, 4),
-    (28672, 4096, 64): Fp8GemmConfig(128, 128, 1, 8, 4),
+    (28672, 4096, 64): Fp8GemmConfig(64, 128, 1, 4, 6),
 }
 
 # The 16-bit path's (N, K, largest M) table, the same lookup. One config for every M <= 16 of a shape: M = 1
@@ -277,8 +276,8 @@ def launch_gemm(q: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tenso
     _fp8_gemm_kernel[(triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))](
         q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n, BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=target.dim() == 3, EVEN_K=even_k,
-        EVEN_N=n % config.block_n == 0, SCALED=scales is not None, PROMOTE=config.promote, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl)
+        EVEN_N=n % config.block_n == 0, SCALED=scales is not None, PROMOTE=min(config.promote, config.block_k),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
 
 
 def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
