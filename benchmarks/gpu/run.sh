@@ -117,8 +117,8 @@ set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and
       --json "$R/gemm_${preset//[^A-Za-z0-9_]/_}.json"
   done
 }
-set_silu_quant() {  # silu_mul_quant's kernels alone: Inductor's for the unfused graph against kiln's three shapes, 1 to
-  # 4096 rows of Llama-3-8B's 14336
+set_silu_quant() {  # silu_mul_quant's kernels alone: Inductor's for the unfused graph against kiln's, 1 to 4096 rows of
+  # Llama-3-8B's 14336
   step silu_quant 150 python3 -m benchmarks.bench_passes --silu-quant-kernels 14336 --json "$R/silu_quant.json"
 }
 set_argmax() {  # the greedy argmax: ATen's against kiln's split-row kernel per row count and vocabulary
