@@ -125,10 +125,13 @@ def sweep_configs(m: int, n: int, k: int, tiles_of: Callable[[], list[Any]] = ca
     configs = []
     for tile in tiles_of():
         tiles = math.ceil(n / tile.block_n) * math.ceil(m / block_m_for(m))
+        distinct: dict[int, int] = {}  # the interval the kernel runs (at most the K step) -> the first given for it
+        for promote in promotes:
+            distinct.setdefault(min(promote, tile.block_k), promote)
         for split in SPLITS:
             if split == 1 or (k // split >= 2 * tile.block_k and tiles * split <= 8 * 132):
                 configs += [type(tile)(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages, promote)
-                            for promote in sorted({min(p, tile.block_k) for p in promotes})]
+                            for promote in distinct.values()]
     return configs
 
 
