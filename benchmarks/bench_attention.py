@@ -12,6 +12,8 @@ measured in the same run.
     python -m benchmarks.bench_attention --sweep --batches 1 8 64 256 --contexts 160 600 2048 --json sweep.json
     # only some knobs, the others at the default; a tensor-parallel rank's heads (70B at TP=2: 32 q / 4 kv):
     python -m benchmarks.bench_attention --sweep --vary min_tiles waves --heads 32 4 --batches 1 8
+    # a knob's values given (KNOB=V,V): the tile loop's prefetch modes at two tiles and three pipeline depths
+    python -m benchmarks.bench_attention --sweep --vary prefetch BLOCK_N=32,64 num_stages --batches 8 64
     # mixed steps (prefill chunks beside decodes): the decodes in the varlen or the decode kernel, varlen tiles
     python -m benchmarks.bench_attention --mixed --json mixed.json [--tiles 64,64,4,2 64,32,4,2]
     # speculative verify batches (k + 1 tokens a request): the split-KV decode kernel (per token) against varlen
@@ -83,7 +85,16 @@ def time_step(backend: AttentionBackend, tensors: tuple[torch.Tensor, ...], comm
 
 
 SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(0.5, 1, 2, 8),
-             one_split_waves=(1, 1.5, 2), min_tiles=(1, 2, 4), merge_chunks=(1, 2, 4))
+             one_split_waves=(1, 1.5, 2), min_tiles=(1, 2, 4), merge_chunks=(1, 2, 4), prefetch=(0, 1, 2))
+
+
+def knob_values(arg: str) -> tuple[str, tuple | None]:
+    """--vary's KNOB or KNOB=V,V (values of the knob's type; None: all of SWEEP's)."""
+    knob, _, values = arg.partition("=")
+    if knob not in SWEEP:
+        raise argparse.ArgumentTypeError(f"unknown knob {knob!r} (one of {', '.join(SWEEP)})")
+    cast = type(SWEEP[knob][0])
+    return knob, tuple(cast(float(v)) for v in values.split(",")) if values else None
 
 
 Shape = tuple[int, str, list[int]]  # (batch, label, each request's context)
@@ -99,13 +110,14 @@ def decode_shapes(batches: list[int], contexts: list[int], varlen: list[int] | N
 
 
 def sweep(layout: AttentionLayout, shapes: list[Shape], ceil, json_path: str | None,
-          vary: list[str] | None = None) -> None:
+          vary: dict[str, tuple] | None = None) -> None:
     """Every Triton decode launch configuration in SWEEP (only the `vary` knobs, the rest at the default) at
     each shape, graph-replayed, checked against the default configuration's output; the best per shape and
     its gain over the default."""
     backend = select_backend("triton", layout, torch.device("cuda"))(layout, torch.device("cuda"))
     default = dict(backend.decode_cfg)
-    grid = {k: (v if not vary or k in vary else (default[k],)) for k, v in SWEEP.items()}
+    vary = vary or dict.fromkeys(SWEEP)
+    grid = {k: (vary[k] or v) if k in vary else (default[k],) for k, v in SWEEP.items()}
     configs = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     elt = torch.finfo(DTYPE).bits // 8
     results, rows = [], []
@@ -136,11 +148,11 @@ def sweep(layout: AttentionLayout, shapes: list[Shape], ceil, json_path: str | N
                      f"{100 * bytes_moved / (best[0] / 1e3) / ceil.copy_bytes_per_s:.0f}%",
                      max(t[2] for t in timed)])
         print(rows[-1], flush=True)
+        if json_path:  # after every shape: a sweep cut short keeps what it measured
+            with open(json_path, "w") as f:
+                json.dump({"stamp": stamp(), "default": default, "results": results}, f, indent=1)
     backend.decode_cfg = default
     print(table(["batch", "ctx", "default us", "best us", "gain", "best config", "of ceiling", "max err"], rows))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"stamp": stamp(), "default": default, "results": results}, f, indent=1)
 
 
 MIXED_SWEEP = dict(rows=(64, 128), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3))
@@ -260,7 +272,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="sweep the Triton decode launch configurations")
     parser.add_argument("--varlen", type=int, nargs=2, metavar=("LOW", "HIGH"),
                         help="decode: each request's context uniform in [LOW, HIGH] instead of --contexts")
-    parser.add_argument("--vary", nargs="+", choices=list(SWEEP), help="sweep only these knobs")
+    parser.add_argument("--vary", nargs="+", type=knob_values, metavar="KNOB[=V,V]",
+                        help=f"sweep only these knobs ({', '.join(SWEEP)}), at the given values or all of SWEEP's")
     parser.add_argument("--mixed", action="store_true",
                         help="mixed steps: leading decodes in the varlen or the decode kernel, varlen configs")
     parser.add_argument("--tiles", nargs="+", default=None, metavar="ROWS,KEYS,WARPS,STAGES",
@@ -286,7 +299,8 @@ def main() -> None:
         mixed(layout, args.json, [tuple(int(x) for x in t.split(",")) for t in args.tiles] if args.tiles else None)
         return
     if args.sweep:
-        sweep(layout, decode_shapes(args.batches, args.contexts, args.varlen), ceil, args.json, args.vary)
+        sweep(layout, decode_shapes(args.batches, args.contexts, args.varlen), ceil, args.json,
+              dict(args.vary) if args.vary else None)
         return
     backends: dict[str, AttentionBackend] = {}
     for name in args.backends:

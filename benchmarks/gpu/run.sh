@@ -88,14 +88,18 @@ set_attention() {  # attention kernels per backend (FlashInfer when installed): 
   step attention 300 python3 -m benchmarks.bench_attention --backends triton flashinfer --batches 1 8 64 256 \
     --contexts 512 4096 --json "$R/attention.json"
 }
-set_attention_sweep() {  # the Triton decode's launch knobs swept (ATTN_SWEEP_VARY, default waves merge_chunks) per head
-  # shape (ATTN_SWEEP_HEADS, "HQ,HKV,HEAD_DIM ...", default Llama-3-8B's, Qwen3-30B-A3B's, SmolLM2-135M's), batch 1 and 8
-  local shape hq hkv d
+set_attention_sweep() {  # the Triton decode's launch knobs swept (ATTN_SWEEP_VARY, default waves merge_chunks; KNOB=V,V
+  # for given values) per head shape (ATTN_SWEEP_HEADS, "HQ,HKV,HEAD_DIM[,BATCH:BATCH]" ..., default Llama-3-8B's,
+  # Qwen3-30B-A3B's, SmolLM2-135M's; the batches default to ATTN_SWEEP_BATCHES, 1 8), contexts ATTN_SWEEP_CONTEXTS
+  # (160 1024 4096), each shape's step bounded by ATTN_SWEEP_S (150)
+  local shape hq hkv d batches
   for shape in ${ATTN_SWEEP_HEADS:-32,8,128 32,4,128 9,3,64}; do
-    IFS=, read -r hq hkv d <<< "$shape"
-    step "attn_sweep_${hq}_${hkv}_$d" 150 python3 -m benchmarks.bench_attention --backends triton --sweep \
-      --vary ${ATTN_SWEEP_VARY:-waves merge_chunks} --heads "$hq" "$hkv" --head-dim "$d" --batches 1 8 \
-      --contexts 160 1024 4096 --json "$R/attn_sweep_${hq}_${hkv}_$d.json"
+    IFS=, read -r hq hkv d batches <<< "$shape"
+    batches=${batches//:/ }
+    step "attn_sweep_${hq}_${hkv}_$d" "${ATTN_SWEEP_S:-150}" python3 -m benchmarks.bench_attention --backends triton \
+      --sweep --vary ${ATTN_SWEEP_VARY:-waves merge_chunks} --heads "$hq" "$hkv" --head-dim "$d" \
+      --batches ${batches:-${ATTN_SWEEP_BATCHES:-1 8}} \
+      --contexts ${ATTN_SWEEP_CONTEXTS:-160 1024 4096} --json "$R/attn_sweep_${hq}_${hkv}_$d.json"
   done
 }
 set_backend_ab() {  # decode at default settings with each attention backend (FlashInfer when installed)

@@ -62,6 +62,18 @@ def _merge_chunks(block_d: int) -> int:
     return chunks
 
 
+def _decode_overrides(defaults: dict[str, float]) -> dict[str, float]:
+    """KILN_DECODE_CONFIG="BLOCK_N=32:num_stages=3:prefetch=1": decode launch settings over the defaults (what
+    `bench_attention --sweep` varies), for an end-to-end A/B of a swept configuration."""
+    overrides = {}
+    for item in filter(None, os.environ.get("KILN_DECODE_CONFIG", "").split(":")):
+        key, _, value = item.partition("=")
+        if key not in defaults:
+            raise ValueError(f"KILN_DECODE_CONFIG: unknown key {key!r} (one of {sorted(defaults)})")
+        overrides[key] = type(defaults[key])(float(value))
+    return overrides
+
+
 def _rope_args(rope: Rope | None, q: torch.Tensor) -> tuple:
     """The decode kernel's cos / sin cache, q / k norm weights, cache row stride and eps (placeholders without a
     rotation: the kernel never reads them). The position is the request's seq_len - 1, read in the kernel."""
@@ -196,7 +208,8 @@ class TritonAttentionBackend(AttentionBackend):
         # until measured: KILN_DECODE_MERGE_CHUNKS; benchmarks/bench_attention.py --sweep measures the alternatives)
         self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
                                waves=2, one_split_waves=float(os.environ.get("KILN_DECODE_ONE_SPLIT_WAVES", "1.5")),
-                               min_tiles=1, merge_chunks=_merge_chunks(self.block_d))
+                               min_tiles=1, merge_chunks=_merge_chunks(self.block_d), prefetch=0)
+        self.decode_cfg.update(_decode_overrides(self.decode_cfg))
 
     def _prefill_config(self) -> dict[str, int]:
         """Tile sizes: rows of a tile are BLOCK_Q tokens x the padded GQA group."""
@@ -329,7 +342,8 @@ class TritonAttentionBackend(AttentionBackend):
             k_scale, v_scale, *_rope_args(rope, q), GROUP=self.group,
             BLOCK_H=max(16, triton.next_power_of_2(self.group)), HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
-            MIN_TILES=cfg["min_tiles"], IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len,
+            MIN_TILES=cfg["min_tiles"], PREFETCH=cfg["prefetch"], IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache),
+            QLEN=metadata.query_len,
             ROPE=rope is not None, NORM=rope is not None and rope.q_weight is not None and rope.k_weight is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
         if splits > 1:
