@@ -8,12 +8,13 @@ measured in the same run.
 
     python -m benchmarks.bench_attention [--backends torch triton flashinfer] [--batches 1 8 64] [--json ab.json]
     # (decode by batch and context, prefill, and the mixed steps of --mixed, per backend)
-    # the Triton decode kernel's launch configurations (tile, warps, stages, split waves, split floor), ~6 min:
+    # the Triton decode kernel's launch configurations (every knob of SWEEP: tiles up to 64 requests and above, warps,
+    # stages, split waves, split floor, merge), a long run; --vary names the knobs that matter at the batches given:
     python -m benchmarks.bench_attention --sweep --batches 1 8 64 256 --contexts 160 600 2048 --json sweep.json
     # only some knobs, the others at the default; a tensor-parallel rank's heads (70B at TP=2: 32 q / 4 kv):
     python -m benchmarks.bench_attention --sweep --vary min_tiles waves --heads 32 4 --batches 1 8
-    # a knob's values given (KNOB=V,V): the tile loop's prefetch modes at two tiles and three pipeline depths
-    python -m benchmarks.bench_attention --sweep --vary prefetch BLOCK_N=32,64 num_stages --batches 8 64
+    # a knob's values given (KNOB=V,V): two tiles at three pipeline depths (BLOCK_N_WIDE: the tile above 64 requests)
+    python -m benchmarks.bench_attention --sweep --vary BLOCK_N=32,64 num_stages --batches 8 64
     # mixed steps (prefill chunks beside decodes): the decodes in the varlen or the decode kernel, varlen tiles
     python -m benchmarks.bench_attention --mixed --json mixed.json [--tiles 64,64,4,2 64,32,4,2]
     # speculative verify batches (k + 1 tokens a request): the split-KV decode kernel (per token) against varlen
@@ -84,8 +85,8 @@ def time_step(backend: AttentionBackend, tensors: tuple[torch.Tensor, ...], comm
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-SWEEP = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), waves=(0.5, 1, 2, 8),
-             one_split_waves=(1, 1.5, 2), min_tiles=(1, 2, 4), merge_chunks=(1, 2, 4), prefetch=(0, 1, 2))
+SWEEP = dict(BLOCK_N=(32, 64, 128), BLOCK_N_WIDE=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4),
+             waves=(0.5, 1, 2, 8), one_split_waves=(1, 1.5, 2), min_tiles=(1, 2, 4), merge_chunks=(1, 2, 4))
 
 
 def knob_values(arg: str) -> tuple[str, tuple | None]:

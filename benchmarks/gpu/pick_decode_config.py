@@ -13,7 +13,7 @@ import math
 import sys
 from collections import defaultdict
 
-KNOBS = ("BLOCK_N", "num_warps", "num_stages", "waves", "one_split_waves", "min_tiles", "merge_chunks", "prefetch")
+KNOBS = ("BLOCK_N", "BLOCK_N_WIDE", "num_warps", "num_stages", "waves", "one_split_waves", "min_tiles", "merge_chunks")
 
 
 def pick(paths: list[str]) -> str:

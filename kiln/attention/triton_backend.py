@@ -35,6 +35,7 @@ from kiln.models.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
+_NARROW_TILE_MAX_REQS = 64  # decode batches up to this many requests take BLOCK_N keys a tile, larger BLOCK_N_WIDE
 # a batch of requests with the same few new tokens (a speculative verify) goes to the decode kernel, token by
 # token, up to this many tokens: as many as the projections' small-M GEMM takes (kiln.models.dense_gemm), so
 # that a verified token's whole forward is a decode's, bit for bit; above it the varlen kernel is faster
@@ -63,7 +64,7 @@ def _merge_chunks(block_d: int) -> int:
 
 
 def _decode_overrides(defaults: dict[str, float]) -> dict[str, float]:
-    """KILN_DECODE_CONFIG="BLOCK_N=32:num_stages=3:prefetch=1": decode launch settings over the defaults (what
+    """KILN_DECODE_CONFIG="BLOCK_N=64:num_stages=3": decode launch settings over the defaults (what
     `bench_attention --sweep` varies), for an end-to-end A/B of a swept configuration."""
     overrides = {}
     for item in filter(None, os.environ.get("KILN_DECODE_CONFIG", "").split(":")):
@@ -205,10 +206,12 @@ class TritonAttentionBackend(AttentionBackend):
         # decode launch: BLOCK_N keys per tile, warps, pipeline stages, the program waves the split count
         # aims for, the waves of (request, KV head) programs from which a decode takes one split (no merge),
         # the fewest tiles a split takes, and the programs a head's merge is cut into along its dims (one
-        # until measured: KILN_DECODE_MERGE_CHUNKS; benchmarks/bench_attention.py --sweep measures the alternatives)
-        self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 64, num_warps=8 if self.ieee else 4, num_stages=2,
-                               waves=2, one_split_waves=float(os.environ.get("KILN_DECODE_ONE_SPLIT_WAVES", "1.5")),
-                               min_tiles=1, merge_chunks=_merge_chunks(self.block_d), prefetch=0)
+        # until measured: KILN_DECODE_MERGE_CHUNKS; benchmarks/bench_attention.py --sweep measures the alternatives).
+        # 16-bit tiles of 32 keys up to 64 requests (BLOCK_N), 64 keys above (BLOCK_N_WIDE): docs/attention.md
+        self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 32, BLOCK_N_WIDE=16 if self.ieee else 64,
+                               num_warps=8 if self.ieee else 4, num_stages=2, waves=2,
+                               one_split_waves=float(os.environ.get("KILN_DECODE_ONE_SPLIT_WAVES", "1.5")),
+                               min_tiles=1, merge_chunks=_merge_chunks(self.block_d))
         self.decode_cfg.update(_decode_overrides(self.decode_cfg))
 
     def _prefill_config(self) -> dict[str, int]:
@@ -227,6 +230,13 @@ class TritonAttentionBackend(AttentionBackend):
         rows = max(rows, group_pad, 16)
         return dict(GROUP_PAD=group_pad, BLOCK_Q=rows // group_pad, BLOCK_N=block_n, num_warps=warps,
                     num_stages=stages)
+
+    def decode_block_n(self, num_reqs: int) -> int:
+        """Keys a decode tile: 32 up to 64 requests, 64 above (16-bit). Against 64 keys everywhere (one H200,
+        2026-12-06), 32 made the kernel 1.1-1.4x faster at batch 1-64 and 160-600 keys on Llama-3-8B's heads (32.4 ->
+        23.8 us at batch 64, 160 keys) and Llama-3-8B's decode 4.17 / 4.29 / 5.52 -> 4.12 / 4.24 / 5.31 ms at batch
+        1 / 8 / 64; at 128-256 requests over 100-2048 keys 64 was 4-15% faster (2026-11-30), so it stays there."""
+        return self.decode_cfg["BLOCK_N" if num_reqs <= _NARROW_TILE_MAX_REQS else "BLOCK_N_WIDE"]
 
     def num_splits(self, num_reqs: int) -> int:
         """Enough (request, kv_head, split) programs for the configured waves, one split once the requests'
@@ -341,9 +351,9 @@ class TritonAttentionBackend(AttentionBackend):
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), *self._common_args(kv_cache, common),
             k_scale, v_scale, *_rope_args(rope, q), GROUP=self.group,
             BLOCK_H=max(16, triton.next_power_of_2(self.group)), HEAD_DIM=layout.head_dim,
-            BLOCK_D=self.block_d, BLOCK_N=cfg["BLOCK_N"], PAGE=layout.block_size, NUM_SPLITS=splits,
-            MIN_TILES=cfg["min_tiles"], PREFETCH=cfg["prefetch"], IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache),
-            QLEN=metadata.query_len,
+            BLOCK_D=self.block_d, BLOCK_N=self.decode_block_n(common.num_reqs), PAGE=layout.block_size,
+            NUM_SPLITS=splits,
+            MIN_TILES=cfg["min_tiles"], IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len,
             ROPE=rope is not None, NORM=rope is not None and rope.q_weight is not None and rope.k_weight is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
         if splits > 1:

@@ -51,34 +51,21 @@ def reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, strid
 
 
 @triton.jit
-def _tile_blocks(bt_row_ptr, n0, kv_end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The cache blocks holding keys [n0, n0 + BLOCK_N) (block 0 from kv_end on)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < kv_end, other=0).to(tl.int64)
+def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q_pos, d, d_mask, stride_cb,
+                 stride_cs, stride_ckv, qk_scale, MASK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 IEEE: tl.constexpr, KV_FP8: tl.constexpr, new_pos=0, k_new=None, v_new=None,
+                 NEW: tl.constexpr = False):
+    """One online-softmax step over keys [n0, n0 + BLOCK_N) gathered through the block table.
 
-
-@triton.jit
-def _tile_kv(cache_ptr, blocks, kv_base, n0, kv_end, d, d_mask, stride_cb, stride_cs, stride_ckv,
-             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, VALUES: tl.constexpr):
-    """The key tile [D, BLOCK_N] of keys [n0, n0 + BLOCK_N) in `blocks`, or with VALUES the value tile [BLOCK_N, D]
-    (zeros from kv_end on: such a tile reads no memory)."""
+    MASK applies the end bound and causality (key position <= query position); interior tiles skip it.
+    KV_FP8: the tiles are e4m3, converted to q's dtype; qk_scale carries k_scale, the caller applies v_scale.
+    NEW: the key/value at new_pos are k_new/v_new (in the cache's dtype), not what the cache holds there yet.
+    """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
-    tok = kv_base + blocks * stride_cb + (offs_n % PAGE) * stride_cs
-    if VALUES:
-        tile = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                       other=0.0)
-    else:
-        tile = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-    return tile
-
-
-@triton.jit
-def _scores(q, k, n0, kv_end, q_pos, qk_scale, MASK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-            KV_FP8: tl.constexpr, new_pos, k_new, NEW: tl.constexpr):
-    """q's scores (log2 domain) against the key tile k; MASK: the end bound and causality (key position <= query
-    position); NEW: the key at new_pos is k_new."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    tok = kv_base + block * stride_cb + (offs_n % PAGE) * stride_cs  # [BLOCK_N]
+    k = tl.load(cache_ptr + tok[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     if NEW:
         k = tl.where(offs_n[None, :] == new_pos, k_new[:, None], k)
     if KV_FP8:
@@ -89,22 +76,17 @@ def _scores(q, k, n0, kv_end, q_pos, qk_scale, MASK: tl.constexpr, BLOCK_N: tl.c
         s = tl.dot(q, k)
     s = s * qk_scale
     if MASK:
-        s = tl.where((offs_n[None, :] < kv_end) & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-    return s
-
-
-@triton.jit
-def _fold(acc, m_i, l_i, q, s, v, n0, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, new_pos,
-          v_new, NEW: tl.constexpr):
-    """The online-softmax step of scores s and the value tile v into (acc, m_i, l_i)."""
+        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # a row that has seen no visible key yet (a split of a multi-token decode starting past its position)
     # keeps m = -inf; subtracting 0 instead keeps its p and alpha a clean 0 rather than NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(cache_ptr + stride_ckv + tok[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0)
     if NEW:
-        v = tl.where((n0 + tl.arange(0, BLOCK_N))[:, None] == new_pos, v_new[None, :], v)
+        v = tl.where(offs_n[:, None] == new_pos, v_new[None, :], v)
     if KV_FP8:
         v = v.to(q.dtype)
     if IEEE:
@@ -114,27 +96,6 @@ def _fold(acc, m_i, l_i, q, s, v, n0, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     acc = acc * alpha[:, None] + pv
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, kv_end, bt_row_ptr, q_pos, d, d_mask, stride_cb,
-                 stride_cs, stride_ckv, qk_scale, MASK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 IEEE: tl.constexpr, KV_FP8: tl.constexpr, new_pos=0, k_new=None, v_new=None,
-                 NEW: tl.constexpr = False):
-    """One online-softmax step over keys [n0, n0 + BLOCK_N) gathered through the block table, its loads where they
-    are used (Triton's pipeliner schedules them).
-
-    MASK applies the end bound and causality (key position <= query position); interior tiles skip it.
-    KV_FP8: the tiles are e4m3, converted to q's dtype; qk_scale carries k_scale, the caller applies v_scale.
-    NEW: the key/value at new_pos are k_new/v_new (in the cache's dtype), not what the cache holds there yet.
-    """
-    blocks = _tile_blocks(bt_row_ptr, n0, kv_end, PAGE, BLOCK_N)
-    k = _tile_kv(cache_ptr, blocks, kv_base, n0, kv_end, d, d_mask, stride_cb, stride_cs, stride_ckv, PAGE, BLOCK_N,
-                 False)
-    s = _scores(q, k, n0, kv_end, q_pos, qk_scale, MASK, BLOCK_N, IEEE, KV_FP8, new_pos, k_new, NEW)
-    v = _tile_kv(cache_ptr, blocks, kv_base, n0, kv_end, d, d_mask, stride_cb, stride_cs, stride_ckv, PAGE, BLOCK_N,
-                 True)
-    return _fold(acc, m_i, l_i, q, s, v, n0, BLOCK_N, IEEE, KV_FP8, new_pos, v_new, NEW)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "qb0"])
@@ -237,8 +198,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
                             IEEE: tl.constexpr, KV_FP8: tl.constexpr, QLEN: tl.constexpr = 1,
-                            ROPE: tl.constexpr = False, NORM: tl.constexpr = False, PDL: tl.constexpr = False,
-                            PREFETCH: tl.constexpr = 0):
+                            ROPE: tl.constexpr = False, NORM: tl.constexpr = False, PDL: tl.constexpr = False):
     """QLEN new tokens per request (1: decode; more: a speculative verify); program (request, kv_head x QLEN
     + token, split).
 
@@ -331,49 +291,15 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_p
     kv_base = kv_head * stride_ch
     # tiles before the first new token are unmasked; from its tile on, the mask applies (a decode's new key
     # comes from k/v in that tile, since split 0 may still be writing it to the cache)
-    if PREFETCH == 1:
-        # one loop, masked throughout (an interior tile's mask keeps every key: the same bits); each tile's blocks
-        # loaded one iteration ahead, so its K/V loads do not wait on the block table
-        blocks = _tile_blocks(bt_row, start, end, PAGE, BLOCK_N)
-        for n0 in range(start, end, BLOCK_N):
-            k = _tile_kv(cache_ptr, blocks, kv_base, n0, end, d, d_mask, stride_cb, stride_cs, stride_ckv, PAGE,
-                         BLOCK_N, False)
-            v = _tile_kv(cache_ptr, blocks, kv_base, n0, end, d, d_mask, stride_cb, stride_cs, stride_ckv, PAGE,
-                         BLOCK_N, True)
-            blocks = _tile_blocks(bt_row, n0 + BLOCK_N, end, PAGE, BLOCK_N)
-            s = _scores(q, k, n0, end, q_pos, qk_scale, True, BLOCK_N, IEEE, KV_FP8, new_pos, k_new, QLEN == 1)
-            acc, m_i, l_i = _fold(acc, m_i, l_i, q, s, v, n0, BLOCK_N, IEEE, KV_FP8, new_pos, v_new, QLEN == 1)
-    elif PREFETCH == 2:
-        # one loop, masked throughout (an interior tile's mask keeps every key, so the same bits), each tile's
-        # keys and values loaded into registers one iteration ahead and its blocks two ahead: Triton's pipeliner
-        # waits for every copy in flight at the top of each iteration (cp.async.wait_group 0), so a tile's
-        # block-table round trip and its K/V round trip would otherwise both be exposed, tile after tile
-        blocks = _tile_blocks(bt_row, start, end, PAGE, BLOCK_N)
-        k = _tile_kv(cache_ptr, blocks, kv_base, start, end, d, d_mask, stride_cb, stride_cs, stride_ckv, PAGE,
-                     BLOCK_N, False)
-        v = _tile_kv(cache_ptr, blocks, kv_base, start, end, d, d_mask, stride_cb, stride_cs, stride_ckv, PAGE,
-                     BLOCK_N, True)
-        blocks = _tile_blocks(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N)
-        for n0 in range(start, end, BLOCK_N):
-            k_next = _tile_kv(cache_ptr, blocks, kv_base, n0 + BLOCK_N, end, d, d_mask, stride_cb, stride_cs,
-                              stride_ckv, PAGE, BLOCK_N, False)
-            v_next = _tile_kv(cache_ptr, blocks, kv_base, n0 + BLOCK_N, end, d, d_mask, stride_cb, stride_cs,
-                              stride_ckv, PAGE, BLOCK_N, True)
-            blocks = _tile_blocks(bt_row, n0 + 2 * BLOCK_N, end, PAGE, BLOCK_N)
-            s = _scores(q, k, n0, end, q_pos, qk_scale, True, BLOCK_N, IEEE, KV_FP8, new_pos, k_new, QLEN == 1)
-            acc, m_i, l_i = _fold(acc, m_i, l_i, q, s, v, n0, BLOCK_N, IEEE, KV_FP8, new_pos, v_new, QLEN == 1)
-            k = k_next
-            v = v_next
-    else:
-        plain_end = start + tl.maximum(tl.minimum(end, seq_len - QLEN) - start, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(start, plain_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, end, bt_row, q_pos, d, d_mask,
-                                         stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE,
-                                         KV_FP8)
-        for n0 in range(plain_end, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, end, bt_row, q_pos, d, d_mask,
-                                         stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE,
-                                         KV_FP8, new_pos, k_new, v_new, QLEN == 1)
+    plain_end = start + tl.maximum(tl.minimum(end, seq_len - QLEN) - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, plain_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, end, bt_row, q_pos, d, d_mask,
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, False, PAGE, BLOCK_N, IEEE,
+                                     KV_FP8)
+    for n0 in range(plain_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, cache_ptr, kv_base, n0, end, bt_row, q_pos, d, d_mask,
+                                     stride_cb, stride_cs, stride_ckv, qk_scale, True, PAGE, BLOCK_N, IEEE,
+                                     KV_FP8, new_pos, k_new, v_new, QLEN == 1)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]  # an empty split leaves acc == 0, so o == 0
     if KV_FP8:

@@ -9,14 +9,18 @@ summation order. (Small 16-bit weights have a kernel that holds whole rows in re
 
 Only M = 1 (decode at batch 1): the kernel reads the weight once per token. A runner that speculates suspends it as
 it suspends gemv.py's kernel: its decode must equal its verify bit for bit.
-On by measurement (`KILN_FP8_GEMV=0` turns it off): Llama-3-8B's four FP8 projections at one token 2.635 -> 2.541 ms
-a step (floor 2.313), FP8 8B decode at batch 1 3.538, 3.534 -> 3.513, 3.504 ms (one H100, 2026-12-06, two processes
-per arm, alternated; docs/models.md). 16-bit weights took it too, measured and removed: no faster in a decode step
-(docs/models.md). The rule (`pick_config`) also shapes the MoE pair kernels at one token (fused_moe/kernels.py).
+On where it measured faster than the MMA kernel: the H100 (Llama-3-8B's four FP8 projections at one token 2.635 ->
+2.541 ms a step, floor 2.313; FP8 8B decode at batch 1 3.538, 3.534 -> 3.513, 3.504 ms; 2026-12-06, two processes per
+arm, alternated; docs/models.md). Off on the H200, where FP8 8B decode at batch 1 took 2.819, 2.819 ms with it against
+2.760, 2.761 without (2026-12-06, the same method; not profiled), and on GPUs where it was never measured.
+`KILN_FP8_GEMV=1` / `0` turns it on / off anywhere. 16-bit weights took it too, measured and removed: no faster in a
+decode step (docs/models.md). The rule (`pick_config`) also shapes the MoE pair kernels at one token
+(fused_moe/kernels.py), whatever the GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -27,7 +31,9 @@ import triton.language as tl
 from kiln.models import gemv
 from kiln.models.pdl import pdl_launch, pdl_start
 
-FP8_ENABLED = os.environ.get("KILN_FP8_GEMV", "1") == "1"
+# KILN_FP8_GEMV=1 / 0: on / off anywhere; unset (None), on the GPUs named in _FASTER_ON
+FP8_ENABLED: bool | None = None if "KILN_FP8_GEMV" not in os.environ else os.environ["KILN_FP8_GEMV"] == "1"
+_FASTER_ON = ("H100",)  # device names holding one of these: where the kernel beat the MMA kernel (above)
 # Programs the rule aims for per SM: several resident programs keep enough weight loads in flight. 4: the sweep's best
 # rows at every Llama-3-8B FP8 projection (one H100, 2026-12-06, the e4m3 rows of `bench_gemm --part gemv-stream`; 8
 # took half the rows at o and qkv, 3-4% slower there)
@@ -46,9 +52,16 @@ class GemvStreamConfig:
     num_stages: int = 3
 
 
-def applies(m: int, element_bytes: int) -> bool:
-    """Whether M tokens' projection by a weight of `element_bytes` (1: e4m3) runs here."""
-    return FP8_ENABLED and element_bytes == 1 and m == 1 and not gemv.is_suspended()
+@functools.cache
+def _faster_on(device: torch.device) -> bool:
+    return device.type == "cuda" and any(name in torch.cuda.get_device_name(device) for name in _FASTER_ON)
+
+
+def applies(m: int, element_bytes: int, device: torch.device) -> bool:
+    """Whether M tokens' projection by a weight of `element_bytes` (1: e4m3) on `device` runs here."""
+    if element_bytes != 1 or m != 1 or gemv.is_suspended():
+        return False
+    return FP8_ENABLED if FP8_ENABLED is not None else _faster_on(device)
 
 
 def pick_config(n: int, k: int, num_sms: int, element_bytes: int = 1) -> GemvStreamConfig:

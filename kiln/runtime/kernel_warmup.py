@@ -120,7 +120,7 @@ def _splits(weight: torch.Tensor) -> int:
     from kiln.models import gemv_stream
     from kiln.models.quant.fp8_kernel import num_sms, pick_config, split_k
 
-    if _gemv_takes(weight) or gemv_stream.applies(1, weight.element_size()):
+    if _gemv_takes(weight) or gemv_stream.applies(1, weight.element_size(), weight.device):
         return 1
     config = pick_config(1, weight.shape[0], weight.shape[1], num_sms(weight.device), weight.element_size())
     return split_k(weight.shape[1], config, config.split_k)[0]

@@ -62,6 +62,24 @@ def test_uniform_decode_with_splits(group: int, head_dim: int) -> None:
     check([1, 1, 1], [0, 95, 300], group, head_dim, seed=7 + group)
 
 
+def test_decode_tile_narrow_up_to_64_requests_wide_above(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-bit decode tiles hold 32 keys up to 64 requests and 64 above (KILN_DECODE_CONFIG overrides either); a
+    decode batch on each side of the bound is the reference's attention."""
+    layout = make_batch([1], [40], HEADS, HEADS // 4, 64, torch.float16, DEVICE).layout
+    backend = TritonAttentionBackend(layout, torch.device(DEVICE))
+    assert (backend.decode_block_n(1), backend.decode_block_n(64), backend.decode_block_n(65)) == (32, 32, 64)
+    contexts = [(37 * i) % 70 for i in range(65)]  # up to 70 keys: past the first tile of either width
+    for requests in (64, 65):  # one KV head, one split: the interpreter pays per program
+        check([1] * requests, contexts[:requests], HEADS, 64, dtype=torch.float16, tol=1e-2, seed=requests,
+              one_split_waves=0)
+    monkeypatch.setenv("KILN_DECODE_CONFIG", "BLOCK_N=64:one_split_waves=2")
+    cfg = TritonAttentionBackend(layout, torch.device(DEVICE)).decode_cfg
+    assert (cfg["BLOCK_N"], cfg["BLOCK_N_WIDE"], cfg["one_split_waves"]) == (64, 64, 2.0)
+    monkeypatch.setenv("KILN_DECODE_CONFIG", "keys=64")
+    with pytest.raises(ValueError, match="KILN_DECODE_CONFIG: unknown key 'keys'"):
+        TritonAttentionBackend(layout, torch.device(DEVICE))
+
+
 def test_a_merge_cut_along_the_head_dims_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """merge_chunks programs a head, each merging its share of the dims with the same weights: the output is the
     one-program merge's, bit for bit (and the reference's within tolerance)."""

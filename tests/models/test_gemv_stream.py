@@ -112,3 +112,21 @@ def test_one_token_calls_take_it_where_enabled_and_not_suspended(monkeypatch: py
     fp8_kernel.fp8_gemm_triton(xq2, wq2, xs2, ws2, torch.float32)
     fp8_kernel.fp8_gemm_triton(xq, wq, xs, ws, torch.float32, fp8_kernel.Fp8GemmConfig(32, 64))
     assert calls == [1, 1]
+
+
+def test_on_by_default_only_where_it_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, KILN_FP8_GEMV leaves the kernel to the GPUs it beat the MMA kernel on (the H100), not the H200, an
+    unmeasured GPU or the CPU; set, it decides anywhere; 16-bit weights and M > 1 never take it."""
+    monkeypatch.setattr(gemv_stream, "FP8_ENABLED", None)
+    gemv_stream._faster_on.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: names[device.index])
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA L40S"}
+    on = [gemv_stream.applies(1, 1, torch.device("cuda", i)) for i in range(3)]
+    assert on == [True, False, False] and not gemv_stream.applies(1, 1, torch.device("cpu"))
+    h100 = torch.device("cuda", 0)
+    assert not gemv_stream.applies(1, 2, h100) and not gemv_stream.applies(2, 1, h100)
+    monkeypatch.setattr(gemv_stream, "FP8_ENABLED", True)
+    assert gemv_stream.applies(1, 1, torch.device("cuda", 1)) and gemv_stream.applies(1, 1, torch.device("cpu"))
+    monkeypatch.setattr(gemv_stream, "FP8_ENABLED", False)
+    assert not gemv_stream.applies(1, 1, h100)
+    gemv_stream._faster_on.cache_clear()

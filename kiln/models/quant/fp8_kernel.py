@@ -288,7 +288,7 @@ def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Ten
     (m, k), n = x.shape, weight.shape[0]
     if config is None and scales is None and gemv.applies(m, n, k, x.element_size()):
         return gemv.gemv(x, weight, gemv.PARTIALS)
-    if config is None and gemv_stream.applies(m, x.element_size()):
+    if config is None and gemv_stream.applies(m, x.element_size(), x.device):
         return gemv_stream.gemv_stream(x, weight, mode=gemv.PARTIALS)
     config = config or pick_config(m, n, k, num_sms(x.device), x.element_size())
     steps = split_k(k, config, config.split_k)
@@ -306,7 +306,7 @@ def _small_m_gemm(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor |
     n = weight.shape[0]
     if config is None and x_scale is None and gemv.applies(m, n, k, q.element_size()):
         return gemv.gemv(q, weight)
-    if config is None and gemv_stream.applies(m, q.element_size()):  # e4m3 operands: both scales given
+    if config is None and gemv_stream.applies(m, q.element_size(), q.device):  # e4m3 operands: both scales given
         return gemv_stream.gemv_stream(q, weight, (x_scale, weight_scale), out_dtype)
     config = config or pick_config(m, n, k, num_sms(q.device), q.element_size())
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
