@@ -238,6 +238,10 @@ class TritonAttentionBackend(AttentionBackend):
         1 / 8 / 64; at 128-256 requests over 100-2048 keys 64 was 4-15% faster (2026-11-30), so it stays there."""
         return self.decode_cfg["BLOCK_N" if num_reqs <= _NARROW_TILE_MAX_REQS else "BLOCK_N_WIDE"]
 
+    def decode_kernel_key(self, num_reqs: int) -> tuple[int, int]:
+        """What the decode kernel of a batch of num_reqs compiles for, besides the layout: (split count, tile)."""
+        return self.num_splits(num_reqs), self.decode_block_n(num_reqs)
+
     def num_splits(self, num_reqs: int) -> int:
         """Enough (request, kv_head, split) programs for the configured waves, one split once the requests'
         programs alone fill `one_split_waves` waves; a function of the request count only.

@@ -197,17 +197,17 @@ def run_moe(shapes: Iterable[MoeShape], sizes: Iterable[int], device: torch.devi
 
 def run_attention(backend: Any, decode_sizes: Iterable[int], block_table_width: int) -> int:
     """A throwaway backend of the runner's backend's class and layout (workspaces of its own), on a cache of
-    its own: a uniform decode batch per distinct split count of `decode_sizes`, and one prefill chunk; block
-    tables as wide as the runner's (their stride is a kernel argument Triton specializes on). -> launches."""
+    its own: a uniform decode batch per distinct split count and tile of `decode_sizes`, and one prefill chunk;
+    block tables as wide as the runner's (their stride is a kernel argument Triton specializes on). -> launches."""
     layout, device = backend.layout, backend.device
     fresh = type(backend)(layout, device)
     cache = torch.zeros(2, 2, layout.block_size, layout.num_kv_heads, layout.head_dim, dtype=layout.cache_dtype,
                         device=device)
-    by_splits: dict[int, int] = {}
+    by_kernel: dict[tuple[int, int], int] = {}
     for n in sorted(set(decode_sizes)):
-        by_splits.setdefault(fresh.num_splits(n), n)
+        by_kernel.setdefault(fresh.decode_kernel_key(n), n)
     launches = 0
-    for num_reqs, num_tokens in [(n, n) for n in by_splits.values()] + [(1, 32)]:
+    for num_reqs, num_tokens in [(n, n) for n in by_kernel.values()] + [(1, 32)]:
         lens = [num_tokens // num_reqs] * num_reqs
         qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         seq_lens = torch.tensor(lens, dtype=torch.int32)

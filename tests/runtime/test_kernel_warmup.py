@@ -1,5 +1,5 @@
 """The kernel warm-up (kiln/runtime/kernel_warmup.py) runs kiln's Triton kernels on inputs of its own, in a process:
-one decode batch per distinct split count plus one prefill chunk, on a throwaway backend, leaving the runner's
+one decode batch per distinct split count and tile plus one prefill chunk, on a throwaway backend, leaving the runner's
 backend and cache untouched; the GEMMs only where `kiln::dense_gemm` would run them (CUDA, 16-bit). On CPU the
 attention kernels run under Triton's interpreter."""
 
@@ -40,6 +40,16 @@ def test_attention_warmup_runs_one_batch_per_split_count_and_one_prefill() -> No
     workspace = backend._part_out.data_ptr(), backend._part_lse.data_ptr()
     assert run_attention(backend, sizes, block_table_width=16) == len(splits) + 1
     assert (backend._part_out.data_ptr(), backend._part_lse.data_ptr()) == workspace  # the runner's: untouched
+
+
+def test_attention_warmup_runs_each_decode_tile_of_a_split_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 and 65 requests share a split count but not a 16-bit decode tile (32 keys up to 64 requests, 64 above):
+    each compiles its own kernel, so each gets a batch."""
+    monkeypatch.setenv("KILN_DECODE_ONE_SPLIT_WAVES", "0")  # one split: the fewest programs for the interpreter
+    backend = TritonAttentionBackend(AttentionLayout(4, 1, 16, 16 ** -0.5, 16, torch.float16), DEVICE)
+    assert backend.num_splits(64) == backend.num_splits(65)
+    assert backend.decode_kernel_key(64) != backend.decode_kernel_key(65)
+    assert run_attention(backend, [64, 65], block_table_width=4) == 2 + 1
 
 
 def test_gemm_shapes_are_the_distinct_projections() -> None:
@@ -113,7 +123,8 @@ def test_the_warmup_process_runs_the_plan() -> None:
     warmup = KernelWarmup(model, backend, sizes, sizes, 16)
     assert warmup.plan.attention is TritonAttentionBackend and warmup._future is not None
     warmup.join()
-    expected = len({backend.num_splits(n) for n in sizes}) + 1 + run_gemms(gemm_shapes(model), sizes) + STEP_KERNELS
+    decode_kernels = len({backend.decode_kernel_key(n) for n in sizes})
+    expected = decode_kernels + 1 + run_gemms(gemm_shapes(model), sizes) + STEP_KERNELS
     assert warmup.launches == expected
     processes = warmup._pool.processes
     assert len(processes) == 1 and processes[0].exitcode == 0  # it ran there and exited once told to
@@ -131,7 +142,7 @@ def test_a_tensor_parallel_worker_warms_up_on_a_thread(monkeypatch) -> None:
     warmup = KernelWarmup(model, backend, [1, 2, 8], [1, 2, 8], 16)
     assert isinstance(warmup._pool, ThreadPoolExecutor)
     warmup.join()
-    assert warmup.launches == len({backend.num_splits(n) for n in (1, 2, 8)}) + 1 + STEP_KERNELS
+    assert warmup.launches == len({backend.decode_kernel_key(n) for n in (1, 2, 8)}) + 1 + STEP_KERNELS
 
 
 @pytest.mark.parametrize("in_graph", [False, True])
