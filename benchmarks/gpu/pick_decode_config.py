@@ -18,7 +18,7 @@ KNOBS = ("BLOCK_N", "BLOCK_N_WIDE", "num_warps", "num_stages", "waves", "one_spl
 
 def pick(paths: list[str]) -> str:
     ratios: dict[tuple, list[float]] = defaultdict(list)
-    slow_at_one: set[tuple] = set()
+    excluded: set[tuple] = set()  # inexact anywhere, or over 2% slower at a batch-1 shape
     default_cfg = None
     for path in paths:
         data = json.load(open(path))
@@ -28,14 +28,11 @@ def pick(paths: list[str]) -> str:
             shape, cfg = (tuple(row["heads"]), row["batch"], row["ctx"]), tuple(row.get(k) for k in KNOBS)
             base.setdefault(shape, row["us"])  # the default configuration is timed first at every shape
             ratio = row["us"] / base[shape]
-            if row["err"] >= 2e-2:
-                slow_at_one.add(cfg)
-            elif row["batch"] == 1:
-                if ratio > 1.02:
-                    slow_at_one.add(cfg)
-            else:
+            if row["err"] >= 2e-2 or (row["batch"] == 1 and ratio > 1.02):
+                excluded.add(cfg)
+            elif row["batch"] > 1:
                 ratios[cfg].append(ratio)
-    scores = {cfg: math.exp(sum(map(math.log, r)) / len(r)) for cfg, r in ratios.items() if cfg not in slow_at_one}
+    scores = {cfg: math.exp(sum(map(math.log, r)) / len(r)) for cfg, r in ratios.items() if cfg not in excluded}
     for cfg, score in sorted(scores.items(), key=lambda kv: kv[1])[:5]:
         print(f"{score:.3f} {dict(zip(KNOBS, cfg))}", file=sys.stderr)
     best = min(scores, key=scores.get)

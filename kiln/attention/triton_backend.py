@@ -356,8 +356,8 @@ class TritonAttentionBackend(AttentionBackend):
             k_scale, v_scale, *_rope_args(rope, q), GROUP=self.group,
             BLOCK_H=max(16, triton.next_power_of_2(self.group)), HEAD_DIM=layout.head_dim,
             BLOCK_D=self.block_d, BLOCK_N=self.decode_block_n(common.num_reqs), PAGE=layout.block_size,
-            NUM_SPLITS=splits,
-            MIN_TILES=cfg["min_tiles"], IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache), QLEN=metadata.query_len,
+            NUM_SPLITS=splits, MIN_TILES=cfg["min_tiles"], IEEE=self.ieee, KV_FP8=_is_fp8(kv_cache),
+            QLEN=metadata.query_len,
             ROPE=rope is not None, NORM=rope is not None and rope.q_weight is not None and rope.k_weight is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
         if splits > 1:
