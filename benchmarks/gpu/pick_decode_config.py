@@ -13,19 +13,17 @@ import math
 import sys
 from collections import defaultdict
 
-KNOBS = ("BLOCK_N", "BLOCK_N_WIDE", "num_warps", "num_stages", "waves", "one_split_waves", "min_tiles", "merge_chunks")
-
 
 def pick(paths: list[str]) -> str:
     ratios: dict[tuple, list[float]] = defaultdict(list)
     excluded: set[tuple] = set()  # inexact anywhere, or over 2% slower at a batch-1 shape
-    default_cfg = None
+    default: dict = {}
     for path in paths:
         data = json.load(open(path))
-        default_cfg = tuple(data["default"].get(k) for k in KNOBS)
+        default = data["default"]  # the backend's decode_cfg: its keys are the knobs a result row carries
         base = {}
         for row in data["results"]:
-            shape, cfg = (tuple(row["heads"]), row["batch"], row["ctx"]), tuple(row.get(k) for k in KNOBS)
+            shape, cfg = (tuple(row["heads"]), row["batch"], row["ctx"]), tuple(row.get(k) for k in default)
             base.setdefault(shape, row["us"])  # the default configuration is timed first at every shape
             ratio = row["us"] / base[shape]
             if row["err"] >= 2e-2 or (row["batch"] == 1 and ratio > 1.02):
@@ -34,10 +32,9 @@ def pick(paths: list[str]) -> str:
                 ratios[cfg].append(ratio)
     scores = {cfg: math.exp(sum(map(math.log, r)) / len(r)) for cfg, r in ratios.items() if cfg not in excluded}
     for cfg, score in sorted(scores.items(), key=lambda kv: kv[1])[:5]:
-        print(f"{score:.3f} {dict(zip(KNOBS, cfg))}", file=sys.stderr)
+        print(f"{score:.3f} {dict(zip(default, cfg))}", file=sys.stderr)
     best = min(scores, key=scores.get)
-    changed = [f"{k}={v}" for k, v, d in zip(KNOBS, best, default_cfg) if v != d]
-    return ":".join(changed)
+    return ":".join(f"{k}={v}" for (k, d), v in zip(default.items(), best) if v != d)
 
 
 if __name__ == "__main__":
