@@ -207,8 +207,8 @@ class TritonAttentionBackend(AttentionBackend):
         # aims for, the waves of (request, KV head) programs from which a decode takes one split (no merge),
         # the fewest tiles a split takes, and the programs a head's merge is cut into along its dims (one
         # until measured: KILN_DECODE_MERGE_CHUNKS; benchmarks/bench_attention.py --sweep measures the alternatives).
-        # 16-bit tiles of 32 keys up to 64 requests (BLOCK_N), 64 keys above (BLOCK_N_WIDE): docs/attention.md
-        self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 32, BLOCK_N_WIDE=16 if self.ieee else 64,
+        # 16-bit tiles of 32 keys at every batch: BLOCK_N up to 64 requests, BLOCK_N_WIDE above (docs/attention.md)
+        self.decode_cfg = dict(BLOCK_N=16 if self.ieee else 32, BLOCK_N_WIDE=16 if self.ieee else 32,
                                num_warps=8 if self.ieee else 4, num_stages=2, waves=2,
                                one_split_waves=float(os.environ.get("KILN_DECODE_ONE_SPLIT_WAVES", "1.5")),
                                min_tiles=1, merge_chunks=_merge_chunks(self.block_d))
@@ -232,10 +232,12 @@ class TritonAttentionBackend(AttentionBackend):
                     num_stages=stages)
 
     def decode_block_n(self, num_reqs: int) -> int:
-        """Keys a decode tile: 32 up to 64 requests, 64 above (16-bit). Against 64 keys everywhere (one H200,
-        2026-12-06), 32 made the kernel 1.1-1.4x faster at batch 1-64 and 160-600 keys on Llama-3-8B's heads (32.4 ->
-        23.8 us at batch 64, 160 keys) and Llama-3-8B's decode 4.17 / 4.29 / 5.52 -> 4.12 / 4.24 / 5.31 ms at batch
-        1 / 8 / 64; at 128-256 requests over 100-2048 keys 64 was 4-15% faster (2026-11-30), so it stays there."""
+        """Keys a decode tile: BLOCK_N up to 64 requests, BLOCK_N_WIDE above, 32 both (16-bit). Against 64 keys
+        (one H200, 2026-12-06), 32 made the kernel 1.1-1.4x faster at batch 1-64 and 160-600 keys on Llama-3-8B's
+        heads and Llama-3-8B's decode 4.17 / 4.29 / 5.52 -> 4.12 / 4.24 / 5.31 ms at batch 1 / 8 / 64; above 64
+        requests (one H100, 2026-12-07) the kernel 1.02-1.13x faster at 128-256 requests over 160-4096 keys on
+        Llama-3-8B's heads, 1.02-1.23x on Qwen3-30B-A3B's. The two stay separate knobs (KILN_DECODE_CONFIG) until
+        the H200, where 64 keys won above 64 requests on 2026-11-30's kernel, is measured again."""
         return self.decode_cfg["BLOCK_N" if num_reqs <= _NARROW_TILE_MAX_REQS else "BLOCK_N_WIDE"]
 
     def decode_kernel_key(self, num_reqs: int) -> tuple[int, int]:

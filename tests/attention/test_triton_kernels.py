@@ -62,10 +62,13 @@ def test_uniform_decode_with_splits(group: int, head_dim: int) -> None:
     check([1, 1, 1], [0, 95, 300], group, head_dim, seed=7 + group)
 
 
-def test_decode_tile_narrow_up_to_64_requests_wide_above(monkeypatch: pytest.MonkeyPatch) -> None:
-    """16-bit decode tiles hold 32 keys up to 64 requests and 64 above (KILN_DECODE_CONFIG overrides either); a
-    decode batch on each side of the bound is the reference's attention."""
+def test_decode_tile_up_to_64_requests_and_above(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-bit decode tiles hold 32 keys at every batch; KILN_DECODE_CONFIG sets the tile up to 64 requests
+    (BLOCK_N) and above (BLOCK_N_WIDE) apart. With 64 keys above the bound, a decode batch on each side of it is
+    the reference's attention."""
     layout = make_batch([1], [40], HEADS, HEADS // 4, 64, torch.float16, DEVICE).layout
+    assert {TritonAttentionBackend(layout, torch.device(DEVICE)).decode_block_n(n) for n in (1, 64, 65, 256)} == {32}
+    monkeypatch.setenv("KILN_DECODE_CONFIG", "BLOCK_N_WIDE=64")
     backend = TritonAttentionBackend(layout, torch.device(DEVICE))
     assert (backend.decode_block_n(1), backend.decode_block_n(64), backend.decode_block_n(65)) == (32, 32, 64)
     contexts = [(37 * i) % 70 for i in range(65)]  # up to 70 keys: past the first tile of either width
@@ -74,7 +77,7 @@ def test_decode_tile_narrow_up_to_64_requests_wide_above(monkeypatch: pytest.Mon
               one_split_waves=0)
     monkeypatch.setenv("KILN_DECODE_CONFIG", "BLOCK_N=64:one_split_waves=2")
     cfg = TritonAttentionBackend(layout, torch.device(DEVICE)).decode_cfg
-    assert (cfg["BLOCK_N"], cfg["BLOCK_N_WIDE"], cfg["one_split_waves"]) == (64, 64, 2.0)
+    assert (cfg["BLOCK_N"], cfg["BLOCK_N_WIDE"], cfg["one_split_waves"]) == (64, 32, 2.0)
     monkeypatch.setenv("KILN_DECODE_CONFIG", "keys=64")
     with pytest.raises(ValueError, match="KILN_DECODE_CONFIG: unknown key 'keys'"):
         TritonAttentionBackend(layout, torch.device(DEVICE))

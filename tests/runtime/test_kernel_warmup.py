@@ -43,9 +43,10 @@ def test_attention_warmup_runs_one_batch_per_split_count_and_one_prefill() -> No
 
 
 def test_attention_warmup_runs_each_decode_tile_of_a_split_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """64 and 65 requests share a split count but not a 16-bit decode tile (32 keys up to 64 requests, 64 above):
-    each compiles its own kernel, so each gets a batch."""
+    """With the tile above 64 requests set apart (KILN_DECODE_CONFIG), 64 and 65 requests share a split count but
+    not a 16-bit decode tile: each compiles its own kernel, so each gets a batch."""
     monkeypatch.setenv("KILN_DECODE_ONE_SPLIT_WAVES", "0")  # one split: the fewest programs for the interpreter
+    monkeypatch.setenv("KILN_DECODE_CONFIG", "BLOCK_N_WIDE=64")
     backend = TritonAttentionBackend(AttentionLayout(4, 1, 16, 16 ** -0.5, 16, torch.float16), DEVICE)
     assert backend.num_splits(64) == backend.num_splits(65)
     assert backend.decode_kernel_key(64) != backend.decode_kernel_key(65)
