@@ -24,11 +24,11 @@ from kiln.models.fused_moe.configs import MoeKernelConfig, heuristic, shape_key
 from kiln.models.fused_moe.kernels import fused_moe_triton
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-# the pair kernels accumulate a [rows, BLOCK_K] tile element-wise: a few rows and ~4 KB of weight a step (the
-# streaming matrix-vector kernel's shapes, kiln/models/gemv_stream.py)
+# the pair kernels accumulate a [rows, BLOCK_K] tile element-wise: a few rows and 4-16 KB of weight a step (the
+# streaming matrix-vector kernel's shapes, kiln/models/gemv_stream.py; the larger steps for GPUs of more bandwidth)
 PAIR_CANDIDATES = [MoeKernelConfig(1, bn, bk, w, s) for bn, bk, w, s in
                    ((2, 1024, 4, 3), (4, 512, 4, 3), (4, 1024, 4, 3), (8, 256, 4, 3), (16, 128, 4, 3), (8, 512, 4, 3),
-                    (16, 256, 4, 3))]
+                    (16, 256, 4, 3), (4, 1024, 8, 3), (8, 1024, 8, 3), (16, 512, 8, 3), (2, 2048, 4, 3))]
 GROUPED_CANDIDATES = [MoeKernelConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                       ((16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
                        (32, 64, 64, 4, 4), (32, 128, 64, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3),

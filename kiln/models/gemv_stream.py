@@ -39,6 +39,12 @@ _FASTER_ON = ("H100",)  # device names holding one of these: where the kernel be
 # took half the rows at o and qkv, 3-4% slower there)
 _PROGRAMS_PER_SM = 4
 _TILE_BYTES = 4096  # weight bytes a program loads per K step
+if "KILN_GEMV_STREAM_RULE" in os.environ:  # "PROGRAMS_PER_SM:TILE_BYTES", an A/B arm on another GPU
+    try:
+        _PROGRAMS_PER_SM, _TILE_BYTES = (int(v) for v in os.environ["KILN_GEMV_STREAM_RULE"].split(":"))
+    except ValueError:
+        raise ValueError("KILN_GEMV_STREAM_RULE: expected PROGRAMS_PER_SM:TILE_BYTES, e.g. 4:8192, got "
+                         f"{os.environ['KILN_GEMV_STREAM_RULE']!r}") from None
 
 
 @dataclass(frozen=True)
