@@ -4,6 +4,10 @@ Without a GPU it runs under Triton's CPU interpreter (16-bit operands in fp16: i
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -68,6 +72,18 @@ def test_the_rule_spreads_programs_over_the_sms(n: int, k: int, element_bytes: i
     assert 1 <= config.rows <= 16 and (programs >= 4 * 132 or config.rows == 1)
     step_bytes = config.rows * config.block_k * element_bytes
     assert step_bytes <= max(4096, 16 * config.rows * element_bytes) and config.block_k & (config.block_k - 1) == 0
+
+
+def test_the_rule_can_be_set_for_an_ab() -> None:
+    """KILN_GEMV_STREAM_RULE=PROGRAMS_PER_SM:TILE_BYTES replaces the rule's two numbers (an A/B arm); a malformed
+    value is refused naming the variable."""
+    code = "from kiln.models.gemv_stream import pick_config; c = pick_config(6144, 4096, 132); print(c.rows, c.block_k)"
+    run = (lambda rule: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       env={**os.environ, "KILN_GEMV_STREAM_RULE": rule}))
+    assert run("4:8192").stdout.split() == ["8", "1024"]  # 768 programs (>= 4 an SM), 8 KB a step
+    assert run("8:4096").stdout.split() == ["4", "1024"]  # 1536 programs (>= 8 an SM), 4 KB a step
+    bad = run("4")
+    assert bad.returncode != 0 and "KILN_GEMV_STREAM_RULE" in bad.stderr
 
 
 def test_one_token_calls_take_it_where_enabled_and_not_suspended(monkeypatch: pytest.MonkeyPatch) -> None:
