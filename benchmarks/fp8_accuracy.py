@@ -14,7 +14,8 @@ printed beside them. FP8 granularities, on the same (embedded, by default) weigh
   text scored), loaded the way published FP8 checkpoints are;
 - channel/token + fp8 lm_head: the first model with its LM head also in FP8 (per-vocab-row scales, the
   final hidden per token), computed from the same hidden states: kiln keeps the head in the model dtype,
-  and this row says what an FP8 head would cost in accuracy.
+  and this row says what an FP8 head would cost in accuracy; "+ fp8 lm_head weights": the head's weights
+  alone in FP8 (widened back to the model dtype, the hidden unquantized), what a weight-only head would read.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from kiln import Runtime, SamplingParams
 from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_weight
 
 GRANULARITIES = ("channel/token", "tensor/token", "channel/static", "tensor/static")
-LM_HEAD_ROW = "channel/token + fp8 lm_head"
+LM_HEAD_ROWS = {"channel/token + fp8 lm_head": "w8a8", "channel/token + fp8 lm_head weights": "weights"}
 # kiln's fused projections and the checkpoint tensors that feed them (they share one input)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
           "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
@@ -68,15 +69,21 @@ def final_hidden(runtime: Runtime, tokens: list[int]) -> torch.Tensor:
         engine.kv.free(req)
 
 
-def model_logits(runtime: Runtime, passages: list[list[int]], fp8_lm_head: bool = False) -> list[torch.Tensor]:
-    """fp32 logits [len - 1, vocab] per passage: the positions that predict a token of the text."""
+def model_logits(runtime: Runtime, passages: list[list[int]], fp8_lm_head: str | None = None) -> list[torch.Tensor]:
+    """fp32 logits [len - 1, vocab] per passage: the positions that predict a token of the text. fp8_lm_head
+    (LM_HEAD_ROWS' values): "w8a8" the head and the hidden in FP8, "weights" the head's weights alone."""
     model = runtime.engine.model
     head = quantize_weight(model.lm_head.weight) if fp8_lm_head else None
     out = []
     with torch.inference_mode():
         for tokens in passages:
             hidden = final_hidden(runtime, tokens)[:-1]
-            logits = model.compute_logits(hidden) if head is None else fp8_linear(hidden, *head)
+            if head is None:
+                logits = model.compute_logits(hidden)
+            elif fp8_lm_head == "w8a8":
+                logits = fp8_linear(hidden, *head)
+            else:
+                logits = torch.nn.functional.linear(hidden, (head[0].float() * head[1].reshape(-1, 1)).to(hidden.dtype))
             out.append(logits.float().cpu())
     return out
 
@@ -190,7 +197,8 @@ def measure(model: str | None = None, *, dtype: str = "bf16", device: str = "cpu
                 rt = Runtime(str(path), dtype=dtype, **options)
             add(granularity, model_logits(rt, passages))
             if granularity == "channel/token" and lm_head:
-                add(LM_HEAD_ROW, model_logits(rt, passages, fp8_lm_head=True))
+                for row, head in LM_HEAD_ROWS.items():
+                    add(row, model_logits(rt, passages, fp8_lm_head=head))
             del rt
             shutil.rmtree(Path(tmp) / granularity.replace("/", "-"), ignore_errors=True)
     return dict(dtype=dtype, device=device, passages=len(passages), tokens=sum(map(len, passages)),
