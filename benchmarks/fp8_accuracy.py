@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from kiln import Runtime, SamplingParams
-from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_weight
+from kiln.models.quant.fp8 import FP8_DTYPE, FP8_MAX, dequantize, fp8_linear, quantize_weight
 
 GRANULARITIES = ("channel/token", "tensor/token", "channel/static", "tensor/static")
 LM_HEAD_ROWS = {"channel/token + fp8 lm_head": "w8a8", "channel/token + fp8 lm_head weights": "weights"}
@@ -74,16 +74,17 @@ def model_logits(runtime: Runtime, passages: list[list[int]], fp8_lm_head: str |
     (LM_HEAD_ROWS' values): "w8a8" the head and the hidden in FP8, "weights" the head's weights alone."""
     model = runtime.engine.model
     head = quantize_weight(model.lm_head.weight) if fp8_lm_head else None
+    widened = dequantize(*head, model.lm_head.weight.dtype) if fp8_lm_head == "weights" else None
     out = []
     with torch.inference_mode():
         for tokens in passages:
             hidden = final_hidden(runtime, tokens)[:-1]
             if head is None:
                 logits = model.compute_logits(hidden)
-            elif fp8_lm_head == "w8a8":
+            elif widened is None:
                 logits = fp8_linear(hidden, *head)
             else:
-                logits = torch.nn.functional.linear(hidden, (head[0].float() * head[1].reshape(-1, 1)).to(hidden.dtype))
+                logits = torch.nn.functional.linear(hidden, widened)
             out.append(logits.float().cpu())
     return out
 
