@@ -69,16 +69,20 @@ def final_hidden(runtime: Runtime, tokens: list[int]) -> torch.Tensor:
         engine.kv.free(req)
 
 
-def model_logits(runtime: Runtime, passages: list[list[int]], fp8_lm_head: str | None = None) -> list[torch.Tensor]:
-    """fp32 logits [len - 1, vocab] per passage: the positions that predict a token of the text. fp8_lm_head
-    (LM_HEAD_ROWS' values): "w8a8" the head and the hidden in FP8, "weights" the head's weights alone."""
+def final_hiddens(runtime: Runtime, passages: list[list[int]]) -> list[torch.Tensor]:
+    """The final hidden at each position that predicts a token of the text, per passage."""
+    return [final_hidden(runtime, tokens)[:-1] for tokens in passages]
+
+
+def head_logits(runtime: Runtime, hiddens: list[torch.Tensor], fp8_lm_head: str | None = None) -> list[torch.Tensor]:
+    """fp32 logits [len - 1, vocab] per passage from its final hiddens. fp8_lm_head (LM_HEAD_ROWS' values): "w8a8"
+    the head and the hidden in FP8, "weights" the head's weights alone; None the model's own head."""
     model = runtime.engine.model
     head = quantize_weight(model.lm_head.weight) if fp8_lm_head else None
     widened = dequantize(*head, model.lm_head.weight.dtype) if fp8_lm_head == "weights" else None
     out = []
     with torch.inference_mode():
-        for tokens in passages:
-            hidden = final_hidden(runtime, tokens)[:-1]
+        for hidden in hiddens:
             if head is None:
                 logits = model.compute_logits(hidden)
             elif widened is None:
@@ -182,7 +186,7 @@ def measure(model: str | None = None, *, dtype: str = "bf16", device: str = "cpu
         passages, source = passage_tokens(rt, texts), Path(rt.engine.loaded.model_dir)
         if static and ref_dtype == "fp32":
             input_amax = calibrate_input_amax(rt)
-        logits = model_logits(rt, passages)
+        logits = head_logits(rt, final_hiddens(rt, passages))
         del rt
         add(ref_dtype, logits)
         refs[ref_dtype] = logits
@@ -196,10 +200,11 @@ def measure(model: str | None = None, *, dtype: str = "bf16", device: str = "cpu
                 path = Path(tmp) / granularity.replace("/", "-")
                 write_checkpoint(source, path, granularity, input_amax)
                 rt = Runtime(str(path), dtype=dtype, **options)
-            add(granularity, model_logits(rt, passages))
+            hiddens = final_hiddens(rt, passages)  # one forward a passage serves every head below
+            add(granularity, head_logits(rt, hiddens))
             if granularity == "channel/token" and lm_head:
                 for row, head in LM_HEAD_ROWS.items():
-                    add(row, model_logits(rt, passages, fp8_lm_head=head))
+                    add(row, head_logits(rt, hiddens, fp8_lm_head=head))
             del rt
             shutil.rmtree(Path(tmp) / granularity.replace("/", "-"), ignore_errors=True)
     return dict(dtype=dtype, device=device, passages=len(passages), tokens=sum(map(len, passages)),
