@@ -71,12 +71,9 @@ class SparseMoeBlock(nn.Module):
         if self.expert_parallel:  # global ids -> this rank's; another rank's experts -> num_local (skipped)
             ids = ids - self.first_expert
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local), self.num_local)
-        pairs = torch.ops.kiln.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids,
-                                         self.w13_scale, self.w2_scale, self.expert_parallel)
-        # summed here, not in the op: Inductor makes the sum one small kernel, where the op spent a zero fill and
-        # a sum kernel. As k adds it joined the next RMSNorm's kernel, which then took 5.0 us a call at batch 1
-        # (one program reading k rows) against 1.2 + 1.8 us for the two: measured on the H200, not kept
-        return all_reduce(pairs.sum(dim=1))
+        out = torch.ops.kiln.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids,
+                                       self.w13_scale, self.w2_scale, self.expert_parallel)
+        return all_reduce(out)
 
     # -- loading ------------------------------------------------------------------------------------------------
 

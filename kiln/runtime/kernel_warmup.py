@@ -190,7 +190,8 @@ def run_moe(shapes: Iterable[MoeShape], sizes: Iterable[int], device: torch.devi
         for m in sizes:
             x = torch.zeros(m, hidden, dtype=act_dtype, device=device)
             ids = torch.zeros(m, top_k, dtype=torch.int32, device=device)
-            fused_moe_triton(x, w13, w2, torch.zeros(m, top_k, device=device), ids, *scales)
+            fused_moe_triton(x, w13, w2, torch.zeros(m, top_k, device=device), ids, *scales,
+                             remote_experts=experts != router_experts)  # expert parallel: the kernels' masked form
             launches += 1
     return launches
 

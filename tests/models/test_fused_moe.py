@@ -52,10 +52,9 @@ def test_reference_is_the_dense_formula() -> None:
     every = torch.einsum("tei,ehi->teh", torch.nn.functional.silu(gate) * up, w2)  # [T, E, H]
     dense = torch.zeros(9, 7).scatter_add_(1, ids.long(), weights)[:, :6]  # routing weight per (token, expert)
     expected = (every * dense.unsqueeze(-1)).sum(1)
-    pairs = fused_moe_reference(x, w13, w2, weights, ids)
-    assert pairs.shape == (9, 2, 16)  # a weighted row per (token, k) pair, summed by the caller
-    assert torch.equal(pairs[0, 1], torch.zeros(16))
-    torch.testing.assert_close(pairs.sum(1), expected, rtol=1e-5, atol=1e-5)
+    out = fused_moe_reference(x, w13, w2, weights, ids)
+    assert out.shape == (9, 16)  # each token's k weighted rows, summed
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, config, remote", [
@@ -68,17 +67,15 @@ def test_reference_is_the_dense_formula() -> None:
 ])
 def test_kernels_match_reference(tokens: int, experts: int, top_k: int, config: MoeKernelConfig,
                                  remote: bool) -> None:
-    """Every pair's weighted row; with `remote` (expert parallelism) a third of the tokens route a pair to another
-    rank's expert, whose row must come back zero (the grouped kernels never visit it)."""
+    """Each token's sum of its pairs' weighted rows; with `remote` (expert parallelism) a third of the tokens route a
+    pair to another rank's expert, which must add nothing (the grouped kernels never visit it)."""
     x, w13, w2, weights, ids = problem(tokens, experts, top_k, 40, 24, seed=tokens, unused=2)
     if remote:
         ids[::3, 0] = experts
     x, w13, w2, weights, ids = (t.to(DEVICE) for t in (x, w13, w2, weights, ids))
     got = fused_moe_triton(x, w13, w2, weights, ids, remote_experts=remote, config=config)
-    assert got.shape == (tokens, top_k, 40)
+    assert got.shape == (tokens, 40)
     torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
-    if remote:
-        assert torch.equal(got[::3, 0], torch.zeros_like(got[::3, 0]))
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 128, 8, 16), (8, 8, 4, 16), (16, 8, 4, 16),
@@ -112,8 +109,8 @@ def test_pair_blocks_equal_the_align_layout(tokens: int, experts: int, top_k: in
 def test_one_token_streams_its_pairs_by_the_rule(fp8: bool, hidden: int, inter: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """KILN_MOE_STREAM: one token's experts take the pair kernels at the streaming kernel's rule (rows for ~4
-    programs an SM over the k experts' gate rows, a 4 KB weight step); the same rows as the reference, e4m3 weights
-    too, a pair on another rank's expert zero; 32 x 32: whole K steps (the loops without masks). Suspended (a
+    programs an SM over the k experts' gate rows, a 4 KB weight step); the reference's sums, e4m3 weights too, a
+    pair on another rank's expert adding nothing; 32 x 32: whole K steps (the loops without masks). Suspended (a
     speculating runner) and past one token: the table's."""
     from kiln.models import gemv
     from kiln.models.fused_moe import kernels
@@ -135,12 +132,40 @@ def test_one_token_streams_its_pairs_by_the_rule(fp8: bool, hidden: int, inter: 
     got = fused_moe_triton(*args, remote_experts=True)
     assert [c.block_m for c in chosen] == [1] and (hidden % chosen[0].block_k == 0) == (hidden == 32)
     torch.testing.assert_close(got, fused_moe_reference(*args), rtol=1e-4, atol=1e-5)
-    assert torch.equal(got[0, 2], torch.zeros_like(got[0, 2]))
     with gemv.suspended():
         fused_moe_triton(*args, remote_experts=True)
     two = [t.to(DEVICE) for t in problem(2, 6, 3, hidden, inter, seed=6)]
     fused_moe_triton(*two)
     assert len(chosen) == 1
+
+
+@pytest.mark.parametrize("tokens, top_k, remote, fp8, repeat", [
+    (1, 4, False, False, False),  # k a power of two, whole tiles, every expert local: the loads without masks
+    (3, 4, False, True, True),    # e4m3 experts, one expert twice in a token
+    (2, 3, True, False, False),   # k padded to 4 slots, pairs on another rank's expert
+])
+def test_pair_path_down_kernel_sums_each_tokens_pairs(tokens: int, top_k: int, remote: bool, fp8: bool,
+                                                      repeat: bool) -> None:
+    """The pair path's down kernel streams the same rows of a token's k experts in one tile and writes their
+    weighted sum: the reference's sum whether the slots fill a power of two or not, an expert repeats (a slot
+    holds its own weight) or a slot's expert is on another rank (it adds nothing). Its tile is the streaming
+    rule's over the token's rows with the k experts' K side by side."""
+    from kiln.models.fused_moe import kernels
+
+    assert kernels.token_down_tile(8, 768, 2048, 2, torch.device("cpu")) == (2, 128)  # 1024 programs, 4 KB a step
+    assert kernels.token_down_tile(8, 768, 2048, 1, torch.device("cpu")) == (2, 256)
+    x, w13, w2, weights, ids = problem(tokens, 8, top_k, 32, 32, seed=11 + tokens)
+    if repeat:
+        ids[1, 1] = ids[1, 0]
+    if remote:
+        ids[0, 1] = 8
+    scales = ()
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_weight(w13), quantize_weight(w2)
+        scales = (s13, s2)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, *scales)]
+    got = fused_moe_triton(*args, remote_experts=remote, config=MoeKernelConfig(1, 16, 16))
+    torch.testing.assert_close(got, fused_moe_reference(*args), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("block_m", [1, 16])

@@ -7,13 +7,17 @@ Two shapes of the same two GEMMs (h = silu(x W_gate^T) * (x W_up^T), then y = h 
   expert's pairs by a BLOCK_N slice of that expert's weight with tl.dot.
   The gate and up slices are read by the same program, so SiLU-and-mul happens on the accumulators and only h is
   written. The down kernel scales each row by its routing weight and writes it to its pair's row.
-- pairs (BLOCK_M == 1, decode): no sorting at all. One program per (pair, N slice) streams its expert's weight
-  as a matrix-vector product on the CUDA cores, in both kernels, the way kiln/models/gemv_stream.py streams a
-  dense projection. A repeated expert is read once per pair that chose it, which is why this only pays while pairs
-  are few (the tuned table says where; KILN_MOE_STREAM, below, for one token).
+- pairs (BLOCK_M == 1, decode): no sorting at all. One program per (pair, N slice) streams its expert's gate and up
+  rows as a matrix-vector product on the CUDA cores, the way kiln/models/gemv_stream.py streams a dense projection;
+  the down kernel's program per (token, N slice) streams the same rows of all the token's k experts at once and
+  writes their weighted sum, so a token's rows never exist apart. A repeated expert is read once per pair that
+  chose it, which is why this only pays while pairs are few (the tuned table says where; KILN_MOE_STREAM, below,
+  for one token).
 
-Both return each pair's weighted row, [T, K, H]: the caller sums a token's K rows in the traced graph, where
-Inductor folds the sum into the residual add that follows (a zero fill and a sum kernel a layer fewer).
+Both return each token's sum over its k pairs, [T, H]. The grouped down kernel writes each pair's weighted row and
+a small kernel sums a token's (skipping pairs on another rank's experts, whose rows are never written, so nothing
+is zero-filled); it takes the place of the kernel Inductor ran for that sum in the caller's graph, fused there with
+the residual add, which may now join the next RMSNorm's kernel as it does in a dense layer.
 
 Weights may be e4m3 with one fp32 scale per (expert, output channel): the tile is widened to the activation's
 dtype before the product and the scale applied to the accumulator (exact: the scale is constant along K).
@@ -46,12 +50,13 @@ PAIR_BLOCK_TOKENS = 1
 # entry, 22.1 -> 20.7 against the heuristic's pair tiles), its decode at batch 1 3.31 -> 3.24 ms twice, arms
 # alternated (8 rows of 256 at that layer; one H100, 2026-12-06, docs/moe.md). KILN_MOE_STREAM=0: the table's config.
 STREAM_ONE_TOKEN = os.environ.get("KILN_MOE_STREAM", "1") == "1"
+SUM_BLOCK = 1024  # hidden elements a program of the grouped path's sum over a token's pairs
 
 
 def one_token_config(top_k: int, inter: int, hidden: int, element_bytes: int,
                      device: torch.device) -> MoeKernelConfig:
     """The pair kernels' config for one token's k pairs: the streaming kernel's rule over all k experts' gate rows
-    (the down kernel, k * hidden rows, gets at least as many programs)."""
+    (it shapes the gate/up kernel; the down kernel's tile is token_down_tile's)."""
     from kiln.models.quant.fp8_kernel import num_sms
 
     rule = gemv_stream.pick_config(top_k * inter, hidden, num_sms(device), element_bytes)
@@ -208,36 +213,73 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, 
 
 
 @triton.jit
-def _pair_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, NUM_E, s_ht, s_we, s_wn, s_yt,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """Program (pair, n): the pair's weighted y[pair, rows] for BLOCK_N rows of its expert's W_down (summed as the
-    gate/up kernel sums)."""
+def _token_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, NUM_E, s_ht, s_we, s_wn, s_yt,
+                       TOPK: tl.constexpr, TOPK_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SCALED: tl.constexpr, MASKED: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token, n): y[token, rows] = the sum over the token's k pairs of each pair's weighted row, for BLOCK_N
+    rows of W_down. A K step loads the same [BLOCK_N, BLOCK_K] tile of every pair's expert at once, [TOPK_POW2,
+    BLOCK_N, BLOCK_K], and the products accumulate element-wise, summed once after the K loop (as the gate/up kernel
+    sums). A pair on another rank's expert (id >= NUM_E) loads nothing and adds nothing. MASKED: some row, K index
+    or slot is out of bounds or on another rank (else the loads go unmasked)."""
     pdl_start(PDL)
-    pair = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    slots = tl.arange(0, TOPK_POW2)
+    pairs = token * TOPK + slots
+    experts = tl.load(ids_ptr + pairs, mask=slots < TOPK, other=NUM_E).to(tl.int64)
+    live = experts < NUM_E
+    experts = tl.where(live, experts, 0)  # in bounds; the slot's loads are masked off
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    y_ptrs = y_ptr + pair.to(tl.int64) * s_yt + offs_n
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if expert >= NUM_E:  # another rank's expert: its row adds nothing to the token's sum
-        tl.store(y_ptrs, tl.zeros((BLOCK_N,), dtype=y_ptr.dtype.element_ty), mask=n_mask)
-        return
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + pair.to(tl.int64) * s_ht + offs_k
-    b_ptrs = w_ptr + expert * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):  # EVEN: H % BLOCK_N == 0 and INTER % BLOCK_K == 0
-        k_mask = k0 + offs_k < INTER
-        b = _load_step(b_ptrs, n_mask[:, None] & k_mask[None, :], EVEN)  # the weight first, as above
-        acc += b.to(tl.float32) * _load_step(a_ptrs, k_mask, EVEN).to(tl.float32)[None, :]
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    y = tl.sum(acc, 1)
+    w_ptrs = (w_ptr + experts[:, None, None] * s_we + offs_n[None, :, None].to(tl.int64) * s_wn
+              + offs_k[None, None, :])
+    h_ptrs = h_ptr + pairs[:, None] * s_ht + offs_k[None, :]
+    acc = tl.zeros((TOPK_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        if MASKED:
+            k_mask = live[:, None] & (k0 + offs_k < INTER)[None, :]
+            w = tl.load(w_ptrs, mask=k_mask[:, None, :] & n_mask[None, :, None], other=0.0)  # the weight first
+            a = tl.load(h_ptrs, mask=k_mask, other=0.0)
+        else:
+            w = tl.load(w_ptrs)
+            a = tl.load(h_ptrs)
+        acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+        w_ptrs += BLOCK_K
+        h_ptrs += BLOCK_K
+    rows = tl.sum(acc, 2)  # [TOPK_POW2, BLOCK_N]: each pair's row
     if SCALED:
-        y *= tl.load(ws_ptr + expert * H + offs_n, mask=n_mask, other=0.0)
-    y *= tl.load(tw_ptr + pair)
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        rows *= tl.load(ws_ptr + experts[:, None] * H + offs_n[None, :], mask=live[:, None] & n_mask[None, :],
+                        other=0.0)
+    rows *= tl.load(tw_ptr + pairs, mask=live, other=0.0)[:, None]
+    tl.store(y_ptr + token * s_yt + offs_n, tl.sum(rows, 0).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _sum_pairs_kernel(y_ptr, ids_ptr, out_ptr, H, NUM_E, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """Program (token, block): out[token, block] = the sum of the token's k pair rows (y [T * k, H]) in fp32, rounded
+    once; a pair on another rank's expert (id >= NUM_E, its row never written) is skipped."""
+    pdl_start(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for slot in tl.static_range(TOPK):
+        pair = token * TOPK + slot
+        local = offs * 0 + tl.load(ids_ptr + pair) < NUM_E  # a vector: the CPU interpreter refuses a scalar mask
+        acc += tl.load(y_ptr + pair * H + offs, mask=mask & local, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def token_down_tile(top_k: int, inter: int, hidden: int, element_bytes: int, device: torch.device) -> tuple[int, int]:
+    """(rows a program, K elements of each pair's expert a step) of the pair path's down kernel: the streaming
+    kernel's rule over the token's hidden rows with its k experts' K side by side (a step's tile holds every pair's)."""
+    from kiln.models.quant.fp8_kernel import num_sms
+
+    slots = triton.next_power_of_2(top_k)
+    rule = gemv_stream.pick_config(hidden, slots * inter, num_sms(device), element_bytes)
+    return rule.rows, min(triton.next_power_of_2(inter), max(16, rule.block_k // slots))
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -262,20 +304,22 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     ws13, ws2 = (w13_scale.float().contiguous(), w2_scale.float().contiguous()) if scaled else (tw, tw)
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
-        return x.new_empty((0, top_k, hidden))
+        return x.new_empty((0, hidden))
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
     if config.block_m == 1:
-        y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # every row written, zeros included
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, config.block_n))](
             x, w13, ws13, ids, h, hidden, inter, num_experts, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
             TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled,
             EVEN=inter % config.block_n == 0 and hidden % config.block_k == 0, **launch)
-        _pair_down_kernel[(num_pairs, triton.cdiv(hidden, config.block_n))](
-            h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1),
-            y.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled,
-            EVEN=hidden % config.block_n == 0 and inter % config.block_k == 0, **launch)
-        return y.view(num_tokens, top_k, hidden)
+        y = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # every row written
+        rows, block_k = token_down_tile(top_k, inter, hidden, w2.element_size(), x.device)
+        slots = triton.next_power_of_2(top_k)
+        _token_down_kernel[(num_tokens, triton.cdiv(hidden, rows))](
+            h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+            TOPK=top_k, TOPK_POW2=slots, BLOCK_N=rows, BLOCK_K=block_k, SCALED=scaled,
+            MASKED=remote_experts or slots != top_k or hidden % rows != 0 or inter % block_k != 0, **launch)
+        return y
     pair_blocks = num_tokens <= PAIR_BLOCK_TOKENS
     if pair_blocks:  # block j = pair j, its expert from the ids
         sorted_pairs = block_expert = ids  # unread
@@ -289,10 +333,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         x, w13, ws13, sorted_pairs, block_expert, ids, h, num_pairs, hidden, inter, num_experts, x.stride(0),
         w13.stride(0), w13.stride(1), h.stride(0), TOPK=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALED=scaled, **layout, **launch)
-    # both layouts leave out pairs routed to another rank's experts: only then must their rows be zeroed
-    y = (torch.zeros if remote_experts else torch.empty)((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # rows of other ranks' experts unwritten
     _grouped_down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
         h, w2, ws2, tw, sorted_pairs, block_expert, ids, y, num_pairs, hidden, inter, num_experts, h.stride(0),
         w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALED=scaled, **layout, **launch)
-    return y.view(num_tokens, top_k, hidden)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
+        y, ids, out, hidden, num_experts, TOPK=top_k, BLOCK=SUM_BLOCK, **pdl_launch(x.device))
+    return out

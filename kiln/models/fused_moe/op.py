@@ -2,10 +2,10 @@
 
 Why a custom op: routing makes every shape inside the layer data-dependent (how many tokens each expert gets),
 which Dynamo could only trace with graph breaks and Inductor could only compile per routing. Opaque to both (the
-fake gives the output's shape: a row per (token, k) pair), the op lets the whole model trace as one graph;
-Inductor compiles the norms, attention and the sum of each token's rows around it and calls the op (and the
-routing's, routing.py) as an extern kernel, and CUDA graphs capture it. Its sizes depend on the token count
-alone (align.py), and it never syncs with the host.
+fake gives the output's shape: a row per token), the op lets the whole model trace as one graph; Inductor compiles
+the norms, attention and residual adds around it and calls the op (and the routing's, routing.py) as an extern
+kernel, and CUDA graphs capture it. Its sizes depend on the token count alone (align.py), and it never syncs with
+the host.
 
 On CUDA it runs the Triton kernels (kernels.py); elsewhere the torch reference (reference.py).
 """
@@ -21,8 +21,8 @@ from kiln.models.fused_moe.reference import fused_moe_reference
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, remote_experts: bool = False) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights fp32 / topk_ids int [T, K] -> each pair's weighted
-    row [T, K, H], summed over K by the caller; `remote_experts`: ids may name other ranks' experts (id E)."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights fp32 / topk_ids int [T, K] -> each token's pairs'
+    weighted rows summed, [T, H]; `remote_experts`: ids may name other ranks' experts (id E)."""
     if x.is_cuda:
         from kiln.models.fused_moe.kernels import fused_moe_triton
 
@@ -32,4 +32,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 @fused_moe.register_fake
 def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, remote_experts=False):
-    return x.new_empty((x.shape[0], topk_ids.shape[1], x.shape[1]))
+    return x.new_empty(x.shape)
