@@ -6,6 +6,8 @@ may have imported it under the interpreter.
     python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1) [PROMOTE (default 128)]
     python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py)
+    python -m tests.models.fp8_kernel_sm90 token_down|token_down_fp8|sum_pairs
+                                                 the MoE op's summing kernels (kiln/models/fused_moe/kernels.py)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool) 
     return {"wgmma": "wgmma" in ptx, "e4m3": "e4m3" in ptx, "bf16": "bf16" in ptx, "cp_async": "cp.async" in ptx,
             "shared": compiled.metadata.shared, "gdc_wait": "griddepcontrol.wait" in ptx,
             "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl),
-            "add_f32": len(re.findall(r"\badd(\.rn)?\.f32\b", ptx))}
+            "add_f32": len(re.findall(r"\badd(\.rn)?\.f32\b", ptx)), "ld_v4": ptx.count("ld.global.v4.b32")}
 
 
 def fp8_gemm(block_m: int, split: bool, pdl: bool, promote: int = 128) -> dict:
@@ -70,8 +72,26 @@ def epilogue(name: str) -> dict:
                         {**tile, "NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128}, True)
 
 
+def moe(name: str) -> dict:
+    """The pair path's down kernel at Qwen3-30B-A3B's one-token tile (8 slots, 2 rows, 4 KB a step; e4m3: 256 K),
+    whole tiles; or the grouped path's sum over a token's 8 pair rows."""
+    from kiln.models.fused_moe import kernels
+
+    if name == "sum_pairs":
+        pointers = {"y_ptr": "*bf16", "ids_ptr": "*i32", "out_ptr": "*bf16"}
+        return compile_sm90(kernels._sum_pairs_kernel, pointers, {"TOPK": 8, "BLOCK": 1024}, True)
+    fp8 = name == "token_down_fp8"
+    pointers = {"h_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "ws_ptr": "*fp32", "tw_ptr": "*fp32",
+                "ids_ptr": "*i32", "y_ptr": "*bf16"}
+    return compile_sm90(kernels._token_down_kernel, pointers, {"TOPK": 8, "TOPK_POW2": 8, "BLOCK_N": 2,
+                                                               "BLOCK_K": 256 if fp8 else 128, "SCALED": fp8,
+                                                               "MASKED": False}, True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1].isdigit():
+    if sys.argv[1].startswith(("token_down", "sum_pairs")):
+        print(json.dumps(moe(sys.argv[1])))
+    elif sys.argv[1].isdigit():
         print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])),
                                   *map(int, sys.argv[4:5]))))
     else:

@@ -260,3 +260,16 @@ def test_config_table_and_rule() -> None:
     assert pick_config(64, 768, 2048, 8, 1, torch.bfloat16).block_m > 1  # the grouped kernels, not the rule's
     # the nearest N wins over the nearest E: split over 2 ranks and expert parallel over 2 more
     assert pick_config(64, 384, 2048, 8, 8, torch.bfloat16) == pick_config(128, 384, 2048, 8, 8, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernel, vector_loads", [("token_down", 3), ("token_down_fp8", 4), ("sum_pairs", 8)])
+def test_summing_kernels_compile_for_hopper(kernel: str, vector_loads: int) -> None:
+    """Ahead-of-time compile for sm90 (no GPU needed), which the CPU interpreter never does: the kernels build, take
+    part in programmatic dependent launch and load in 16-byte vectors (a K step of the down kernel: its weight
+    tile's 32 bytes a thread and the token's h, 16 bytes bf16 / 32 at e4m3's longer step; the sum: a vector per
+    pair row), or they could not stream at bandwidth."""
+    from tests.models.test_fp8_kernel import sm90_ptx
+
+    ptx = sm90_ptx(kernel)
+    assert ptx["gdc_wait"] and ptx["launch_pdl"], ptx
+    assert ptx["ld_v4"] >= vector_loads, ptx

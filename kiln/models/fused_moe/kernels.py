@@ -267,8 +267,8 @@ def _sum_pairs_kernel(y_ptr, ids_ptr, out_ptr, H, NUM_E, TOPK: tl.constexpr, BLO
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for slot in tl.static_range(TOPK):
         pair = token * TOPK + slot
-        local = offs * 0 + tl.load(ids_ptr + pair) < NUM_E  # a vector: the CPU interpreter refuses a scalar mask
-        acc += tl.load(y_ptr + pair * H + offs, mask=mask & local, other=0.0).to(tl.float32)
+        if tl.load(ids_ptr + pair) < NUM_E:
+            acc += tl.load(y_ptr + pair * H + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
