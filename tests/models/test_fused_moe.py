@@ -45,6 +45,15 @@ def problem(tokens: int, experts: int, top_k: int, hidden: int, inter: int, seed
     return x, w13, w2, weights, ids.to(torch.int32)
 
 
+def on_device(x, w13, w2, weights, ids, fp8: bool = False) -> list[torch.Tensor]:
+    """The op's arguments on DEVICE; fp8: the experts quantized to e4m3 and their scales after the ids."""
+    scales = ()
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_weight(w13), quantize_weight(w2)
+        scales = (s13, s2)
+    return [t.to(DEVICE) for t in (x, w13, w2, weights, ids, *scales)]
+
+
 def test_reference_is_the_dense_formula() -> None:
     x, w13, w2, weights, ids = problem(9, 6, 2, 16, 8, seed=1, unused=2)
     ids[0, 1] = 6  # a pair on another rank's expert: contributes nothing
@@ -120,11 +129,7 @@ def test_one_token_streams_its_pairs_by_the_rule(fp8: bool, hidden: int, inter: 
     assert kernels.one_token_config(8, 768, 2048, 1, torch.device("cpu")).block_k == 512
     x, w13, w2, weights, ids = problem(1, 6, 3, hidden, inter, seed=5)
     ids[0, 2] = 6
-    scales = ()
-    if fp8:
-        (w13, s13), (w2, s2) = quantize_weight(w13), quantize_weight(w2)
-        scales = (s13, s2)
-    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, *scales)]
+    args = on_device(x, w13, w2, weights, ids, fp8)
     chosen = []
     real = kernels.one_token_config
     monkeypatch.setattr(kernels, "one_token_config", lambda *a: chosen.append(real(*a)) or chosen[-1])
@@ -159,11 +164,7 @@ def test_pair_path_down_kernel_sums_each_tokens_pairs(tokens: int, top_k: int, r
         ids[1, 1] = ids[1, 0]
     if remote:
         ids[0, 1] = 8
-    scales = ()
-    if fp8:
-        (w13, s13), (w2, s2) = quantize_weight(w13), quantize_weight(w2)
-        scales = (s13, s2)
-    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, *scales)]
+    args = on_device(x, w13, w2, weights, ids, fp8)
     got = fused_moe_triton(*args, remote_experts=remote, config=MoeKernelConfig(1, 16, 16))
     torch.testing.assert_close(got, fused_moe_reference(*args), rtol=1e-4, atol=1e-5)
 
