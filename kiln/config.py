@@ -234,9 +234,9 @@ class CompilationConfig:
             raise ValueError(f"inductor_options must map Inductor config names to values: {self.inductor_options!r}")
         object.__setattr__(self, "inductor_options", tuple(sorted(options.items())))
 
-    def resolve(self, device: torch.device, max_num_batched_tokens: int, background_supported: bool = True,
-                mixture_of_experts: bool = False) -> CompilationConfig:
-        """Fill every None with the level's default for this device (and model kind); explicit values are kept.
+    def resolve(self, device: torch.device, max_num_batched_tokens: int,
+                background_supported: bool = True) -> CompilationConfig:
+        """Fill every None with the level's default for this device; explicit values are kept.
 
         `background_supported=False` (tensor parallelism: every rank would have to swap at the same step)
         compiles the background sizes up front instead."""
@@ -280,7 +280,7 @@ class CompilationConfig:
         if enable_passes and passes is None:  # the level's, for this device (CUDA-only passes off a GPU)
             from kiln.passes.config import level_defaults  # a leaf module (no torch)
 
-            passes = level_defaults(level, on_gpu, mixture_of_experts)
+            passes = level_defaults(level, on_gpu)
         bounds = pass_bounds(passes) if enable_passes else ()
         ranges = tuple(sorted({int(p) for p in (*self.compile_ranges, *bounds) if int(p) < max_num_batched_tokens}))
         options = dict(self.inductor_options)

@@ -37,10 +37,10 @@ CUDA_ONLY_PASSES: tuple[str, ...] = ("qkv_rope", "gemm_add_rmsnorm", "gate_up_si
 # (<= 16 tokens: the range above keeps Inductor's kernels, which prefill needs): one H200, 2026-12-04, decode at
 # batch 1 / 8 / 64, SmolLM2-135M 0.680 / 0.703 / 1.096 -> 0.638 / 0.652 / 1.093 ms, Llama-3-8B 4.26 / 4.38 / 5.56
 # -> 4.21 / 4.30 / 5.57, FP8 8B 3.02 / 3.09 -> 2.99 / 3.06 (gemm_add_rmsnorm), prefill of 1024 tokens equal.
-# A mixture of experts keeps one range and Inductor's kernels: Qwen3-30B-A3B at batch 1 / 8 / 64 took 3.09 / 8.00 /
-# 16.73 ms without them, 3.15 / 8.85 / 16.74 with gemm_add_rmsnorm<=16 (the o projection's; Inductor's kernel
-# summing the experts' rows into the residual then took ~20 us a layer at batch 8), 3.13 / 9.00 / 16.89 with both
-# (one H200, 2026-12-04, `007735e`).
+# A mixture of experts takes them too since its op sums the experts' rows itself (Inductor's kernel adding them to the
+# residual had slowed batch 8 from 8.00 to 8.85 ms with gemm_add_rmsnorm, one H200, 2026-12-04): Qwen3-30B-A3B at
+# batch 1 / 8 / 64, one process per arm in one call, 3.17 / 10.05 / 21.73 ms (`0ec82d9`, none) -> 2.99 / 10.01 /
+# 21.58 (gemm_add_rmsnorm<=16 alone) and 2.99 / 10.00 / 21.57 (all four) (one H100, 2026-12-07).
 # silu_mul_quant (FP8 models only: the SiLU-mul and the down projection's activation quantization as one Triton
 # program a row, where Inductor made three kernels at decode sizes) at decode sizes: one H200, 2026-12-04, FP8 8B
 # two rounds of one process per arm, 2.933 / 2.922 -> 2.895 / 2.894 ms at batch 1, 3.000 / 3.004 -> 2.968 / 2.973 at
@@ -67,18 +67,16 @@ LEVEL_DEFAULTS: dict[int, tuple[str, ...]] = {
 }
 
 
-def level_defaults(level: int, on_gpu: bool = True, mixture_of_experts: bool = False) -> tuple[str, ...]:
+def level_defaults(level: int, on_gpu: bool = True) -> tuple[str, ...]:
     """The level's default passes, or those KILN_PASSES names (separated by "," or "+"; empty: none): an A/B of a
     pass at otherwise default settings, where no `passes=` is given. The pass list is in the compile-cache key.
-    Off a GPU, without the CUDA-only ones and rope_kv's; off a GPU and for a mixture of experts, without the
-    decode-size epilogues (whose bound would cut a CPU's one compile range in two)."""
+    Off a GPU, without the CUDA-only ones, rope_kv's and the decode-size epilogues (whose bound would cut a CPU's
+    one compile range in two)."""
     names = os.environ.get("KILN_PASSES")
     if names is None:
         chosen = LEVEL_DEFAULTS.get(level, ())
-        if mixture_of_experts or not on_gpu:
-            chosen = tuple(n for n in chosen if n not in _DECODE_EPILOGUES)
         if not on_gpu:  # on a CPU (the torch backend) rope_kv and noop are slower
-            chosen = tuple(n for n in chosen if n not in _ROPE_IN_ATTENTION)
+            chosen = tuple(n for n in chosen if n not in (*_DECODE_EPILOGUES, *_ROPE_IN_ATTENTION))
     else:
         chosen = tuple(n.strip() for n in re.split(r"[,+]", names) if n.strip())
     return chosen if on_gpu else tuple(n for n in chosen if n.partition("<=")[0].strip() not in CUDA_ONLY_PASSES)

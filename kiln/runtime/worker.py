@@ -120,8 +120,7 @@ class Worker:
         # CUDA graphs stay on under tensor parallelism: the all-reduces are captured with the rest of the step
         # background compiles swap artifacts on this rank alone: under tensor parallelism they compile up front
         self.compilation = self.config.compilation.resolve(self.device, self.config.scheduler.max_num_batched_tokens,
-                                                           background_supported=tp_size() == 1,
-                                                           mixture_of_experts=self.loaded.spec.moe is not None)
+                                                           background_supported=tp_size() == 1)
         if self.loaded.spec.quantization is not None:
             # Fused kernels keep a bf16 op's fp32 result and skip eager's downcast; an FP8 activation scale then
             # comes from the unrounded RMSNorm output and -O2's greedy tokens left -O0's (3 of 6 SmolLM2 prompts,

@@ -17,7 +17,7 @@ import re
 import sys
 
 
-def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool) -> dict:
+def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool, num_warps: int = 4) -> dict:
     """Compile `kernel` for sm90: `pointers` its pointer arguments' types, every other argument an i32."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -31,7 +31,7 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool) 
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                        attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 4, "launch_pdl": pdl})
+                              options={"num_warps": num_warps, "num_stages": 4, "launch_pdl": pdl})
     ptx = compiled.asm["ptx"]
     return {"wgmma": "wgmma" in ptx, "e4m3": "e4m3" in ptx, "bf16": "bf16" in ptx, "cp_async": "cp.async" in ptx,
             "shared": compiled.metadata.shared, "gdc_wait": "griddepcontrol.wait" in ptx,
@@ -79,7 +79,8 @@ def moe(name: str) -> dict:
 
     if name == "sum_pairs":
         pointers = {"y_ptr": "*bf16", "ids_ptr": "*i32", "out_ptr": "*bf16"}
-        return compile_sm90(kernels._sum_pairs_kernel, pointers, {"TOPK": 8, "BLOCK": 1024}, True)
+        constexprs = {"TOPK": 8, "BLOCK": kernels.SUM_BLOCK, "REMOTE": True}
+        return compile_sm90(kernels._sum_pairs_kernel, pointers, constexprs, True, num_warps=1)
     fp8 = name == "token_down_fp8"
     pointers = {"h_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "ws_ptr": "*fp32", "tw_ptr": "*fp32",
                 "ids_ptr": "*i32", "y_ptr": "*bf16"}

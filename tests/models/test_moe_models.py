@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import save_file
 
 from kiln import Runtime, SamplingParams
-from kiln.config import CompilationConfig
 from kiln.models.llama import MLP
 from kiln.models.moe import SparseMoeBlock
 from kiln.models.quant.fp8 import FP8_DTYPE
@@ -38,12 +37,9 @@ def expected(tiny_checkpoint) -> dict[str, list[list[int]]]:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_greedy_matches_transformers(preset: str, tiny_checkpoint, expected, monkeypatch) -> None:
+def test_greedy_matches_transformers(preset: str, tiny_checkpoint, expected) -> None:
     path, hf = tiny_checkpoint(preset)
-    resolved, resolve = [], CompilationConfig.resolve
-    monkeypatch.setattr(CompilationConfig, "resolve", lambda *a, **kw: resolved.append(kw) or resolve(*a, **kw))
     runtime = Runtime(str(path), level=0, device="cpu", dtype="fp32", max_num_batched_tokens=96)
-    assert [kw.get("mixture_of_experts") for kw in resolved] == [True]  # the MoE's own pass defaults
     kinds = [type(layer.mlp) for layer in runtime.engine.model.layers]
     assert kinds == ([SparseMoeBlock, MLP, SparseMoeBlock] if preset == "tiny-qwen3-moe" else [SparseMoeBlock] * 2)
     assert tokens(runtime) == expected[preset]

@@ -50,7 +50,10 @@ PAIR_BLOCK_TOKENS = 1
 # entry, 22.1 -> 20.7 against the heuristic's pair tiles), its decode at batch 1 3.31 -> 3.24 ms twice, arms
 # alternated (8 rows of 256 at that layer; one H100, 2026-12-06, docs/moe.md). KILN_MOE_STREAM=0: the table's config.
 STREAM_ONE_TOKEN = os.environ.get("KILN_MOE_STREAM", "1") == "1"
-SUM_BLOCK = 1024  # hidden elements a program of the grouped path's sum over a token's pairs
+# Hidden elements a program (one warp: a 16-byte vector a thread and pair row) of the grouped path's sum over a
+# token's pairs. Qwen3-30B-A3B's layer at 8 / 64 tokens: 1.5 / 2.2 us, against 5.0 / 5.4 with 1024 (16 programs at 8
+# tokens, a branch around each pair's load) and Inductor's 1.6 / 5.7 (one H100, 2026-12-07, bench_profile).
+SUM_BLOCK = 256
 
 
 def one_token_config(top_k: int, inter: int, hidden: int, element_bytes: int,
@@ -257,9 +260,10 @@ def _token_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, N
 
 @triton.jit
 def _sum_pairs_kernel(y_ptr, ids_ptr, out_ptr, H, NUM_E, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      REMOTE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token, block): out[token, block] = the sum of the token's k pair rows (y [T * k, H]) in fp32, rounded
-    once; a pair on another rank's expert (id >= NUM_E, its row never written) is skipped."""
+    once. REMOTE: a pair on another rank's expert (id >= NUM_E) has an unwritten row, read and replaced by zeros (a
+    branch around its load would serialize the k loads; the unmasked loads stay in flight together)."""
     pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -267,8 +271,10 @@ def _sum_pairs_kernel(y_ptr, ids_ptr, out_ptr, H, NUM_E, TOPK: tl.constexpr, BLO
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for slot in tl.static_range(TOPK):
         pair = token * TOPK + slot
-        if tl.load(ids_ptr + pair) < NUM_E:
-            acc += tl.load(y_ptr + pair * H + offs, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(y_ptr + pair * H + offs, mask=mask, other=0.0).to(tl.float32)
+        if REMOTE:
+            row = tl.where(tl.load(ids_ptr + pair) < NUM_E, row, 0.0)
+        acc += row
     tl.store(out_ptr + token * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -340,5 +346,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         BLOCK_K=config.block_k, SCALED=scaled, **layout, **launch)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
-        y, ids, out, hidden, num_experts, TOPK=top_k, BLOCK=SUM_BLOCK, **pdl_launch(x.device))
+        y, ids, out, hidden, num_experts, TOPK=top_k, BLOCK=SUM_BLOCK, REMOTE=remote_experts, num_warps=1,
+        **pdl_launch(x.device))
     return out
