@@ -88,10 +88,12 @@ def _load_rows(w_ptr, rows, N, K, s_wn, KP: tl.constexpr):
 
 
 @triton.jit
-def _finished_row(p_ptr, res_ptr, g_ptr, h_ptr, m, K, s_p, s_res, eps, store_k, offs_k, SPLITS: tl.constexpr):
+def _finished_row(p_ptr, res_ptr, g_ptr, h_ptr, n_ptr, m, K, s_p, s_res, eps, store_k, offs_k,
+                  SPLITS: tl.constexpr):
     """Token m's operand when a projection into the residual stream left its row unfinished: h = round(round(sum
-    of the SPLITS fp32 partials, in order) + residual), written by one program (`store_k`: K there, 0 elsewhere),
-    and g * round(h / rms(h)) rounded to 16 bits, as the add + RMSNorm row kernel (gemm_epilogues.py) rounds."""
+    of the SPLITS fp32 partials, in order) + residual) and the normalised row g * round(h / rms(h)) rounded to 16
+    bits, as the add + RMSNorm row kernel (gemm_epilogues.py) rounds; one program (`store_k`: K there, 0
+    elsewhere) writes both, h to h_ptr and the normalised row to n_ptr (for other ops that read it)."""
     k_mask = offs_k < K
     acc = tl.load(p_ptr + m * K + offs_k, mask=k_mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
@@ -103,11 +105,13 @@ def _finished_row(p_ptr, res_ptr, g_ptr, h_ptr, m, K, s_p, s_res, eps, store_k, 
     hf = h.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(hf * hf, 0) / K + eps)
     g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    return (g * (hf * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    normed = (g * (hf * inv).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(n_ptr + m * K + offs_k, normed, mask=offs_k < store_k)
+    return normed.to(tl.float32)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, s_xm, s_wn, s_om, res_ptr, g_ptr, h_ptr, s_p, s_res, eps,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, s_xm, s_wn, s_om, res_ptr, g_ptr, h_ptr, n_ptr, s_p, s_res, eps,
                  R: tl.constexpr, KP: tl.constexpr, MODE: tl.constexpr, SPLITS: tl.constexpr,
                  PDL: tl.constexpr = False):
     """Program (p, m): output columns [p R, p R + R) of token m, a dot over the whole of K. SPLITS > 0: x_ptr
@@ -121,8 +125,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, s_xm, s_wn, s_om, res_ptr, g_ptr, 
     mask = rows < N
     m = tl.program_id(1)
     if SPLITS > 0:
-        x = _finished_row(x_ptr, res_ptr, g_ptr, h_ptr, m, K, s_p, s_res, eps, tl.where(tl.program_id(0) == 0, K, 0),
-                          offs_k, SPLITS)
+        x = _finished_row(x_ptr, res_ptr, g_ptr, h_ptr, n_ptr, m, K, s_p, s_res, eps,
+                          tl.where(tl.program_id(0) == 0, K, 0), offs_k, SPLITS)
     else:
         x = tl.load(x_ptr + m * s_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
@@ -149,26 +153,30 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, mode: int = OUT) -> torch.Tensor
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    _launch(x, weight, out, mode, x.stride(0), (x, x, x, 0, 0, 0.0), 0)
+    _launch(x, weight, out, mode, x.stride(0), (x, x, x, x, 0, 0, 0.0), 0)
     return out
 
 
 def gemv_after_norm(partials: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, mode: int = OUT) -> tuple[torch.Tensor, torch.Tensor]:
+                    weight: torch.Tensor, mode: int = OUT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The projection `weight` of rms_norm(h) * norm_weight, h = the fp32 sums `partials` [splits, M, K] (a
     projection into the residual stream, unrounded) + residual [M, K], without the row kernel between them
-    -> (`gemv`'s output for that operand, h [M, K] in the residual's dtype)."""
+    -> (`gemv`'s output for that operand, h and the normalised row, each [M, K] in the residual's dtype)."""
     splits, m, k = partials.shape
     if residual.shape != (m, k) or residual.stride(-1) != 1 or norm_weight.shape != (k,) or weight.shape[1] != k:
         raise ValueError(f"residual {tuple(residual.shape)} / norm weight {tuple(norm_weight.shape)} / weight "
                          f"{tuple(weight.shape)}: expected ({m}, {k}) with unit last stride / ({k},) / (N, {k})")
     n = weight.shape[0] // 2 if mode == SILU_MUL else weight.shape[0]
-    out = torch.empty((m, n), dtype=residual.dtype, device=partials.device)
+    if mode == PARTIALS:
+        out = torch.empty((1, m, n), dtype=torch.float32, device=partials.device)
+    else:
+        out = torch.empty((m, n), dtype=residual.dtype, device=partials.device)
     summed = torch.empty((m, k), dtype=residual.dtype, device=partials.device)
+    normed = torch.empty_like(summed)
     if m and n:
-        _launch(partials, weight, out, mode, 0, (residual, norm_weight, summed, m * k, residual.stride(0), eps),
-                splits)
-    return out, summed
+        _launch(partials, weight, out, mode, 0,
+                (residual, norm_weight, summed, normed, m * k, residual.stride(0), eps), splits)
+    return out, summed, normed
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, mode: int, s_xm: int, norm: tuple,

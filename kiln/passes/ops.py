@@ -243,8 +243,9 @@ def gemm_add_rms_norm_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torc
         from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
 
         check_operands(x, weight)
-        return gemv.gemv_after_norm(gemm_partials(x, weight), residual, norm_weight, eps, next_weight,
-                                    gemv.SILU_MUL if silu_mul else gemv.OUT)
+        out, summed, _ = gemv.gemv_after_norm(gemm_partials(x, weight), residual, norm_weight, eps, next_weight,
+                                              gemv.SILU_MUL if silu_mul else gemv.OUT)
+        return out, summed
     normed, summed = gemm_add_rms_norm(x, weight, residual, norm_weight, eps)
     next_op = torch.ops.kiln.gate_up_silu_mul if silu_mul else torch.ops.kiln.dense_gemm
     return next_op(normed, next_weight), summed
@@ -254,6 +255,37 @@ def gemm_add_rms_norm_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torc
 def _gemm_add_rms_norm_gemm_fake(x, weight, residual, norm_weight, eps, next_weight, silu_mul):
     n = next_weight.shape[0] // 2 if silu_mul else next_weight.shape[0]
     return x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("kiln::gemm_add_rms_norm_route", mutates_args=())
+def gemm_add_rms_norm_route(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                            eps: float, gate_weight: torch.Tensor, top_k: int,
+                            renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kiln::gemm_add_rms_norm's normalised row into a MoE layer's router (kiln::moe_route) -> (the routing weights,
+    the expert ids, h, the normalised row, which the experts read). Where the router runs the matrix-vector kernel,
+    that kernel finishes the row (the sum, the add and the norm) before its dot and writes it for the experts: one
+    kernel fewer; otherwise the two ops."""
+    from kiln.models import dense_gemm, gemv
+
+    if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M \
+            and gemv.applies(x.shape[0], gate_weight.shape[0], gate_weight.shape[1], gate_weight.element_size()):
+        from kiln.models.fused_moe.routing_triton import top_k_of_partials
+        from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
+
+        check_operands(x, weight)
+        logits, summed, normed = gemv.gemv_after_norm(gemm_partials(x, weight), residual, norm_weight, eps,
+                                                      gate_weight, gemv.PARTIALS)
+        return (*top_k_of_partials(logits, x.dtype, top_k, renormalize), summed, normed)
+    from kiln.models.fused_moe.routing import moe_route
+
+    normed, summed = gemm_add_rms_norm(x, weight, residual, norm_weight, eps)
+    return (*moe_route(normed, gate_weight, top_k, renormalize), summed, normed)
+
+
+@gemm_add_rms_norm_route.register_fake
+def _gemm_add_rms_norm_route_fake(x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize):
+    shape, h = (x.shape[0], top_k), x.new_empty((x.shape[0], weight.shape[0]))
+    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int32), h, torch.empty_like(h)
 
 
 @torch.library.custom_op("kiln::fp8_gemm_add_rms_norm_quant", mutates_args=())

@@ -1,9 +1,10 @@
-"""The next projection takes the norm of kiln::gemm_add_rms_norm (kiln::gemm_add_rms_norm_gemm), on CUDA.
+"""The next projection takes the norm of kiln::gemm_add_rms_norm (kiln::gemm_add_rms_norm_gemm, _route), on CUDA.
 
 After gemm_add_rmsnorm a layer still runs, twice, a kernel a row between two GEMMs: the sum of the projection's
-split partials, the residual add and the norm, whose output only the next projection reads (the gate_up GEMM with
-its SiLU-mul, or the next layer's qkv GEMM). Matched in the post-grad graph, `kiln::gemm_add_rms_norm` whose
-normalised row feeds one `kiln::dense_gemm` or `kiln::gate_up_silu_mul` and nothing else becomes one op, whose
+split partials, the residual add and the norm, whose output the next projection reads (the gate_up GEMM with its
+SiLU-mul, the next layer's qkv GEMM, or a MoE layer's router). Matched in the post-grad graph,
+`kiln::gemm_add_rms_norm` whose normalised row feeds one `kiln::dense_gemm` or `kiln::gate_up_silu_mul` and nothing
+else, or a `kiln::moe_route` (and the experts, which then read the row the new op writes), becomes one op, whose
 second GEMM, where it is the matrix-vector kernel (kiln/models/gemv.py: small projections), finishes the row itself
 before its dot: one kernel fewer at decode sizes. (An MMA kernel computing that operand in its K loop was measured
 and removed: docs/passes.md.) Runs after gemm_add_rmsnorm and gate_up_silu_mul, whose ops it matches.
@@ -16,7 +17,7 @@ import operator
 import torch
 from torch import fx
 
-from kiln.passes.base import KilnPass, call_outputs, erase_if_dead, is_call, live_nodes, single_user
+from kiln.passes.base import KilnPass, call_outputs, erase_if_dead, is_call, live_nodes
 
 
 class RMSNormGemmPass(KilnPass):
@@ -24,6 +25,7 @@ class RMSNormGemmPass(KilnPass):
 
     def apply_post_grad(self, graph: fx.Graph) -> int:
         import kiln.models.dense_gemm  # noqa: F401 - registers kiln::dense_gemm
+        import kiln.models.fused_moe.routing  # noqa: F401 - registers kiln::moe_route
         import kiln.passes.ops  # noqa: F401 - registers the kiln ops matched and made here
 
         order = {node: i for i, node in enumerate(graph.nodes)}
@@ -42,15 +44,25 @@ def _takes_matrix_vector(weight: object) -> bool:
 
 
 def _rewrite(graph: fx.Graph, fused: fx.Node, order: dict[fx.Node, int]) -> bool:
-    """Rewrites `fused` and the projection after it when its normalised row feeds only that projection (whose
-    weight, a graph input, is defined before `fused`, where the new op goes)."""
+    """Rewrites `fused` and the projection after it when its normalised row feeds only that projection, or a router
+    among other users (the projection's weight, a graph input, is defined before `fused`, where the new op goes)."""
     outputs = {user.args[1]: user for user in fused.users if is_call(user, operator.getitem)}
     normed, summed = outputs.get(0), outputs.get(1)
-    if normed is None or len(outputs) != len(fused.users) or not single_user(normed):
+    if normed is None or len(outputs) != len(fused.users):
         return False
-    (consumer,) = normed.users
-    silu_mul = is_call(consumer, torch.ops.kiln.gate_up_silu_mul.default)
-    if not (silu_mul or is_call(consumer, torch.ops.kiln.dense_gemm.default)) or consumer.args[0] is not normed:
+    routers = [u for u in normed.users if is_call(u, torch.ops.kiln.moe_route.default) and u.args[0] is normed]
+    if len(routers) == 1:  # new op's outputs: the router's weights and ids, h, the row its other users read
+        (consumer,) = routers
+        op, extra = torch.ops.kiln.gemm_add_rms_norm_route.default, tuple(consumer.args[1:4])
+        if not all(is_call(user, operator.getitem) for user in consumer.users):
+            return False
+    elif len(normed.users) == 1:  # new op's outputs: the projection's, h
+        (consumer,) = normed.users
+        silu_mul = is_call(consumer, torch.ops.kiln.gate_up_silu_mul.default)
+        if not (silu_mul or is_call(consumer, torch.ops.kiln.dense_gemm.default)) or consumer.args[0] is not normed:
+            return False
+        op, extra = torch.ops.kiln.gemm_add_rms_norm_gemm.default, (consumer.args[1], silu_mul)
+    else:
         return False
     weight = consumer.args[1]
     if isinstance(weight, fx.Node) and order.get(weight, len(order)) > order[fused]:
@@ -58,10 +70,13 @@ def _rewrite(graph: fx.Graph, fused: fx.Node, order: dict[fx.Node, int]) -> bool
     if not _takes_matrix_vector(weight):  # the op would run the two ops it replaces: keep the graph as it is
         return False
     with graph.inserting_before(fused):
-        out, new_sum = call_outputs(graph, torch.ops.kiln.gemm_add_rms_norm_gemm.default,
-                                    (*fused.args, weight, silu_mul), 2)
-    consumer.replace_all_uses_with(out)
+        new = call_outputs(graph, op, (*fused.args, *extra), 4 if routers else 2)
+    taken = list(consumer.users) if routers else [consumer]
+    for node in taken:
+        node.replace_all_uses_with(new[node.args[1]] if routers else new[0])
+    if routers:
+        normed.replace_all_uses_with(new[3])
     if summed is not None:
-        summed.replace_all_uses_with(new_sum)
-    erase_if_dead(graph, [consumer, *outputs.values(), fused])
+        summed.replace_all_uses_with(new[2 if routers else 1])
+    erase_if_dead(graph, [*taken, consumer, *outputs.values(), fused])
     return True

@@ -74,7 +74,7 @@ def run_gemms(weights: Iterable[torch.Tensor], sizes: Iterable[int]) -> int:
 
 # (pass, weight rows, K, dtype, heads, KV heads, head_dim): a GEMM that a pass hands an epilogue
 # (kiln/models/gemm_epilogues.py); heads are 0 but for qkv_rope; for rmsnorm_gemm (kiln/models/gemv.py) the three
-# are (the splits of the partials it reads, whether it SiLU-muls, 0)
+# are (the splits of the partials it reads, the matrix-vector kernel's mode, 0)
 EpilogueShape = tuple[str, int, int, torch.dtype, int, int, int]
 
 
@@ -86,14 +86,16 @@ def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[Epilo
     passes, seen = set(passes), {}
     behind: torch.Tensor | None = None  # the last projection into the residual stream, whose norm the next GEMM reads
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock):  # its norm feeds the router and the experts: no rmsnorm_gemm there
-            behind = None
-        if isinstance(module, (MLP, Attention)) and "rmsnorm_gemm" in passes:
-            mlp = isinstance(module, MLP)
-            first = module.gate_up_proj.weight if mlp else module.qkv_proj.weight  # the GEMM after the norm
+        if isinstance(module, (MLP, Attention, SparseMoeBlock)) and "rmsnorm_gemm" in passes:
+            from kiln.models import gemv
+
+            mlp, moe = isinstance(module, MLP), isinstance(module, SparseMoeBlock)
+            # the GEMM after the norm: the router's sums (into its top-k), the gate_up's SiLU-mul or the qkv
+            first = module.gate.weight if moe else module.gate_up_proj.weight if mlp else module.qkv_proj.weight
+            mode = gemv.PARTIALS if moe else gemv.SILU_MUL if mlp else gemv.OUT
             if behind is not None and _served(behind) and _served(first) and _gemv_takes(first):
-                seen[("rmsnorm_gemm", *first.shape, first.dtype, _splits(behind), int(mlp), 0)] = None
-            behind = module.down_proj.weight if mlp else module.o_proj.weight
+                seen[("rmsnorm_gemm", *first.shape, first.dtype, _splits(behind), mode, 0)] = None
+            behind = None if moe else module.down_proj.weight if mlp else module.o_proj.weight
         if isinstance(module, (MLP, Attention)) and "gemm_add_rmsnorm" in passes:
             weight = module.down_proj.weight if isinstance(module, MLP) else module.o_proj.weight
             if _served(weight):
@@ -146,8 +148,7 @@ def run_epilogues(shapes: Iterable[EpilogueShape], sizes: Iterable[int], device:
 
                 if not _gemv_takes(weight, m):  # the op runs gemm_add_rmsnorm's kernels and the next GEMM's there
                     continue
-                gemv.gemv_after_norm(torch.zeros(heads, m, k, device=device), x, x.new_ones(k), 1e-6, weight,
-                                     gemv.SILU_MUL if kv_heads else gemv.OUT)
+                gemv.gemv_after_norm(torch.zeros(heads, m, k, device=device), x, x.new_ones(k), 1e-6, weight, kv_heads)
             else:
                 qkv_rope_triton(x, weight, torch.zeros(m, dtype=torch.int64, device=device),
                                 torch.zeros(2, head_dim, device=device), heads, kv_heads)

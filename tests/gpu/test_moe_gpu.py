@@ -88,3 +88,34 @@ def test_router_on_the_triton_gemm_agrees_with_cublas(tokens: int) -> None:
     kth = torch.topk(want, 8, dim=-1).values[:, -1:]
     picked = torch.topk(got, 8, dim=-1).indices
     assert (want.gather(1, picked) >= kth - 0.05).all()
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_norm_into_the_router_agrees_with_the_two_ops(tokens: int) -> None:
+    """kiln::gemm_add_rms_norm_route (the rmsnorm_gemm pass at a router) at Qwen3-30B-A3B's o projection and router:
+    one token on the matrix-vector kernel finishing the row, four on the two ops (the same values). At one token h
+    exactly the unfused op's, the normalised row (the experts read it) and the routing weights within a rounding,
+    each picked expert among the unfused top k up to the rounding of a logit."""
+    import kiln.passes.ops  # noqa: F401 - registers the fused ops
+    from kiln.models.fused_moe import routing
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    o = (torch.randn(2048, 4096, device="cuda", generator=g) * 0.02).bfloat16()
+    residual = torch.randn(tokens, 2048, device="cuda", generator=g).bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(2048, device="cuda", generator=g)).bfloat16()
+    gate = (torch.randn(128, 2048, device="cuda", generator=g) * 0.03).bfloat16()
+    weights, ids, h, normed = torch.ops.kiln.gemm_add_rms_norm_route(x, o, residual, norm_weight, 1e-6, gate, 8, True)
+    want_normed, want_h = torch.ops.kiln.gemm_add_rms_norm(x, o, residual, norm_weight, 1e-6)
+    want_weights, want_ids = routing.moe_route(want_normed, gate, 8, True)
+    assert torch.equal(h, want_h)
+    if tokens > 1:  # the two ops themselves
+        assert torch.equal(normed, want_normed) and torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+        return
+    torch.testing.assert_close(normed.float(), want_normed.float(), rtol=2 ** -7, atol=1e-3)
+    logits = routing.router_logits(want_normed, gate).float()
+    kth = torch.topk(logits, 8, dim=-1).values[:, -1:]
+    assert (logits.gather(1, ids.long()) >= kth - 0.05).all()
+    if torch.equal(ids.sort(-1).values, want_ids.sort(-1).values):  # the same experts: the same weights, rounded
+        torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), want_weights.gather(1, want_ids.argsort(-1)),
+                                   rtol=2e-2, atol=2e-3)

@@ -73,9 +73,10 @@ def test_a_tokens_sums_do_not_depend_on_the_batch() -> None:
     norm_weight = torch.ones(64, dtype=DTYPE, device=DEVICE)
     partials = gemv.gemv(x, w, gemv.PARTIALS)
     _, w_next = operands(1, 32, 64, 12)
-    out, h = gemv.gemv_after_norm(partials, x[:, :64].contiguous(), norm_weight, 1e-5, w_next)
-    alone, h_alone = gemv.gemv_after_norm(partials[:, 15:], x[15:, :64].contiguous(), norm_weight, 1e-5, w_next)
-    assert torch.equal(out[15:], alone) and torch.equal(h[15:], h_alone)
+    out, h, normed = gemv.gemv_after_norm(partials, x[:, :64].contiguous(), norm_weight, 1e-5, w_next)
+    alone, h_alone, normed_alone = gemv.gemv_after_norm(partials[:, 15:], x[15:, :64].contiguous(), norm_weight,
+                                                        1e-5, w_next)
+    assert torch.equal(out[15:], alone) and torch.equal(h[15:], h_alone) and torch.equal(normed[15:], normed_alone)
 
 
 def test_calls_taken_and_the_entry_points_that_hand_them_over(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,11 +106,12 @@ def test_calls_taken_and_the_entry_points_that_hand_them_over(monkeypatch: pytes
     assert not calls and not gemv.applies(1, 960, 576, 2)
 
 
-@pytest.mark.parametrize("mode", [gemv.OUT, gemv.SILU_MUL])
+@pytest.mark.parametrize("mode", [gemv.OUT, gemv.SILU_MUL, gemv.PARTIALS])
 def test_after_norm_finishes_the_row_the_projection_before_left(mode: int) -> None:
     """gemv_after_norm (the rmsnorm_gemm pass) from the partials of a split and of a whole-K projection: h exactly
-    the add + RMSNorm row kernel's, the projection of the normalised row within a rounding of the two kernels'
-    (the sum of squares runs in another order)."""
+    the add + RMSNorm row kernel's; the normalised row it writes (a MoE layer's experts read it) and the projection
+    of it (a router's fp32 sums: PARTIALS) within a rounding of the two kernels' (the sum of squares runs in another
+    order)."""
     from kiln.models.gemm_epilogues import gemm_add_rms_norm_triton
 
     m, n, k = 3, 100, 192
@@ -121,8 +123,9 @@ def test_after_norm_finishes_the_row_the_projection_before_left(mode: int) -> No
     for config in (fp8_kernel.Fp8GemmConfig(32, 64, 2, 4, 2), fp8_kernel.Fp8GemmConfig(32, 64, 1, 4, 2)):
         normed, summed = gemm_add_rms_norm_triton(x, w, residual, norm_weight, 1e-5, config)
         partials = fp8_kernel.gemm_partials(x, w, config=config)
-        out, h = gemv.gemv_after_norm(partials, residual, norm_weight, 1e-5, w_next, mode)
+        out, h, row = gemv.gemv_after_norm(partials, residual, norm_weight, 1e-5, w_next, mode)
         assert torch.equal(h, summed)
+        torch.testing.assert_close(row.double(), normed.double(), **TOLERANCE)
         torch.testing.assert_close(out.double(), gemv.gemv(normed, w_next, mode).double(), **TOLERANCE)
     with pytest.raises(ValueError, match="residual"):
         gemv.gemv_after_norm(partials, residual[:, :-1], norm_weight, 1e-5, w_next)

@@ -101,6 +101,12 @@ def test_moe_shapes_are_the_distinct_expert_layers() -> None:
         return
     assert shapes == [(8, 32, 64, 2, torch.bfloat16, torch.bfloat16, False, 8, False)]  # two sparse layers, one shape
     assert run_moe(shapes, [1, 4, 64], DEVICE) == 3
+    from kiln.models import gemv  # the rmsnorm_gemm pass's router: its sums from the row it finishes, one token
+
+    router = model.layers[0].mlp.gate.weight
+    routes = [s for s in epilogue_shapes(model, ("rmsnorm_gemm",)) if s[5] == gemv.PARTIALS]
+    assert [s[:4] for s in routes] == [("rmsnorm_gemm", *router.shape, router.dtype)]
+    assert run_epilogues(routes, [1, 4], DEVICE) == 1
 
 
 def test_the_warmup_leaves_other_backends_alone() -> None:

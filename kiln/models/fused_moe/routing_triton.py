@@ -75,8 +75,14 @@ def moe_route_triton(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
     from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
 
     check_operands(x, gate_weight)
-    partials = gemm_partials(x, gate_weight)
-    return _top_k(partials, partials.shape[0], x.dtype, top_k, renormalize)
+    return top_k_of_partials(gemm_partials(x, gate_weight), x.dtype, top_k, renormalize)
+
+
+def top_k_of_partials(partials: torch.Tensor, logit_dtype: torch.dtype, top_k: int,
+                      renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router GEMM's fp32 partials [splits, T, E] (summed in order, rounded to `logit_dtype`) -> (weights,
+    ids)."""
+    return _top_k(partials, partials.shape[0], logit_dtype, top_k, renormalize)
 
 
 def _top_k(source: torch.Tensor, splits: int, logit_dtype: torch.dtype, top_k: int,
