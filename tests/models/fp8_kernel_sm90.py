@@ -4,8 +4,8 @@ Run as its own process by tests/models/test_fp8_kernel.py: Triton must be import
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
     python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1) [PROMOTE (default 128)]
-    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8
-                                                 the epilogue kernels (kiln/models/gemm_epilogues.py)
+    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8|gemv_route
+                                                 the epilogue kernels (kiln/models/gemm_epilogues.py, gemv.py)
     python -m tests.models.fp8_kernel_sm90 token_down|token_down_fp8|sum_pairs
                                                  the MoE op's summing kernels (kiln/models/fused_moe/kernels.py)
 """
@@ -36,7 +36,8 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool, 
     return {"wgmma": "wgmma" in ptx, "e4m3": "e4m3" in ptx, "bf16": "bf16" in ptx, "cp_async": "cp.async" in ptx,
             "shared": compiled.metadata.shared, "gdc_wait": "griddepcontrol.wait" in ptx,
             "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl),
-            "add_f32": len(re.findall(r"\badd(\.rn)?\.f32\b", ptx)), "ld_v4": ptx.count("ld.global.v4.b32")}
+            "add_f32": len(re.findall(r"\badd(\.rn)?\.f32\b", ptx)), "ld_v4": ptx.count("ld.global.v4.b32"),
+            "ld_v4_before_wait": ptx.partition("griddepcontrol.wait")[0].count("ld.global.v4.b32")}
 
 
 def fp8_gemm(block_m: int, split: bool, pdl: bool, promote: int = 128) -> dict:
@@ -63,6 +64,12 @@ def epilogue(name: str) -> dict:
                     **dict.fromkeys(("eps", "fp8_max", "min_scale"), "fp32")}
         return compile_sm90(gemm_epilogues._add_rms_norm_rows_kernel, pointers,
                             {"SPLIT_K": 4, "SCALED": fp8, "QUANT": fp8, "BLOCK": 4096}, True)
+    if name == "gemv_route":  # the matrix-vector kernel finishing a split-K projection's row, a router's sums out
+        from kiln.models import gemv
+
+        pointers = {**dict.fromkeys(("x_ptr", "out_ptr"), "*fp32"), "eps": "fp32",
+                    **dict.fromkeys(("w_ptr", "res_ptr", "g_ptr", "h_ptr", "n_ptr"), "*bf16")}
+        return compile_sm90(gemv._gemv_kernel, pointers, {"R": 4, "KP": 2048, "MODE": gemv.PARTIALS, "SPLITS": 4}, True)
     if name == "gate_up":
         pointers = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr"), "*bf16")
         return compile_sm90(gemm_epilogues._gate_up_silu_mul_kernel, pointers, {**tile, "EVEN_N": True}, True)
