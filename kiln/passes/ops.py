@@ -228,6 +228,22 @@ def _gemm_add_rms_norm_fake(x, weight, residual, norm_weight, eps):
     return out, torch.empty_like(out)
 
 
+def _norm_in_matrix_vector(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                           eps: float, next_weight: torch.Tensor,
+                           mode: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """gemv.gemv_after_norm's (output, h, normalised row) where the next projection runs the matrix-vector kernel,
+    which finishes the row x @ weight^T + residual left unfinished (the sum, the add and the norm); else None."""
+    from kiln.models import dense_gemm, gemv
+
+    if not (x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M
+            and gemv.applies(x.shape[0], next_weight.shape[0], next_weight.shape[1], next_weight.element_size())):
+        return None
+    from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
+
+    check_operands(x, weight)
+    return gemv.gemv_after_norm(gemm_partials(x, weight), residual, norm_weight, eps, next_weight, mode)
+
+
 @torch.library.custom_op("kiln::gemm_add_rms_norm_gemm", mutates_args=())
 def gemm_add_rms_norm_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                            eps: float, next_weight: torch.Tensor,
@@ -236,16 +252,12 @@ def gemm_add_rms_norm_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torc
     kiln::dense_gemm(normed, next_weight), or with silu_mul kiln::gate_up_silu_mul(normed, next_weight). Where the
     next projection runs the matrix-vector kernel (kiln/models/gemv.py), that kernel finishes the row itself (the sum,
     the add and the norm) before its dot: one kernel fewer; otherwise the two ops."""
-    from kiln.models import dense_gemm, gemv
+    from kiln.models import gemv
 
-    if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M \
-            and gemv.applies(x.shape[0], next_weight.shape[0], next_weight.shape[1], next_weight.element_size()):
-        from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
-
-        check_operands(x, weight)
-        out, summed, _ = gemv.gemv_after_norm(gemm_partials(x, weight), residual, norm_weight, eps, next_weight,
-                                              gemv.SILU_MUL if silu_mul else gemv.OUT)
-        return out, summed
+    fused = _norm_in_matrix_vector(x, weight, residual, norm_weight, eps, next_weight,
+                                   gemv.SILU_MUL if silu_mul else gemv.OUT)
+    if fused is not None:
+        return fused[0], fused[1]
     normed, summed = gemm_add_rms_norm(x, weight, residual, norm_weight, eps)
     next_op = torch.ops.kiln.gate_up_silu_mul if silu_mul else torch.ops.kiln.dense_gemm
     return next_op(normed, next_weight), summed
@@ -265,16 +277,13 @@ def gemm_add_rms_norm_route(x: torch.Tensor, weight: torch.Tensor, residual: tor
     the expert ids, h, the normalised row, which the experts read). Where the router runs the matrix-vector kernel,
     that kernel finishes the row (the sum, the add and the norm) before its dot and writes it for the experts: one
     kernel fewer; otherwise the two ops."""
-    from kiln.models import dense_gemm, gemv
+    from kiln.models import gemv
 
-    if x.is_cuda and x.shape[0] <= dense_gemm.TRITON_MAX_M \
-            and gemv.applies(x.shape[0], gate_weight.shape[0], gate_weight.shape[1], gate_weight.element_size()):
+    fused = _norm_in_matrix_vector(x, weight, residual, norm_weight, eps, gate_weight, gemv.PARTIALS)
+    if fused is not None:
         from kiln.models.fused_moe.routing_triton import top_k_of_partials
-        from kiln.models.quant.fp8_kernel import check_operands, gemm_partials
 
-        check_operands(x, weight)
-        logits, summed, normed = gemv.gemv_after_norm(gemm_partials(x, weight), residual, norm_weight, eps,
-                                                      gate_weight, gemv.PARTIALS)
+        logits, summed, normed = fused
         return (*top_k_of_partials(logits, x.dtype, top_k, renormalize), summed, normed)
     from kiln.models.fused_moe.routing import moe_route
 

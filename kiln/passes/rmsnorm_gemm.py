@@ -71,12 +71,12 @@ def _rewrite(graph: fx.Graph, fused: fx.Node, order: dict[fx.Node, int]) -> bool
         return False
     with graph.inserting_before(fused):
         new = call_outputs(graph, op, (*fused.args, *extra), 4 if routers else 2)
-    taken = list(consumer.users) if routers else [consumer]
-    for node in taken:
-        node.replace_all_uses_with(new[node.args[1]] if routers else new[0])
-    if routers:
-        normed.replace_all_uses_with(new[3])
-    if summed is not None:
-        summed.replace_all_uses_with(new[2 if routers else 1])
-    erase_if_dead(graph, [*taken, consumer, *outputs.values(), fused])
+    if routers:  # the router's weights and ids; the experts (and any other user) read the op's normalised row
+        uses = {**{user: new[user.args[1]] for user in consumer.users}, normed: new[3], summed: new[2]}
+    else:
+        uses = {consumer: new[0], summed: new[1]}
+    uses.pop(None, None)  # summed, where nothing read h
+    for node, value in uses.items():
+        node.replace_all_uses_with(value)
+    erase_if_dead(graph, [*uses, consumer, *outputs.values(), fused])
     return True

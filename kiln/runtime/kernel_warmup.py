@@ -85,10 +85,10 @@ def epilogue_shapes(model: torch.nn.Module, passes: Iterable[str]) -> list[Epilo
 
     passes, seen = set(passes), {}
     behind: torch.Tensor | None = None  # the last projection into the residual stream, whose norm the next GEMM reads
+    if "rmsnorm_gemm" in passes:
+        from kiln.models import gemv  # triton: imported where the pass is on (on a GPU)
     for module in model.modules():
         if isinstance(module, (MLP, Attention, SparseMoeBlock)) and "rmsnorm_gemm" in passes:
-            from kiln.models import gemv
-
             mlp, moe = isinstance(module, MLP), isinstance(module, SparseMoeBlock)
             # the GEMM after the norm: the router's sums (into its top-k), the gate_up's SiLU-mul or the qkv
             first = module.gate.weight if moe else module.gate_up_proj.weight if mlp else module.qkv_proj.weight
