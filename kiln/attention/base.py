@@ -63,9 +63,6 @@ class AttentionBackend(ABC):
     supports_rope: ClassVar[bool] = False
     # reads and writes a float8_e4m3fn cache with per-layer scales (kiln/models/kv_quant.py)
     supports_fp8_kv: ClassVar[bool] = False
-    # forward() / forward_rope() take `prefetch`, the weight read next, for L2 while a decode step attends
-    # (kiln/attention/l2_prefetch.py)
-    supports_l2_prefetch: ClassVar[bool] = False
     # a captured FULL graph replays only after build_metadata ran for the step (its plan writes buffers the graph
     # reads, as FlashInfer's does); False: the graph reads nothing but the runner's input buffers, so a replay
     # skips it (tens of microseconds of the host's time on a step's critical path)

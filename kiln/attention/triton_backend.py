@@ -22,7 +22,6 @@ import numpy as np
 import torch
 import triton
 
-from kiln.attention import l2_prefetch
 from kiln.attention import triton_kernels as K
 from kiln.attention.base import (
     AttentionBackend,
@@ -171,7 +170,6 @@ class TritonAttentionBackend(AttentionBackend):
     # fixed per captured size
     replay_needs_metadata = False
     supports_rope = True  # the decode kernel rotates (and norms) q and the new key itself
-    supports_l2_prefetch = True
 
     @classmethod
     def unsupported_reason(cls, layout: AttentionLayout, device: torch.device) -> str | None:
@@ -200,7 +198,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._part_out = torch.empty(0, dtype=torch.float32, device=device)
         self._part_lse = torch.empty(0, dtype=torch.float32, device=device)
         self._retired: list[torch.Tensor] = []
-        self.l2_side = l2_prefetch.SideStream(device)  # `prefetch`'s stream
         self._prefill_cfg = self._prefill_config()
         # a mixed batch with at least this many leading decodes sends them to the decode kernel: in the
         # varlen kernel each takes a whole q-tile of BLOCK_Q token rows per KV head for one token (0: never;
@@ -293,17 +290,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TritonMetadata, k_scale: float = 1.0, v_scale: float = 1.0,
-                rope: Rope | None = None, prefetch: torch.Tensor | None = None) -> None:
-        """`rope`: forward_rope's decode step, q and k before their rotation. `prefetch`: the weight the layer
-        reads next, asked of L2 before a small decode step's kernel (kiln/attention/l2_prefetch.py)."""
+                rope: Rope | None = None) -> None:
+        """`rope`: forward_rope's decode step, q and k before their rotation."""
         common = metadata.common
-        self.l2_side.join()  # the layer before's fork, if any (kiln/attention/l2_prefetch.py)
         assert out.stride(-1) == 1
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         scales = (float(k_scale), float(v_scale)) if _is_fp8(kv_cache) else (1.0, 1.0)
         if common.uniform_decode and common.num_reqs > 0:
-            if prefetch is not None and l2_prefetch.applies(prefetch, common.num_reqs):
-                self.l2_side.prefetch(prefetch)
             self._decode(q, k, v, out, kv_cache, metadata, *scales, rope=rope)  # writes the new K/V itself
             return
         if metadata.query_len > 1:  # the decode kernel reads every new key from the cache
@@ -323,13 +316,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      kv_cache: torch.Tensor, metadata: TritonMetadata, rope: Rope, k_scale: float = 1.0,
-                     v_scale: float = 1.0, prefetch: torch.Tensor | None = None) -> bool:
+                     v_scale: float = 1.0) -> bool:
         """A decode step's kernel rotates (and norms) q and the new key itself; other steps are the caller's."""
         common = metadata.common
         if not (common.uniform_decode and common.num_reqs > 0 and metadata.query_len == 1) \
                 or rope.cos_sin_cache.shape[-1] != self.layout.head_dim or self.layout.head_dim % 2:
             return False
-        self.forward(q, k, v, out, kv_cache, metadata, k_scale, v_scale, rope=rope, prefetch=prefetch)
+        self.forward(q, k, v, out, kv_cache, metadata, k_scale, v_scale, rope=rope)
         return True
 
     def _common_args(self, kv_cache: torch.Tensor, common: CommonAttentionMetadata) -> tuple:

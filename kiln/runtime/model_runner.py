@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kiln.attention import l2_prefetch
 from kiln.attention.base import AttentionBackend, CommonAttentionMetadata
 from kiln.compiler.cuda_graphs import BatchDescriptor, GraphDispatcher, GraphedCallable, RunMode, piecewise_graphs
 from kiln.models.forward_context import ForwardContext, Rope, set_forward_context
@@ -122,7 +121,6 @@ class ModelRunner:
         self._row_owner: list[list[int] | None] = [None] * max_num_seqs  # whose block ids each row holds
         self._row_blocks: list[int] = [0] * max_num_seqs  # how many of its block ids are written there
         self.backend = backend
-        self._prefetch: dict[int, torch.Tensor] | None = None  # _prefetch_weights()
         self.kv_cache = kv_cache  # [num_layers, num_blocks, 2, block_size, Hkv, D]; None until the worker sizes it
         self.block_size = block_size
         self.device = device
@@ -368,36 +366,19 @@ class ModelRunner:
         return input_upload.IN_GRAPH and not self.backend.replay_needs_metadata
 
     # -- forward -------------------------------------------------------------------------------------
-    def _prefetch_weights(self) -> dict[int, torch.Tensor]:
-        """Per layer but the last, the weight its attention's output meets next (the o projection's), for a backend
-        that asks L2 for it while a small decode step attends (kiln/attention/l2_prefetch.py: the last layer forks no
-        prefetch, so a forward ends joined); found once the weights are in."""
-        if self._prefetch is None:
-            self._prefetch = {} if not (self.backend.supports_l2_prefetch and l2_prefetch.MAX_REQS) else {
-                m.layer_idx: m.o_proj.weight for m in self.model.modules()
-                if isinstance(getattr(m, "layer_idx", None), int)
-                and isinstance(getattr(getattr(m, "o_proj", None), "weight", None), torch.Tensor)}
-            self._prefetch.pop(max(self._prefetch, default=None), None)
-        return self._prefetch
-
     def forward_context(self, metadata: CommonAttentionMetadata, num_tokens: int) -> ForwardContext:
         backend_metadata = self.backend.build_metadata(metadata)
         kv_cache, backend, kv_scales = self.kv_cache, self.backend, self.kv_scales
-        prefetch = self._prefetch_weights()
-
-        def extra(layer_idx: int) -> dict[str, torch.Tensor]:
-            return {"prefetch": prefetch[layer_idx]} if layer_idx in prefetch else {}
 
         def run_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                           out: torch.Tensor) -> None:
             scales = kv_scales[layer_idx] if kv_scales is not None else (1.0, 1.0)
-            backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata, *scales, **extra(layer_idx))
+            backend.forward(q, k, v, out, kv_cache[layer_idx], backend_metadata, *scales)
 
         def run_rope_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                rope: Rope) -> bool:
             scales = kv_scales[layer_idx] if kv_scales is not None else (1.0, 1.0)
-            return backend.forward_rope(q, k, v, out, kv_cache[layer_idx], backend_metadata, rope, *scales,
-                                        **extra(layer_idx))
+            return backend.forward_rope(q, k, v, out, kv_cache[layer_idx], backend_metadata, rope, *scales)
 
         return ForwardContext(attention=run_attention, metadata=backend_metadata, num_tokens=num_tokens,
                               kv_caches=kv_cache, slot_mapping=metadata.slot_mapping,

@@ -102,27 +102,3 @@ def test_pdl_matches_plain_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dict(pdl.engine.worker.compilation.inductor_options)["triton.enable_pdl"] is True
     assert generate_staggered(pdl, prompts) == expected
     assert pdl.engine.graph_replays["FULL"] > 0
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="the L2 prefetch rides on programmatic dependent launch (compute capability 9)")
-def test_l2_prefetch_leaves_tokens_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The o projection's weight asked of L2 from a side stream during small decode steps
-    (kiln/attention/l2_prefetch.py): the same greedy tokens as without, FULL and PIECEWISE graphs on (a capture fails
-    on a fork left unjoined), the prefetch launched, and no fork left open after a step."""
-    from kiln.attention import l2_prefetch
-
-    common = dict(device="cuda", dtype="bf16", level=2, max_num_batched_tokens=256, max_num_seqs=32,
-                  kv_cache_bytes=256 << 20, cudagraph_capture_sizes=SIZES)
-    monkeypatch.setattr(l2_prefetch, "MAX_REQS", 0)
-    plain = Runtime("smollm2-135m", **common)
-    prompts = random_prompts([5, 17, 1, 40, 9, 3, 60, 2], plain.engine.loaded.spec.vocab_size, seed=7)
-    expected = generate_staggered(plain, prompts)
-    launched = []
-    monkeypatch.setattr(l2_prefetch, "MAX_REQS", 8)
-    run = l2_prefetch.SideStream.prefetch
-    monkeypatch.setattr(l2_prefetch.SideStream, "prefetch", lambda side, w: (launched.append(w), run(side, w)))
-    prefetching = Runtime("smollm2-135m", **common)
-    assert generate_staggered(prefetching, prompts) == expected
-    assert launched and prefetching.engine.graph_replays["FULL"] > 0
-    assert not prefetching.engine.runner.backend.l2_side.forked

@@ -8,7 +8,6 @@ may have imported it under the interpreter.
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py, gemv.py)
     python -m tests.models.fp8_kernel_sm90 token_down|token_down_fp8|sum_pairs
                                                  the MoE op's summing kernels (kiln/models/fused_moe/kernels.py)
-    python -m tests.models.fp8_kernel_sm90 l2_prefetch    kiln/attention/l2_prefetch.py's kernel
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool, 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = {**constexprs, **({"PDL": pdl} if "PDL" in kernel.arg_names else {})}
+    constexprs = {**constexprs, "PDL": pdl}
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in kernel.arg_names}
     # what Triton assumes at a launch on real shapes: 16-byte aligned pointers, sizes and strides divisible by 16
     aligned = [i for i, name in enumerate(kernel.arg_names)
@@ -38,9 +37,7 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool, 
             "shared": compiled.metadata.shared, "gdc_wait": "griddepcontrol.wait" in ptx,
             "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl),
             "add_f32": len(re.findall(r"\badd(\.rn)?\.f32\b", ptx)), "ld_v4": ptx.count("ld.global.v4.b32"),
-            "ld_v4_before_wait": ptx.partition("griddepcontrol.wait")[0].count("ld.global.v4.b32"),
-            "bulk_prefetch": ptx.count("cp.async.bulk.prefetch.L2"),
-            "bulk_prefetch_before_wait": ptx.partition("griddepcontrol.wait")[0].count("cp.async.bulk.prefetch.L2")}
+            "ld_v4_before_wait": ptx.partition("griddepcontrol.wait")[0].count("ld.global.v4.b32")}
 
 
 def fp8_gemm(block_m: int, split: bool, pdl: bool, promote: int = 128) -> dict:
@@ -99,18 +96,8 @@ def moe(name: str) -> dict:
                                                                "MASKED": False}, True)
 
 
-def l2_prefetch() -> dict:
-    """The kernel asking L2 for the o projection's weight during a decode step's attention (one warp)."""
-    from kiln.attention import l2_prefetch as prefetch
-
-    return compile_sm90(prefetch._l2_prefetch_kernel, {"ptr": "*u8"},
-                        {"CHUNK": prefetch.CHUNK_BYTES, "PER_PROGRAM": prefetch.CHUNKS_PER_PROGRAM}, False, num_warps=1)
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "l2_prefetch":
-        print(json.dumps(l2_prefetch()))
-    elif sys.argv[1].startswith(("token_down", "sum_pairs")):
+    if sys.argv[1].startswith(("token_down", "sum_pairs")):
         print(json.dumps(moe(sys.argv[1])))
     elif sys.argv[1].isdigit():
         print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])),
