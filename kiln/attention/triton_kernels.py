@@ -333,10 +333,11 @@ def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
     sp_mask = sp < NUM_SPLITS
     row = (token * tl.num_programs(1) + head) * NUM_SPLITS + sp
     lse = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    # issued with the log-sum-exps, not after their max (the PTX order; an L2 round trip of its own there)
     part = tl.load(part_o_ptr + row[:, None].to(tl.int64) * HEAD_DIM + d[None, :], cache_modifier=".cg",
                    mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
     total = tl.sum(w, axis=0)
     merged = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),

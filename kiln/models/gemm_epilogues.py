@@ -197,23 +197,28 @@ def _add_rms_norm_rows_kernel(p_ptr, xs_ptr, ws_ptr, res_ptr, w_ptr, out_ptr, sc
     """Program m: h = round(sum over splits, in order, of partial[s, m] [* x_scale[m] * w_scale]) + residual[m],
     rounded (the plain GEMM's output, then the add, as the unfused graph rounds them); y = w * round(h * rsqrt(mean(h^2)
     + eps)), written as it is or (QUANT) quantized per token as quantize_per_token does: scale = max(amax|y| / 448,
-    min_scale), e4m3(clamp(y / scale))."""
-    pdl_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    min_scale), e4m3(clamp(y / scale)). The weights (norm and scales) are loaded before the PDL wait: no kernel of a
+    step writes them, and loaded after the row's reduction they cost a DRAM round trip of their own."""
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        ws = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    else:  # unread
+        ws = w
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
     acc = tl.load(p_ptr + row * N + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptr + s * s_p + row * N + offs, mask=mask, other=0.0)
     if SCALED:  # in the order the FP8 GEMM applies its scales
-        acc = acc * tl.load(xs_ptr + row) * tl.load(ws_ptr + offs, mask=mask, other=0.0)
+        acc = acc * tl.load(xs_ptr + row) * ws
     dtype = sum_ptr.dtype.element_ty
     res = tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
     h = (acc.to(dtype).to(tl.float32) + res).to(dtype)
     tl.store(sum_ptr + row * N + offs, h, mask=mask)
     hf = h.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(hf * hf, 0) / N + eps)  # Inductor's arithmetic for the unfused norm
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (w * (hf * inv).to(dtype).to(tl.float32)).to(dtype)
     if QUANT:
         yf = y.to(tl.float32)

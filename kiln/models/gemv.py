@@ -88,12 +88,13 @@ def _load_rows(w_ptr, rows, N, K, s_wn, KP: tl.constexpr):
 
 
 @triton.jit
-def _finished_row(p_ptr, res_ptr, g_ptr, h_ptr, n_ptr, m, K, s_p, s_res, eps, store_k, offs_k,
+def _finished_row(p_ptr, res_ptr, g, h_ptr, n_ptr, m, K, s_p, s_res, eps, store_k, offs_k,
                   SPLITS: tl.constexpr):
     """Token m's operand when a projection into the residual stream left its row unfinished: h = round(round(sum
     of the SPLITS fp32 partials, in order) + residual) and the normalised row g * round(h / rms(h)) rounded to 16
-    bits, as the add + RMSNorm row kernel (gemm_epilogues.py) rounds; one program (`store_k`: K there, 0
-    elsewhere) writes both, h to h_ptr and the normalised row to n_ptr (for other ops that read it)."""
+    bits (g: the norm's weight, fp32, loaded before the PDL wait), as the add + RMSNorm row kernel
+    (gemm_epilogues.py) rounds; one program (`store_k`: K there, 0 elsewhere) writes both, h to h_ptr and the
+    normalised row to n_ptr (for other ops that read it)."""
     k_mask = offs_k < K
     acc = tl.load(p_ptr + m * K + offs_k, mask=k_mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
@@ -104,7 +105,6 @@ def _finished_row(p_ptr, res_ptr, g_ptr, h_ptr, n_ptr, m, K, s_p, s_res, eps, st
     tl.store(h_ptr + m * K + offs_k, h, mask=offs_k < store_k)
     hf = h.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(hf * hf, 0) / K + eps)
-    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     normed = (g * (hf * inv).to(dtype).to(tl.float32)).to(dtype)
     tl.store(n_ptr + m * K + offs_k, normed, mask=offs_k < store_k)
     return normed.to(tl.float32)
@@ -117,15 +117,17 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, s_xm, s_wn, s_om, res_ptr, g_ptr, 
     """Program (p, m): output columns [p R, p R + R) of token m, a dot over the whole of K. SPLITS > 0: x_ptr
     holds a projection's fp32 partials and the token's operand is `_finished_row`'s."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
+    offs_k = tl.arange(0, KP)
     w = _load_rows(w_ptr, rows, N, K, s_wn, KP)  # before the wait: weights are never written during a step
     if MODE == 2:
         w_up = _load_rows(w_ptr + N * s_wn, rows, N, K, s_wn, KP)
+    if SPLITS > 0:  # the norm's weight too (after the row's reduction it would cost a DRAM round trip of its own)
+        g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     pdl_start(PDL)
-    offs_k = tl.arange(0, KP)
     mask = rows < N
     m = tl.program_id(1)
     if SPLITS > 0:
-        x = _finished_row(x_ptr, res_ptr, g_ptr, h_ptr, n_ptr, m, K, s_p, s_res, eps,
+        x = _finished_row(x_ptr, res_ptr, g, h_ptr, n_ptr, m, K, s_p, s_res, eps,
                           tl.where(tl.program_id(0) == 0, K, 0), offs_k, SPLITS)
     else:
         x = tl.load(x_ptr + m * s_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)

@@ -210,12 +210,14 @@ def sm90_ptx(*args: str) -> dict:
 def test_kernel_compiles_for_hopper_to_pipelined_fp8_wgmma(block_m: int, split: bool, pdl: bool) -> None:
     """Ahead-of-time compile for sm90 (no GPU needed): the tile must become fp8 wgmma fed by multi-stage async
     copies, or the kernel cannot stream the weight at bandwidth (a mask along K, say, silently drops that); with
-    PDL (kiln/models/pdl.py) its launch is marked so and it waits for, then releases, its neighbours."""
+    PDL (kiln/models/pdl.py) its launch is marked so and it waits for, then releases, its neighbours; the scales
+    are loaded before the K loop, not after it (where they would cost every program a DRAM round trip at its end)."""
     ptx = sm90_ptx(str(block_m), str(int(split)), str(int(pdl)))
     assert ptx["wgmma"] and ptx["e4m3"] and ptx["cp_async"], ptx
     stage_bytes = 64 * 256 + block_m * 256  # one W tile and one X tile of e4m3
     assert ptx["shared"] >= 3 * stage_bytes, ptx  # several stages in flight, not one buffer
     assert ptx["gdc_wait"] == ptx["gdc_launch"] == ptx["launch_pdl"] == pdl, ptx
+    assert ptx["ld_after_barrier"] == 0, ptx
 
 
 def test_promotion_interval_sets_the_fp32_adds_of_a_k_step() -> None:

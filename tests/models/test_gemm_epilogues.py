@@ -200,7 +200,10 @@ def test_epilogue_kernels_compile_for_hopper_to_pipelined_wgmma(kernel: str) -> 
 @pytest.mark.parametrize("kernel", ["rows", "rows_fp8"])
 def test_the_add_norm_row_kernel_compiles_for_hopper_with_pdl(kernel: str) -> None:
     """Ahead-of-time compile for sm90 of the row kernel after the split-K GEMM (the FP8 form writing e4m3): it
-    compiles (the interpreter accepts code a GPU compile rejects) and takes part in PDL."""
+    compiles (the interpreter accepts code a GPU compile rejects), takes part in PDL, loads its weights (the norm's,
+    the FP8 scales) before the wait and nothing once the row's reductions have begun (a load there is a DRAM round
+    trip the kernel's end waits for)."""
     ptx = sm90_ptx(kernel)
     assert ptx["bf16"] and ptx["e4m3"] == (kernel == "rows_fp8"), ptx
     assert ptx["gdc_wait"] and ptx["gdc_launch"] and ptx["launch_pdl"], ptx
+    assert ptx["ld_v4_before_wait"] > 0 and ptx["ld_after_barrier"] == 0, ptx

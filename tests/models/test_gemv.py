@@ -152,9 +152,11 @@ def test_qkv_rope_on_a_shape_the_kernel_takes_rotates_its_sums() -> None:
 def test_the_router_form_compiles_for_hopper() -> None:
     """Ahead-of-time compile for sm90 (no GPU needed) of the form the rmsnorm_gemm pass gives a MoE router (four
     split partials finished into the row, fp32 sums out): a PDL kernel whose weight tile (4 rows of 2048, 16 KB: 8
-    16-byte vectors a thread) is loaded before the wait, or the kernel would not hide its latency."""
+    16-byte vectors a thread) and norm weight (2048 bf16: 2 vectors) are loaded before the wait, or the kernel would
+    not hide their latency, and that loads nothing once the row's reduction has begun."""
     from tests.models.test_fp8_kernel import sm90_ptx
 
     ptx = sm90_ptx("gemv_route")
     assert ptx["gdc_wait"] and ptx["launch_pdl"], ptx
-    assert ptx["ld_v4_before_wait"] == 8 and ptx["ld_v4"] > 8, ptx
+    assert ptx["ld_v4_before_wait"] == 10 and ptx["ld_v4"] > 10, ptx
+    assert ptx["ld_after_barrier"] == 0, ptx

@@ -113,6 +113,9 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, 
     a_ptrs = x_ptr + tokens[:, None] * s_xt + offs_k[None, :]
     g_ptrs = w_ptr + expert * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
     u_ptrs = g_ptrs + INTER * s_wn
+    if SCALED:  # before the K loop, whose end they would otherwise wait for (a DRAM round trip)
+        g_scale = tl.load(ws_ptr + expert * 2 * INTER + offs_n, mask=n_mask, other=0.0)
+        u_scale = tl.load(ws_ptr + expert * 2 * INTER + INTER + offs_n, mask=n_mask, other=0.0)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -126,8 +129,8 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, 
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     if SCALED:
-        acc_g *= tl.load(ws_ptr + expert * 2 * INTER + offs_n, mask=n_mask, other=0.0)[None, :]
-        acc_u *= tl.load(ws_ptr + expert * 2 * INTER + INTER + offs_n, mask=n_mask, other=0.0)[None, :]
+        acc_g *= g_scale[None, :]
+        acc_u *= u_scale[None, :]
     h = _silu_mul(acc_g, acc_u)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * s_ht + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -150,6 +153,9 @@ def _grouped_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, sorted_ptr, block_expert_
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + pairs[:, None].to(tl.int64) * s_ht + offs_k[None, :]
     b_ptrs = w_ptr + expert * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
+    pair_weights = tl.load(tw_ptr + pairs, mask=m_mask, other=0.0)  # before the K loop, as the scales
+    if SCALED:
+        scales = tl.load(ws_ptr + expert * H + offs_n, mask=n_mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         k_mask = k0 + offs_k < INTER
@@ -159,8 +165,8 @@ def _grouped_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, sorted_ptr, block_expert_
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if SCALED:
-        acc *= tl.load(ws_ptr + expert * H + offs_n, mask=n_mask, other=0.0)[None, :]
-    acc *= tl.load(tw_ptr + pairs, mask=m_mask, other=0.0)[:, None]
+        acc *= scales[None, :]
+    acc *= pair_weights[:, None]
     y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * s_yt + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -192,6 +198,9 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, 
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + expert * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     u_ptrs = g_ptrs + INTER * s_wn
+    if SCALED:  # before the K loop, whose end they would otherwise wait for (a DRAM round trip)
+        g_scale = tl.load(ws_ptr + expert * 2 * INTER + offs_n, mask=n_mask, other=0.0)
+        u_scale = tl.load(ws_ptr + expert * 2 * INTER + INTER + offs_n, mask=n_mask, other=0.0)
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):  # EVEN: INTER % BLOCK_N == 0 and H % BLOCK_K == 0
@@ -209,8 +218,8 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, 
     gate = tl.sum(acc_g, 1)
     up = tl.sum(acc_u, 1)
     if SCALED:
-        gate *= tl.load(ws_ptr + expert * 2 * INTER + offs_n, mask=n_mask, other=0.0)
-        up *= tl.load(ws_ptr + expert * 2 * INTER + INTER + offs_n, mask=n_mask, other=0.0)
+        gate *= g_scale
+        up *= u_scale
     h = _silu_mul(gate, up)
     tl.store(h_ptr + pair.to(tl.int64) * s_ht + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_mask)
 
@@ -238,6 +247,10 @@ def _token_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, N
     w_ptrs = (w_ptr + experts[:, None, None] * s_we + offs_n[None, :, None].to(tl.int64) * s_wn
               + offs_k[None, None, :])
     h_ptrs = h_ptr + pairs[:, None] * s_ht + offs_k[None, :]
+    pair_weights = tl.load(tw_ptr + pairs, mask=live, other=0.0)  # before the K loop, as the scales
+    if SCALED:
+        scales = tl.load(ws_ptr + experts[:, None] * H + offs_n[None, :], mask=live[:, None] & n_mask[None, :],
+                         other=0.0)
     acc = tl.zeros((TOPK_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         if MASKED:
@@ -252,9 +265,8 @@ def _token_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, N
         h_ptrs += BLOCK_K
     rows = tl.sum(acc, 2)  # [TOPK_POW2, BLOCK_N]: each pair's row
     if SCALED:
-        rows *= tl.load(ws_ptr + experts[:, None] * H + offs_n[None, :], mask=live[:, None] & n_mask[None, :],
-                        other=0.0)
-    rows *= tl.load(tw_ptr + pairs, mask=live, other=0.0)[:, None]
+        rows *= scales
+    rows *= pair_weights[:, None]
     tl.store(y_ptr + token * s_yt + offs_n, tl.sum(rows, 0).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 

@@ -187,8 +187,9 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PROMOTE: tl.constexpr,
                      PDL: tl.constexpr = False):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
-    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]."""
-    pdl_start(PDL)
+    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]. The scales
+    are loaded before the K loop (the weight's before the PDL wait: no kernel of a step writes it): after the loop
+    they cost a DRAM round trip of their own at the end of every program."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -196,6 +197,11 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    if SCALED and not SPLIT:
+        ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+    pdl_start(PDL)
+    if SCALED and not SPLIT:
+        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
     # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
     acc = accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, pid_k * k_steps * BLOCK_K, k_steps, s_xm,
                      s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED, PROMOTE)
@@ -204,8 +210,6 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
     if SPLIT:
         tl.store(out_ptr + pid_k.to(tl.int64) * s_op + out_offs, acc, mask=out_mask)
     elif SCALED:
-        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-        ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
         y = acc * xs[None, :] * ws[:, None]
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # bf16 operands: no scales
