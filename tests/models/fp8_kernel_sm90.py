@@ -38,6 +38,7 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool, 
             "gdc_launch": "griddepcontrol.launch_dependents" in ptx, "launch_pdl": bool(compiled.metadata.launch_pdl),
             "add_f32": len(re.findall(r"\badd(\.rn)?\.f32\b", ptx)), "ld_v4": ptx.count("ld.global.v4.b32"),
             "ld_v4_before_wait": ptx.partition("griddepcontrol.wait")[0].count("ld.global.v4.b32"),
+            "ld_before_wait": ptx.partition("griddepcontrol.wait")[0].count("ld.global"),
             # global loads past the first barrier after the wait (a K loop's or a reduction's): each is a DRAM or L2
             # round trip the program's end waits for
             "ld_after_barrier": ptx.split("griddepcontrol.wait", 1)[-1].partition("bar.sync")[2].count("ld.global")}

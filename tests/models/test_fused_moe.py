@@ -268,9 +268,12 @@ def test_summing_kernels_compile_for_hopper(kernel: str, vector_loads: int) -> N
     """Ahead-of-time compile for sm90 (no GPU needed), which the CPU interpreter never does: the kernels build, take
     part in programmatic dependent launch and load in 16-byte vectors (a K step of the down kernel: its weight
     tile's 32 bytes a thread and the token's h, 16 bytes bf16 / 32 at e4m3's longer step; the sum: a vector per
-    pair row), or they could not stream at bandwidth."""
+    pair row), or they could not stream at bandwidth. The down kernel loads its routing before the wait (ids, pair
+    weights; e4m3: the scales), only what the gate/up kernel wrote after it."""
     from tests.models.test_fp8_kernel import sm90_ptx
 
     ptx = sm90_ptx(kernel)
     assert ptx["gdc_wait"] and ptx["launch_pdl"], ptx
     assert ptx["ld_v4"] >= vector_loads, ptx
+    if kernel.startswith("token_down"):  # ids and pair weights (e4m3: and scales), a load or more each
+        assert ptx["ld_before_wait"] >= (3 if kernel == "token_down_fp8" else 2), ptx

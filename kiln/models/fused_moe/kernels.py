@@ -232,8 +232,9 @@ def _token_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, N
     rows of W_down. A K step loads the same [BLOCK_N, BLOCK_K] tile of every pair's expert at once, [TOPK_POW2,
     BLOCK_N, BLOCK_K], and the products accumulate element-wise, summed once after the K loop (as the gate/up kernel
     sums). A pair on another rank's expert (id >= NUM_E) loads nothing and adds nothing. MASKED: some row, K index
-    or slot is out of bounds or on another rank (else the loads go unmasked)."""
-    pdl_start(PDL)
+    or slot is out of bounds or on another rank (else the loads go unmasked). The routing (ids, pair weights) is
+    loaded before the PDL wait: the top-k kernel wrote it before the gate/up kernel, which is all the wait waits
+    for, so the weight's first loads follow the wait without a round trip for the ids first."""
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     slots = tl.arange(0, TOPK_POW2)
@@ -251,6 +252,7 @@ def _token_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, N
     if SCALED:
         scales = tl.load(ws_ptr + experts[:, None] * H + offs_n[None, :], mask=live[:, None] & n_mask[None, :],
                          other=0.0)
+    pdl_start(PDL)  # h, the gate/up kernel's, is read after it
     acc = tl.zeros((TOPK_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         if MASKED:
