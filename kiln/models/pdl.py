@@ -14,6 +14,11 @@ has completed: what they wrote may be read before the wait (Inductor's kernels d
 that do not take part (cuBLAS, copies) launch plainly and wait for their predecessor in full, as before.
 `KILN_PDL=0` (kiln.config.PDL) launches everything plainly.
 
+Where loads go: a small operand whose value a kernel only needs at its end (a norm's weight after the row's
+reduction, a GEMM's scales after its K loop) is still loaded first, its weights before the wait and what an earlier
+kernel wrote right after it: at the end, Triton's PTX issues the load after the reduction's barriers or the loop,
+and the program waits a DRAM round trip for a few bytes (the sm90 PTX tests count loads past the first barrier).
+
 Measured and not kept: the small-M GEMM asking L2 for its weight slice (Hopper's bulk prefetch, one instruction a
 row) before its wait, so that the wait would overlap the first DRAM reads. The whole slice: Llama-3-8B decode 6.42
 against 4.32 ms at batch 1, SmolLM2-135M 0.84 against 0.70 (one H200, 2026-12-03, `32c8378`). Bounded to the first

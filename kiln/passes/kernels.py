@@ -33,8 +33,8 @@ def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_ou
 
     KV_FP8: the cache is e4m3; k' (rounded to the model dtype first, as the unfused path does) and v are
     stored as clamp(x / scale, +-448) (kiln/models/kv_quant.py). V_OUT (without the cache): a k head's program
-    also copies the token's v head to v_out (a contiguous v, as the model's v.contiguous() makes)."""
-    pdl_start(PDL)
+    also copies the token's v head to v_out (a contiguous v, as the model's v.contiguous() makes). Every load is
+    issued before the norm's reduction, the weights before the PDL wait (kiln/models/pdl.py)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -46,18 +46,20 @@ def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, q_ou
     else:
         src = k_ptr + t * s_kt + (h - num_q_heads) * s_kh
         w_ptr = kw_ptr
-    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    dtype = q_ptr.dtype.element_ty
     if NORM:
-        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
         w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    pdl_start(PDL)
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * s_cs + offs, mask=mask, other=0.0)
     sin = tl.load(cs_ptr + pos * s_cs + HALF + offs, mask=mask, other=0.0)
+    dtype = q_ptr.dtype.element_ty
+    if NORM:
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     o1 = rotate(x1, -x2, cos, sin).to(dtype)
     o2 = rotate(x2, x1, cos, sin).to(dtype)
     if is_q:
