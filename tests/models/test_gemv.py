@@ -134,7 +134,8 @@ def test_after_norm_finishes_the_row_the_projection_before_left(mode: int) -> No
 def test_qkv_rope_on_a_shape_the_kernel_takes_rotates_its_sums() -> None:
     """qkv_rope_triton without a config on a small weight at one token: the plain projection's values, then the
     rotation, so the pass changes nothing the unfused graph computes (compared in the MMA kernel's test's
-    arithmetic)."""
+    arithmetic). Three tensors of their own: kiln::qkv_rope's outputs may not alias (torch's custom-op check
+    refused q and k as views of one rotated tensor, which `.contiguous()` leaves them at one token)."""
     from tests.models.test_gemm_epilogues import qkv_rope_reference, rope_cache
 
     m, heads, kv_heads, head_dim, k = 1, 4, 2, 64, 96
@@ -147,6 +148,7 @@ def test_qkv_rope_on_a_shape_the_kernel_takes_rotates_its_sums() -> None:
         torch.testing.assert_close(out.double(), want.double(), **TOLERANCE)
     _, _, v = gemv.gemv(x, w).view(m, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
     assert torch.equal(got[2], v)
+    assert len({out.untyped_storage().data_ptr() for out in got}) == 3
 
 
 def test_the_router_form_compiles_for_hopper() -> None:
