@@ -93,18 +93,19 @@ def _p2p_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, epoch_ptr, b
     epoch = tl.load(epoch_ptr + row)
     at = region + (epoch & 1).to(tl.int64) * half + local  # the low bit alternates through the int32 wrap too
     x = tl.load(x_ptr + row.to(tl.int64) * s_x + offs, mask=mask)
+    # the residual and the norm's weight now, not after the barrier and the sum (a round trip of their own there)
+    r = tl.load(r_ptr + row.to(tl.int64) * s_r + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(_buffer(buffers, rank, dtype) + at, x, mask=mask)
     _barrier(pads, rank, slot, WORLD)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for peer in tl.static_range(WORLD):  # rank order on every rank: the same sum everywhere
         acc += tl.load(_buffer(buffers, peer, dtype) + at, mask=mask, other=0.0, volatile=True).to(tl.float32)
     tl.store(epoch_ptr + row, epoch + 1)
-    r = tl.load(r_ptr + row.to(tl.int64) * s_r + offs, mask=mask, other=0.0).to(tl.float32)
     summed = (acc.to(dtype).to(tl.float32) + r).to(dtype)
     tl.store(sum_ptr + local, summed, mask=mask)
     sf = summed.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(sf * sf, 0) / n + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + local, (w * (sf * inv).to(dtype).to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
