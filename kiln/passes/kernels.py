@@ -141,11 +141,13 @@ def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, s_x, s_r, s_o, s_s, n, eps,
                          BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per row, the whole row in registers: one read of x (and r), one write of each output."""
-    pdl_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    """One program per row, the whole row in registers: one read of x (and r), one write of each output; the norm's
+    weight loaded before the PDL wait (kiln/models/pdl.py)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < n
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
     if ADD:
         r = tl.load(r_ptr + row * s_r + offs, mask=mask, other=0.0)
@@ -153,7 +155,6 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, s_x, s_r, s_o, s
         tl.store(sum_ptr + row * s_s + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (w * (xf * inv).to(x_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * s_o + offs, y, mask=mask)
 

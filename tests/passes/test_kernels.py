@@ -145,3 +145,15 @@ def test_cache_writing_rope_kernel_compiles_for_hopper(kv_fp8: bool) -> None:
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kernel", ["add_norm", "norm_rope"])
+def test_norm_kernels_load_their_weights_before_the_pdl_wait(kernel: str) -> None:
+    """Ahead-of-time compile for sm90 (no GPU needed) of the add + RMSNorm row kernel and the q/k norm + RoPE kernel:
+    the norm's weight is loaded before the wait (a program needs it only after its row's reduction, where the load
+    would be a DRAM round trip of its own), and the row kernel loads nothing once its reduction has begun."""
+    from tests.models.test_fp8_kernel import sm90_ptx
+
+    ptx = sm90_ptx(kernel)
+    assert ptx["gdc_wait"] and ptx["launch_pdl"], ptx
+    assert ptx["ld_before_wait"] >= (2 if kernel == "norm_rope" else 1) and ptx["ld_after_barrier"] == 0, ptx
