@@ -155,8 +155,9 @@ def _gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, c
     cos, sin = cos_sin_cache[positions[:m]].float()[:, None].chunk(2, dim=-1)
     rotated = rotate_neox(y[:, :num_heads + num_kv_heads], cos, sin)
     # copies, not `.contiguous()`: at one token the slices are contiguous already, and the op's outputs may not alias
-    q, k, v = rotated[:, :num_heads], rotated[:, num_heads:], y[:, num_heads + num_kv_heads:]
-    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+    fmt = torch.contiguous_format
+    return (rotated[:, :num_heads].clone(memory_format=fmt), rotated[:, num_heads:].clone(memory_format=fmt),
+            y[:, num_heads + num_kv_heads:].clone(memory_format=fmt))
 
 
 def qkv_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
