@@ -4,7 +4,8 @@ Run as its own process by tests/models/test_fp8_kernel.py: Triton must be import
 unset for a real compile (its own library functions are defined interpreted otherwise), and a test session
 may have imported it under the interpreter.
     python -m tests.models.fp8_kernel_sm90 BLOCK_M SPLIT(0|1) PDL(0|1) [PROMOTE (default 128)]
-    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8|gemv_route|add_norm|norm_rope
+    python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8|gemv_route|add_norm
+    python -m tests.models.fp8_kernel_sm90 norm_rope KV_FP8(0|1)
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py, gemv.py)
     python -m tests.models.fp8_kernel_sm90 token_down|token_down_fp8|sum_pairs
                                                  the MoE op's summing kernels (kiln/models/fused_moe/kernels.py)
@@ -55,7 +56,7 @@ def fp8_gemm(block_m: int, split: bool, pdl: bool, promote: int = 128) -> dict:
                         pdl)
 
 
-def epilogue(name: str) -> dict:
+def epilogue(name: str, *args: str) -> dict:
     """An epilogue kernel at a decode tile (16 tokens, 64 weight rows, K steps of 128 bf16), with PDL."""
     from kiln.models import gemm_epilogues
 
@@ -68,18 +69,21 @@ def epilogue(name: str) -> dict:
                     **dict.fromkeys(("eps", "fp8_max", "min_scale"), "fp32")}
         return compile_sm90(gemm_epilogues._add_rms_norm_rows_kernel, pointers,
                             {"SPLIT_K": 4, "SCALED": fp8, "QUANT": fp8, "BLOCK": 4096}, True)
-    if name in ("add_norm", "norm_rope"):  # kiln/passes/kernels.py: the add + RMSNorm row kernel, the q/k norm + RoPE
+    if name in ("add_norm", "norm_rope"):  # kiln/passes/kernels.py: the add + RMSNorm row kernel; the q/k norm +
+        # RoPE kernel in its cache-writing form, the cache bf16 or (KV_FP8 1) e4m3
         from kiln.passes import kernels
 
         if name == "add_norm":
             pointers = {**dict.fromkeys(("x_ptr", "r_ptr", "w_ptr", "out_ptr", "sum_ptr"), "*bf16"), "eps": "fp32"}
             return compile_sm90(kernels._add_rms_norm_kernel, pointers, {"BLOCK": 4096, "ADD": True}, True, 16)
+        kv_fp8 = bool(int(args[0]))
         pointers = {**{n: "*bf16" for n in kernels._norm_rope_kernel.arg_names if n.endswith("_ptr")},
                     "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
+                    "cache_ptr": "*fp8e4nv" if kv_fp8 else "*bf16",
                     **dict.fromkeys(("eps", "k_scale", "v_scale"), "fp32")}
         return compile_sm90(kernels._norm_rope_kernel, pointers, {"HEAD_DIM": 128, "HALF": 64, "BLOCK": 64,
-                                                                  "PAGE": 16, "NORM": True, "TO_CACHE": False,
-                                                                  "KV_FP8": False}, True, 1)
+                                                                  "PAGE": 16, "NORM": True, "TO_CACHE": True,
+                                                                  "KV_FP8": kv_fp8}, True)
     if name == "gemv_route":  # the matrix-vector kernel finishing a split-K projection's row, a router's sums out
         from kiln.models import gemv
 
@@ -119,4 +123,4 @@ if __name__ == "__main__":
         print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])),
                                   *map(int, sys.argv[4:5]))))
     else:
-        print(json.dumps(epilogue(sys.argv[1])))
+        print(json.dumps(epilogue(*sys.argv[1:])))
