@@ -297,37 +297,6 @@ def _gemm_add_rms_norm_route_fake(x, weight, residual, norm_weight, eps, gate_we
     return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int32), h, torch.empty_like(h)
 
 
-@torch.library.custom_op("kiln::gemm_add_rms_norm_moe", mutates_args=())
-def gemm_add_rms_norm_moe(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                          eps: float, gate_weight: torch.Tensor, top_k: int, renormalize: bool, w13: torch.Tensor,
-                          w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                          w2_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kiln::gemm_add_rms_norm_route whose routing only the layer's experts (kiln::fused_moe, every expert local)
-    read, with them -> (the experts' output, h, the normalised row). Where the router runs the matrix-vector kernel,
-    its sums go to the experts as they are, and at one token the pair kernels pick the routing from them
-    (fused_moe_from_sums): router, gate/up and down without the top-k kernel between; otherwise the three ops."""
-    from kiln.models import gemv
-    from kiln.models.fused_moe.op import fused_moe
-    from kiln.models.fused_moe.routing import moe_route
-
-    fused = _norm_in_matrix_vector(x, weight, residual, norm_weight, eps, gate_weight, gemv.PARTIALS)
-    if fused is not None:
-        from kiln.models.fused_moe.kernels import fused_moe_from_sums
-
-        sums, summed, normed = fused
-        return fused_moe_from_sums(normed, w13, w2, sums, top_k, renormalize, w13_scale, w2_scale), summed, normed
-    normed, summed = gemm_add_rms_norm(x, weight, residual, norm_weight, eps)
-    weights, ids = moe_route(normed, gate_weight, top_k, renormalize)
-    return fused_moe(normed, w13, w2, weights, ids, w13_scale, w2_scale), summed, normed
-
-
-@gemm_add_rms_norm_moe.register_fake
-def _gemm_add_rms_norm_moe_fake(x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize, w13, w2,
-                                w13_scale=None, w2_scale=None):
-    h = x.new_empty((x.shape[0], weight.shape[0]))
-    return torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
-
-
 @torch.library.custom_op("kiln::fp8_gemm_add_rms_norm_quant", mutates_args=())
 def fp8_gemm_add_rms_norm_quant(q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor,
                                 weight_scale: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,

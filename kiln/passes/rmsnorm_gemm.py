@@ -43,22 +43,6 @@ def _takes_matrix_vector(weight: object) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 2 and gemv.takes(*value.shape, value.element_size())
 
 
-def _local_experts_of(router: fx.Node, normed: fx.Node) -> tuple[fx.Node, tuple] | None:
-    """The kiln::fused_moe call that alone reads the router's weights and ids, on `normed` with every expert on this
-    rank (its ids as the router gave them), and its arguments, defaults filled in; else None."""
-    import kiln.models.fused_moe.op  # noqa: F401 - registers kiln::fused_moe
-
-    readers = {reader for out in router.users for reader in out.users}
-    if len(readers) != 1 or any(len(out.users) != 1 for out in router.users) or len(router.users) != 2:
-        return None
-    (experts,) = readers
-    if not is_call(experts, torch.ops.kiln.fused_moe.default) or experts.kwargs or experts.args[0] is not normed:
-        return None
-    weights, ids = sorted(router.users, key=lambda out: out.args[1])
-    args = (*experts.args, *(None, None, False)[len(experts.args) - 5:])  # the defaults of what the call leaves out
-    return (experts, args) if args[3:5] == (weights, ids) and args[7] is False else None
-
-
 def _rewrite(graph: fx.Graph, fused: fx.Node, order: dict[fx.Node, int]) -> bool:
     """Rewrites `fused` and the projection after it when its normalised row feeds only that projection, or a router
     among other users (the projection's weight, a graph input, is defined before `fused`, where the new op goes)."""
@@ -67,16 +51,11 @@ def _rewrite(graph: fx.Graph, fused: fx.Node, order: dict[fx.Node, int]) -> bool
     if normed is None or len(outputs) != len(fused.users):
         return False
     routers = [u for u in normed.users if is_call(u, torch.ops.kiln.moe_route.default) and u.args[0] is normed]
-    experts = None
     if len(routers) == 1:  # new op's outputs: the router's weights and ids, h, the row its other users read
         (consumer,) = routers
         op, extra = torch.ops.kiln.gemm_add_rms_norm_route.default, tuple(consumer.args[1:4])
         if not all(is_call(user, operator.getitem) for user in consumer.users):
             return False
-        found = _local_experts_of(consumer, normed)
-        if found is not None:  # or the experts' output, h, the row
-            experts, args = found
-            op, extra = torch.ops.kiln.gemm_add_rms_norm_moe.default, (*extra, *args[1:3], *args[5:7])
     elif len(normed.users) == 1:  # new op's outputs: the projection's, h
         (consumer,) = normed.users
         silu_mul = is_call(consumer, torch.ops.kiln.gate_up_silu_mul.default)
@@ -86,20 +65,18 @@ def _rewrite(graph: fx.Graph, fused: fx.Node, order: dict[fx.Node, int]) -> bool
     else:
         return False
     weight = consumer.args[1]
-    if any(isinstance(a, fx.Node) and order.get(a, len(order)) > order[fused] for a in extra):
+    if isinstance(weight, fx.Node) and order.get(weight, len(order)) > order[fused]:
         return False
     if not _takes_matrix_vector(weight):  # the op would run the two ops it replaces: keep the graph as it is
         return False
     with graph.inserting_before(fused):
-        new = call_outputs(graph, op, (*fused.args, *extra), 3 if experts is not None else 4 if routers else 2)
-    if experts is not None:  # the experts' output; any other user of the row reads the op's
-        uses = {experts: new[0], normed: new[2], summed: new[1]}
-    elif routers:  # the router's weights and ids; the experts (and any other user) read the op's normalised row
+        new = call_outputs(graph, op, (*fused.args, *extra), 4 if routers else 2)
+    if routers:  # the router's weights and ids; the experts (and any other user) read the op's normalised row
         uses = {**{user: new[user.args[1]] for user in consumer.users}, normed: new[3], summed: new[2]}
     else:
         uses = {consumer: new[0], summed: new[1]}
     uses.pop(None, None)  # summed, where nothing read h
     for node, value in uses.items():
         node.replace_all_uses_with(value)
-    erase_if_dead(graph, [*uses, *consumer.users, consumer, *outputs.values(), fused])
+    erase_if_dead(graph, [*uses, consumer, *outputs.values(), fused])
     return True

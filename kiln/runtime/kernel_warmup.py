@@ -175,7 +175,7 @@ def moe_shapes(model: torch.nn.Module) -> list[MoeShape]:
 def run_moe(shapes: Iterable[MoeShape], sizes: Iterable[int], device: torch.device) -> int:
     """Each expert layer at each token count, on zeros (every token on expert 0: the kernels and launch configs
     compile the same whatever the routing). -> launches."""
-    from kiln.models.fused_moe.kernels import fused_moe_from_sums, fused_moe_triton  # triton: where a GPU needs it
+    from kiln.models.fused_moe.kernels import fused_moe_triton  # triton: imported where a GPU start needs it
     from kiln.models.fused_moe.routing_triton import moe_route_triton, moe_topk_triton
 
     launches = 0
@@ -194,8 +194,6 @@ def run_moe(shapes: Iterable[MoeShape], sizes: Iterable[int], device: torch.devi
             fused_moe_triton(x, w13, w2, torch.zeros(m, top_k, device=device), ids, *scales,
                              remote_experts=experts != router_experts)  # expert parallel: the kernels' masked form
             launches += 1
-            if m == 1 and experts == router_experts:  # one token's kernels picking the routing from the router's sums
-                fused_moe_from_sums(x, w13, w2, torch.zeros(1, 1, experts, device=device), top_k, renormalize, *scales)
     return launches
 
 

@@ -7,13 +7,12 @@ may have imported it under the interpreter.
     python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8|gemv_route|add_norm
     python -m tests.models.fp8_kernel_sm90 norm_rope KV_FP8(0|1)
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py, gemv.py)
-    python -m tests.models.fp8_kernel_sm90 token_down|token_down_fp8|token_down_route|pair_gate_up[_route]|sum_pairs
-                                                 the MoE op's pair and summing kernels (fused_moe/kernels.py)
+    python -m tests.models.fp8_kernel_sm90 token_down|token_down_fp8|sum_pairs
+                                                 the MoE op's summing kernels (kiln/models/fused_moe/kernels.py)
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import sys
@@ -25,8 +24,7 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool, 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
-    constexprs = {**defaults, **constexprs, "PDL": pdl}
+    constexprs = {**constexprs, "PDL": pdl}
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in kernel.arg_names}
     # what Triton assumes at a launch on real shapes: 16-byte aligned pointers, sizes and strides divisible by 16
     aligned = [i for i, name in enumerate(kernel.arg_names)
@@ -103,18 +101,8 @@ def epilogue(name: str, *args: str) -> dict:
 
 def moe(name: str) -> dict:
     """The pair path's down kernel at Qwen3-30B-A3B's one-token tile (8 slots, 2 rows, 4 KB a step; e4m3: 256 K),
-    whole tiles (`_route`: picking its routing from one split of the router's sums over 128 experts); its gate/up
-    kernel so (8 rows, 256 K a step); or the grouped path's sum over a token's 8 pair rows."""
-    import triton.language as tl
-
+    whole tiles; or the grouped path's sum over a token's 8 pair rows."""
     from kiln.models.fused_moe import kernels
-
-    route = {"ROUTE": 1, "E_POW2": 128, "LOGIT_DTYPE": tl.bfloat16} if name.endswith("_route") else {}
-    if name.startswith("pair_gate_up"):
-        pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "ids_ptr": "*fp32" if route else "*i32",
-                    "h_ptr": "*bf16"}
-        constexprs = {"TOPK": 8, "BLOCK_N": 8, "BLOCK_K": 256, "SCALED": False, "EVEN": True, **route}
-        return compile_sm90(kernels._pair_gate_up_kernel, pointers, constexprs, True)
 
     if name == "sum_pairs":
         pointers = {"y_ptr": "*bf16", "ids_ptr": "*i32", "out_ptr": "*bf16"}
@@ -122,14 +110,14 @@ def moe(name: str) -> dict:
         return compile_sm90(kernels._sum_pairs_kernel, pointers, constexprs, True, num_warps=1)
     fp8 = name == "token_down_fp8"
     pointers = {"h_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "ws_ptr": "*fp32", "tw_ptr": "*fp32",
-                "ids_ptr": "*fp32" if route else "*i32", "y_ptr": "*bf16"}
+                "ids_ptr": "*i32", "y_ptr": "*bf16"}
     return compile_sm90(kernels._token_down_kernel, pointers, {"TOPK": 8, "TOPK_POW2": 8, "BLOCK_N": 2,
                                                                "BLOCK_K": 256 if fp8 else 128, "SCALED": fp8,
-                                                               "MASKED": False, **route}, True)
+                                                               "MASKED": False}, True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1].startswith(("token_down", "pair_gate_up", "sum_pairs")):
+    if sys.argv[1].startswith(("token_down", "sum_pairs")):
         print(json.dumps(moe(sys.argv[1])))
     elif sys.argv[1].isdigit():
         print(json.dumps(fp8_gemm(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])),

@@ -35,7 +35,6 @@ from kiln.models import gemv, gemv_stream
 from kiln.models.fused_moe.align import align_by_expert
 from kiln.models.fused_moe.align_triton import MAX_PAIRS, align_by_expert_triton
 from kiln.models.fused_moe.configs import MoeKernelConfig, pick_config
-from kiln.models.fused_moe.routing_triton import TL_DTYPES, router_row, routing_weights, top_k_of_partials, top_k_ranks
 from kiln.models.pdl import pdl_launch, pdl_start
 
 # Steps of up to this many tokens run the grouped kernels on one pair a block: block j holds pair j in its first row,
@@ -181,27 +180,16 @@ def _load_step(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, s_xt, s_we, s_wn, s_ht, s_rt,
-                         s_split, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SCALED: tl.constexpr, EVEN: tl.constexpr, ROUTE: tl.constexpr = 0,
-                         E_POW2: tl.constexpr = 1, LOGIT_DTYPE: tl.constexpr = tl.bfloat16,
-                         PDL: tl.constexpr = False):
+def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, s_xt, s_we, s_wn, s_ht,
+                         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                         EVEN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (pair, n): h[pair, rows] for BLOCK_N rows of the pair's expert, gate rows and the up rows INTER
     below. The products accumulate element-wise in [BLOCK_N, BLOCK_K] and are summed once after the K loop (a sum
-    every step costs more shuffles than the loads it waits on). ROUTE (> 0): ids_ptr holds the router's ROUTE fp32
-    split partials [ROUTE, T, NUM_E] (token stride s_rt), and the program takes the expert in its pair's slot of the
-    top-k order of their logits (routing_triton.py's order), where the top-k kernel would have written its id."""
+    every step costs more shuffles than the loads it waits on)."""
     pdl_start(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if ROUTE:
-        offs_e = tl.arange(0, E_POW2)
-        sums = ids_ptr + (pair // TOPK).to(tl.int64) * s_rt
-        logits = router_row(sums, s_split, offs_e, offs_e < NUM_E, ROUTE, LOGIT_DTYPE)
-        rank = top_k_ranks(logits, offs_e, sums, s_split, NUM_E, ROUTE, LOGIT_DTYPE, E_POW2)
-        expert = tl.sum(tl.where(rank == pair % TOPK, offs_e, 0), axis=0).to(tl.int64)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert >= NUM_E:
         return
     x_ptrs = x_ptr + (pair // TOPK).to(tl.int64) * s_xt + tl.arange(0, BLOCK_K)
@@ -237,36 +225,21 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, H, INTER, NUM_E, 
 
 
 @triton.jit
-def _token_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, NUM_E, s_ht, s_we, s_wn, s_yt, s_rt,
-                       s_split, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SCALED: tl.constexpr, MASKED: tl.constexpr, ROUTE: tl.constexpr = 0,
-                       E_POW2: tl.constexpr = 1, LOGIT_DTYPE: tl.constexpr = tl.bfloat16,
-                       RENORMALIZE: tl.constexpr = True, PDL: tl.constexpr = False):
+def _token_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, NUM_E, s_ht, s_we, s_wn, s_yt,
+                       TOPK: tl.constexpr, TOPK_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SCALED: tl.constexpr, MASKED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token, n): y[token, rows] = the sum over the token's k pairs of each pair's weighted row, for BLOCK_N
     rows of W_down. A K step loads the same [BLOCK_N, BLOCK_K] tile of every pair's expert at once, [TOPK_POW2,
     BLOCK_N, BLOCK_K], and the products accumulate element-wise, summed once after the K loop (as the gate/up kernel
     sums). A pair on another rank's expert (id >= NUM_E) loads nothing and adds nothing. MASKED: some row, K index
     or slot is out of bounds or on another rank (else the loads go unmasked). The routing (ids, pair weights) is
     loaded before the PDL wait: the top-k kernel wrote it before the gate/up kernel, which is all the wait waits
-    for, so the weight's first loads follow the wait without a round trip for the ids first. ROUTE (> 0): the
-    routing is the top k of the router's partials in ids_ptr (as the gate/up kernel's ROUTE), picked here before the
-    wait (the router ran two kernels back), and its weights computed as the top-k kernel computes them."""
+    for, so the weight's first loads follow the wait without a round trip for the ids first."""
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     slots = tl.arange(0, TOPK_POW2)
     pairs = token * TOPK + slots
-    if ROUTE:
-        offs_e = tl.arange(0, E_POW2)
-        sums = ids_ptr + token * s_rt
-        logits = router_row(sums, s_split, offs_e, offs_e < NUM_E, ROUTE, LOGIT_DTYPE)
-        rank = top_k_ranks(logits, offs_e, sums, s_split, NUM_E, ROUTE, LOGIT_DTYPE, E_POW2)
-        slot_of = rank[:, None] == slots[None, :]  # [E_POW2, TOPK_POW2]: one True a slot
-        live = slots < TOPK
-        top = tl.where(live, tl.max(tl.where(slot_of, logits[:, None], float("-inf")), axis=0), float("-inf"))
-        pair_weights = tl.where(live, routing_weights(top, logits, RENORMALIZE), 0.0)
-        experts = tl.where(live, tl.sum(tl.where(slot_of, offs_e[:, None], 0), axis=0), NUM_E).to(tl.int64)
-    else:
-        experts = tl.load(ids_ptr + pairs, mask=slots < TOPK, other=NUM_E).to(tl.int64)
+    experts = tl.load(ids_ptr + pairs, mask=slots < TOPK, other=NUM_E).to(tl.int64)
     live = experts < NUM_E
     experts = tl.where(live, experts, 0)  # in bounds; the slot's loads are masked off
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -275,8 +248,7 @@ def _token_down_kernel(h_ptr, w_ptr, ws_ptr, tw_ptr, ids_ptr, y_ptr, H, INTER, N
     w_ptrs = (w_ptr + experts[:, None, None] * s_we + offs_n[None, :, None].to(tl.int64) * s_wn
               + offs_k[None, None, :])
     h_ptrs = h_ptr + pairs[:, None] * s_ht + offs_k[None, :]
-    if not ROUTE:
-        pair_weights = tl.load(tw_ptr + pairs, mask=live, other=0.0)  # before the K loop, as the scales
+    pair_weights = tl.load(tw_ptr + pairs, mask=live, other=0.0)  # before the K loop, as the scales
     if SCALED:
         scales = tl.load(ws_ptr + experts[:, None] * H + offs_n[None, :], mask=live[:, None] & n_mask[None, :],
                          other=0.0)
@@ -330,113 +302,44 @@ def token_down_tile(top_k: int, inter: int, hidden: int, element_bytes: int, dev
     return rule.rows, min(triton.next_power_of_2(inter), max(16, rule.block_k // slots))
 
 
-def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    hidden, num_experts, inter = x.shape[1], w13.shape[0], w13.shape[1] // 2
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter):
-        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden size {hidden}")
-    if w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError("expert weights: the input dimension must be contiguous")
-
-
-def _streams_one_token(x: torch.Tensor) -> bool:
-    return x.shape[0] == 1 and STREAM_ONE_TOKEN and not gemv.is_suspended()
-
-
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                      w2_scale: torch.Tensor | None = None, remote_experts: bool = False,
                      config: MoeKernelConfig | None = None) -> torch.Tensor:
     """The same contract as fused_moe_reference (reference.py), on the Triton kernels."""
-    _check_experts(x, w13, w2)
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    if config is None and _streams_one_token(x):
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden size {hidden}")
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("expert weights: the input dimension must be contiguous")
+    if config is None and num_tokens == 1 and STREAM_ONE_TOKEN and not gemv.is_suspended():
         config = one_token_config(top_k, inter, hidden, w13.element_size(), x.device)
     config = config or pick_config(num_experts, inter, hidden, top_k, num_tokens, w13.dtype)
     x = x.contiguous()
     ids = topk_ids.contiguous()
     tw = topk_weights.float().contiguous()
+    scaled = w13_scale is not None
+    ws13, ws2 = (w13_scale.float().contiguous(), w2_scale.float().contiguous()) if scaled else (tw, tw)
+    num_pairs = num_tokens * top_k
     if num_tokens == 0:
         return x.new_empty((0, hidden))
-    if config.block_m == 1:
-        return _pair_kernels(x, w13, w2, w13_scale, w2_scale, config, top_k, ids, tw, remote=remote_experts)
-    return _grouped_kernels(x, w13, w2, w13_scale, w2_scale, config, ids, tw, remote_experts)
-
-
-# Most experts the pair kernels pick from the router's sums themselves (fused_moe_from_sums): each program ranks
-# all E logits against each other, [E, E] comparisons in registers.
-ROUTE_MAX_EXPERTS = 128
-
-
-def fused_moe_from_sums(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, sums: torch.Tensor, top_k: int,
-                        renormalize: bool, w13_scale: torch.Tensor | None = None,
-                        w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts of kiln::moe_route's routing of the router GEMM's fp32 partials `sums` [splits, T, E] (summed in
-    order, rounded to x's dtype; unit last stride), without the top-k kernel where one token streams its pairs: each
-    pair kernel program picks its experts from the sums itself (routing_triton.py's order: the same experts), so the
-    chain runs router, gate/up, down. Otherwise the top-k kernel, then fused_moe_triton."""
-    _check_experts(x, w13, w2)
-    num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, x.shape[1]
-    splits, num_tokens, router_experts = sums.shape
-    if not 0 < top_k <= router_experts:
-        raise ValueError(f"top_k {top_k} must be in [1, {router_experts}] (the number of experts)")
-    if (router_experts != num_experts or router_experts > ROUTE_MAX_EXPERTS or num_tokens != x.shape[0]
-            or sums.stride(2) != 1 or not _streams_one_token(x)):
-        weights, ids = top_k_of_partials(sums, x.dtype, top_k, renormalize)
-        return fused_moe_triton(x, w13, w2, weights, ids, w13_scale, w2_scale)
-    config = one_token_config(top_k, inter, hidden, w13.element_size(), x.device)
-    return _pair_kernels(x.contiguous(), w13, w2, w13_scale, w2_scale, config, top_k, sums, sums, remote=False,
-                         route=(splits, renormalize))
-
-
-def _launch_args(x: torch.Tensor, config: MoeKernelConfig, w13_scale: torch.Tensor | None,
-                 w2_scale: torch.Tensor | None, unread: torch.Tensor) -> tuple:
-    """(the scales as the kernels read them, or `unread` in their place; whether there are any; launch options)."""
-    scaled = w13_scale is not None
-    ws13, ws2 = (w13_scale.float().contiguous(), w2_scale.float().contiguous()) if scaled else (unread, unread)
-    return ws13, ws2, scaled, dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
-
-
-def _pair_kernels(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-                  w2_scale: torch.Tensor | None, config: MoeKernelConfig, top_k: int, ids: torch.Tensor,
-                  tw: torch.Tensor, remote: bool, route: tuple[int, bool] | None = None) -> torch.Tensor:
-    """The pair path (module docstring). route (splits, renormalize): `ids` (and `tw`, unread) are the router's
-    partials [splits, T, E], from which the kernels pick the routing themselves."""
-    num_tokens, hidden = x.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    ws13, ws2, scaled, launch = _launch_args(x, config, w13_scale, w2_scale, tw)
-    routing = {}
-    if route is not None:
-        splits, renormalize = route
-        routing = dict(ROUTE=splits, E_POW2=triton.next_power_of_2(num_experts), LOGIT_DTYPE=TL_DTYPES[x.dtype])
-    strides = (ids.stride(1), ids.stride(0)) if route is not None else (0, 0)  # a token's sums, a split's
-    h = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
-    _pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, config.block_n))](
-        x, w13, ws13, ids, h, hidden, inter, num_experts, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        *strides, TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled,
-        EVEN=inter % config.block_n == 0 and hidden % config.block_k == 0, **routing, **launch)
-    y = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # every row written
-    rows, block_k = token_down_tile(top_k, inter, hidden, w2.element_size(), x.device)
-    slots = triton.next_power_of_2(top_k)
-    if route is not None:
-        routing["RENORMALIZE"] = renormalize
-    _token_down_kernel[(num_tokens, triton.cdiv(hidden, rows))](
-        h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        *strides, TOPK=top_k, TOPK_POW2=slots, BLOCK_N=rows, BLOCK_K=block_k, SCALED=scaled,
-        MASKED=remote or slots != top_k or hidden % rows != 0 or inter % block_k != 0, **routing, **launch)
-    return y
-
-
-def _grouped_kernels(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-                     w2_scale: torch.Tensor | None, config: MoeKernelConfig, ids: torch.Tensor, tw: torch.Tensor,
-                     remote_experts: bool) -> torch.Tensor:
-    """The grouped path (module docstring): gate/up and down over blocks of pairs, then the sum of each token's."""
-    (num_tokens, hidden), top_k = x.shape, ids.shape[1]
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    num_pairs = num_tokens * top_k
-    ws13, ws2, scaled, launch = _launch_args(x, config, w13_scale, w2_scale, tw)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
+    if config.block_m == 1:
+        _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, config.block_n))](
+            x, w13, ws13, ids, h, hidden, inter, num_experts, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+            TOPK=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALED=scaled,
+            EVEN=inter % config.block_n == 0 and hidden % config.block_k == 0, **launch)
+        y = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # every row written
+        rows, block_k = token_down_tile(top_k, inter, hidden, w2.element_size(), x.device)
+        slots = triton.next_power_of_2(top_k)
+        _token_down_kernel[(num_tokens, triton.cdiv(hidden, rows))](
+            h, w2, ws2, tw, ids, y, hidden, inter, num_experts, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+            TOPK=top_k, TOPK_POW2=slots, BLOCK_N=rows, BLOCK_K=block_k, SCALED=scaled,
+            MASKED=remote_experts or slots != top_k or hidden % rows != 0 or inter % block_k != 0, **launch)
+        return y
     pair_blocks = num_tokens <= PAIR_BLOCK_TOKENS
     if pair_blocks:  # block j = pair j, its expert from the ids
         sorted_pairs = block_expert = ids  # unread

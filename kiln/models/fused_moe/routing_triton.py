@@ -19,48 +19,7 @@ import triton.language as tl
 
 from kiln.models.pdl import pdl_launch, pdl_start
 
-TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def router_row(src_ptr, s_split, offs, valid, SPLIT_K: tl.constexpr, LOGIT_DTYPE: tl.constexpr):
-    """One token's logits in fp32 (-inf where not `valid`): SPLIT_K 0, src_ptr holds them; else SPLIT_K fp32
-    partials s_split apart, summed in order and rounded to LOGIT_DTYPE (the GEMM's output dtype), as its split-K
-    reduce would."""
-    if SPLIT_K == 0:
-        return tl.load(src_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    acc = tl.load(src_ptr + offs, mask=valid, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(src_ptr + s * s_split + offs, mask=valid, other=0.0)
-    return tl.where(valid, acc.to(LOGIT_DTYPE).to(tl.float32), float("-inf"))
-
-
-@triton.jit
-def top_k_ranks(logits, offs, src_ptr, s_split, NUM_E, SPLIT_K: tl.constexpr, LOGIT_DTYPE: tl.constexpr,
-                E_POW2: tl.constexpr, CHUNK: tl.constexpr = 8):
-    """Each logit's place in the top-k order (0: the largest): how many others beat it, larger or equal at a lower
-    index, the order the k passes of _moe_topk_kernel pick in. `logits` = router_row(src_ptr, ...) over `offs`;
-    the others are read again CHUNK at a time, so the comparisons take [E_POW2, CHUNK] registers, not [E, E].
-    One sum a chunk, where the passes chain k max-reductions: for a kernel that needs the order at its start (the
-    pair kernels, kernels.py)."""
-    rank = tl.zeros_like(offs)
-    for start in tl.static_range(0, E_POW2, CHUNK):
-        others = start + tl.arange(0, CHUNK)
-        other = router_row(src_ptr, s_split, others, others < NUM_E, SPLIT_K, LOGIT_DTYPE)[None, :]
-        mine = logits[:, None]
-        beats = (other > mine) | ((other == mine) & (others[None, :] < offs[:, None]))
-        rank += tl.sum(beats.to(tl.int32), axis=1)
-    return rank
-
-
-@triton.jit
-def routing_weights(top, logits, RENORMALIZE: tl.constexpr):
-    """The k winners' weights from their logits `top` (-inf in padding slots) and all E `logits` (-inf padded)."""
-    if RENORMALIZE:  # the softmax over the winners: the full softmax renormalised over them
-        weights = tl.exp(top - tl.max(top, axis=0))
-        return weights / tl.sum(weights, axis=0)
-    peak = tl.max(logits, axis=0)  # the full softmax's values at the winners
-    return tl.exp(top - peak) / tl.sum(tl.exp(logits - peak), axis=0)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -72,7 +31,14 @@ def _moe_topk_kernel(logits_ptr, weights_ptr, ids_ptr, NUM_E, s_lt, s_split, TOP
     pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_POW2)
-    logits = router_row(logits_ptr + token * s_lt, s_split, offs, offs < NUM_E, SPLIT_K, LOGIT_DTYPE)
+    valid = offs < NUM_E
+    if SPLIT_K == 0:
+        logits = tl.load(logits_ptr + token * s_lt + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    else:
+        acc = tl.load(logits_ptr + token * s_lt + offs, mask=valid, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(logits_ptr + s * s_split + token * s_lt + offs, mask=valid, other=0.0)
+        logits = tl.where(valid, acc.to(LOGIT_DTYPE).to(tl.float32), float("-inf"))
     slots = tl.arange(0, K_POW2)
     top = tl.full((K_POW2,), float("-inf"), tl.float32)
     ids = tl.zeros((K_POW2,), tl.int32)
@@ -83,7 +49,12 @@ def _moe_topk_kernel(logits_ptr, weights_ptr, ids_ptr, NUM_E, s_lt, s_split, TOP
         top = tl.where(slots == slot, best, top)
         ids = tl.where(slots == slot, index, ids)
         remaining = tl.where(offs == index, float("-inf"), remaining)
-    weights = routing_weights(top, logits, RENORMALIZE)
+    if RENORMALIZE:  # the softmax over the winners: the full softmax renormalised over them
+        weights = tl.exp(top - tl.max(top, axis=0))
+        weights = weights / tl.sum(weights, axis=0)
+    else:  # the full softmax's values at the winners
+        peak = tl.max(logits, axis=0)
+        weights = tl.exp(top - peak) / tl.sum(tl.exp(logits - peak), axis=0)
     keep = slots < TOPK
     tl.store(weights_ptr + token * TOPK + slots, weights, mask=keep)
     tl.store(ids_ptr + token * TOPK + slots, ids, mask=keep)
@@ -128,6 +99,6 @@ def _top_k(source: torch.Tensor, splits: int, logit_dtype: torch.dtype, top_k: i
     _moe_topk_kernel[(num_tokens,)](source, weights, ids, num_experts, source.stride(-2),
                                     source.stride(0) if splits else 0, TOPK=top_k,
                                     K_POW2=triton.next_power_of_2(top_k), E_POW2=e_pow2, RENORMALIZE=renormalize,
-                                    SPLIT_K=splits, LOGIT_DTYPE=TL_DTYPES[logit_dtype],
+                                    SPLIT_K=splits, LOGIT_DTYPE=_TL_DTYPES[logit_dtype],
                                     num_warps=4 if e_pow2 >= 256 else 1, **pdl_launch(source.device))
     return weights, ids
