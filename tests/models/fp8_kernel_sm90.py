@@ -14,6 +14,7 @@ may have imported it under the interpreter.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import sys
@@ -25,7 +26,9 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, pdl: bool, 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = {**constexprs, "PDL": pdl}
+    # a constexpr the caller leaves at its default is one, as at a launch (not an i32 branched on at run time)
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs, "PDL": pdl}
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in kernel.arg_names}
     # what Triton assumes at a launch on real shapes: 16-byte aligned pointers, sizes and strides divisible by 16
     aligned = [i for i, name in enumerate(kernel.arg_names)

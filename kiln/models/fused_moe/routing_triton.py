@@ -24,6 +24,8 @@ from kiln.models.pdl import pdl_launch, pdl_start
 # The top-k kernel's winners by rank (an A/B arm, KILN_MOE_TOPK_RANKS=WARPS, the kernel's warps; up to 128 experts:
 # [E, E] comparisons in registers) instead of k passes of max-and-mask (0).
 RANK_WARPS = int(os.environ.get("KILN_MOE_TOPK_RANKS", "0"))
+if RANK_WARPS not in (0, 1, 2, 4, 8):
+    raise ValueError(f"KILN_MOE_TOPK_RANKS={RANK_WARPS}: the top-k kernel's warps (1, 2, 4 or 8), or 0 (off)")
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
