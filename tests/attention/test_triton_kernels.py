@@ -83,9 +83,10 @@ def test_decode_tile_up_to_64_requests_and_above(monkeypatch: pytest.MonkeyPatch
         TritonAttentionBackend(layout, torch.device(DEVICE))
 
 
-def test_a_merge_cut_along_the_head_dims_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_merge_cut_along_the_head_dims_gives_the_one_program_merge(monkeypatch: pytest.MonkeyPatch) -> None:
     """merge_chunks programs a head, each merging its share of the dims with the same weights: the output is the
-    one-program merge's, bit for bit (and the reference's within tolerance)."""
+    one-program merge's up to the order of the sum over the splits (on a GPU it follows the tile's layout, so the
+    last bits may differ: seen on an H100, 2026-12-07), and the reference's within tolerance."""
     batch = make_batch([1, 1, 1], [0, 95, 300], HEADS, HEADS // 4, 64, torch.float32, DEVICE, seed=3)
     outs = []
     for setting in (1, 4):  # 4: 16 dims a program
@@ -93,7 +94,7 @@ def test_a_merge_cut_along_the_head_dims_gives_the_same_bits(monkeypatch: pytest
         backend = TritonAttentionBackend(batch.layout, torch.device(DEVICE))
         assert backend.decode_cfg["merge_chunks"] == setting and backend.num_splits(3) > 1
         outs.append(run_backend(backend, batch)[0])
-    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     assert rel_err(outs[1], reference(batch)[0]) <= 1e-4
     monkeypatch.delenv("KILN_DECODE_MERGE_CHUNKS")  # the default: 4 where 16 dims are left to each, fewer below
     assert TritonAttentionBackend(batch.layout, torch.device(DEVICE)).decode_cfg["merge_chunks"] == 4

@@ -7,7 +7,7 @@ may have imported it under the interpreter.
     python -m tests.models.fp8_kernel_sm90 gate_up|qkv_rope|rows|rows_fp8|gemv_route|add_norm
     python -m tests.models.fp8_kernel_sm90 norm_rope KV_FP8(0|1)
                                                  the epilogue kernels (kiln/models/gemm_epilogues.py, gemv.py)
-    python -m tests.models.fp8_kernel_sm90 token_down|token_down_fp8|sum_pairs|top_k|top_k_ranks
+    python -m tests.models.fp8_kernel_sm90 token_down|token_down_fp8|sum_pairs|top_k
                                                  the MoE op's summing kernels (kiln/models/fused_moe/kernels.py),
                                                  the routing's top-k kernel (routing_triton.py)
 """
@@ -106,17 +106,16 @@ def epilogue(name: str, *args: str) -> dict:
 def moe(name: str) -> dict:
     """The pair path's down kernel at Qwen3-30B-A3B's one-token tile (8 slots, 2 rows, 4 KB a step; e4m3: 256 K),
     whole tiles; or the grouped path's sum over a token's 8 pair rows; or the top-k kernel over Qwen3-30B-A3B's 128
-    experts from one split of the router's sums (k passes in one warp, or by rank in two)."""
+    experts from one split of the router's sums."""
     from kiln.models.fused_moe import kernels, routing_triton
 
-    if name.startswith("top_k"):
+    if name == "top_k":
         import triton.language as tl
 
         pointers = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
-        ranks = name == "top_k_ranks"
         constexprs = {"TOPK": 8, "K_POW2": 8, "E_POW2": 128, "RENORMALIZE": True, "SPLIT_K": 1,
-                      "LOGIT_DTYPE": tl.bfloat16, "RANKS": ranks}
-        return compile_sm90(routing_triton._moe_topk_kernel, pointers, constexprs, True, num_warps=2 if ranks else 1)
+                      "LOGIT_DTYPE": tl.bfloat16}
+        return compile_sm90(routing_triton._moe_topk_kernel, pointers, constexprs, True, num_warps=1)
 
     if name == "sum_pairs":
         pointers = {"y_ptr": "*bf16", "ids_ptr": "*i32", "out_ptr": "*bf16"}

@@ -13,30 +13,23 @@ cuBLAS GEMM then this kernel, Qwen3-30B-A3B's router, inside CUDA graphs (H200, 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kiln.models.pdl import pdl_launch, pdl_start
 
-# The top-k kernel's winners by rank (an A/B arm, KILN_MOE_TOPK_RANKS=WARPS, the kernel's warps; up to 128 experts:
-# [E, E] comparisons in registers) instead of k passes of max-and-mask (0).
-RANK_WARPS = int(os.environ.get("KILN_MOE_TOPK_RANKS", "0"))
-if RANK_WARPS not in (0, 1, 2, 4, 8):
-    raise ValueError(f"KILN_MOE_TOPK_RANKS={RANK_WARPS}: the top-k kernel's warps (1, 2, 4 or 8), or 0 (off)")
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
 def _moe_topk_kernel(logits_ptr, weights_ptr, ids_ptr, NUM_E, s_lt, s_split, TOPK: tl.constexpr,
                      K_POW2: tl.constexpr, E_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_K: tl.constexpr,
-                     LOGIT_DTYPE: tl.constexpr, RANKS: tl.constexpr = False, PDL: tl.constexpr = False):
+                     LOGIT_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
     """SPLIT_K 0: logits_ptr holds the logits; else SPLIT_K fp32 partials s_split apart, summed in order and rounded
     to LOGIT_DTYPE (the GEMM's output dtype). The winners in order (slot 0 the largest, the lowest index among
-    equals): k passes of max-and-mask, each two dependent reductions; or (RANKS) each logit's rank, how many others
-    beat it, from one [E, E] comparison and one sum, and slot s the logit of rank s."""
+    equals) by k passes of max-and-mask. (Picking them by rank, one [E, E] comparison and one sum, measured slower:
+    docs/moe.md.)"""
     pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_POW2)
@@ -49,22 +42,15 @@ def _moe_topk_kernel(logits_ptr, weights_ptr, ids_ptr, NUM_E, s_lt, s_split, TOP
             acc += tl.load(logits_ptr + s * s_split + token * s_lt + offs, mask=valid, other=0.0)
         logits = tl.where(valid, acc.to(LOGIT_DTYPE).to(tl.float32), float("-inf"))
     slots = tl.arange(0, K_POW2)
-    if RANKS:
-        mine, other = logits[:, None], logits[None, :]
-        beats = (other > mine) | ((other == mine) & (offs[None, :] < offs[:, None]))
-        slot_of = tl.sum(beats.to(tl.int32), axis=1)[:, None] == slots[None, :]  # [E_POW2, K_POW2]
-        top = tl.where(slots < TOPK, tl.max(tl.where(slot_of, logits[:, None], float("-inf")), axis=0), float("-inf"))
-        ids = tl.sum(tl.where(slot_of, offs[:, None], 0), axis=0)
-    else:
-        top = tl.full((K_POW2,), float("-inf"), tl.float32)
-        ids = tl.zeros((K_POW2,), tl.int32)
-        remaining = logits
-        for slot in tl.static_range(TOPK):  # k passes: the largest left, the lowest index among equals
-            best = tl.max(remaining, axis=0)
-            index = tl.min(tl.where(remaining == best, offs, E_POW2), axis=0)
-            top = tl.where(slots == slot, best, top)
-            ids = tl.where(slots == slot, index, ids)
-            remaining = tl.where(offs == index, float("-inf"), remaining)
+    top = tl.full((K_POW2,), float("-inf"), tl.float32)
+    ids = tl.zeros((K_POW2,), tl.int32)
+    remaining = logits
+    for slot in tl.static_range(TOPK):  # k passes: the largest left, the lowest index among equals
+        best = tl.max(remaining, axis=0)
+        index = tl.min(tl.where(remaining == best, offs, E_POW2), axis=0)
+        top = tl.where(slots == slot, best, top)
+        ids = tl.where(slots == slot, index, ids)
+        remaining = tl.where(offs == index, float("-inf"), remaining)
     if RENORMALIZE:  # the softmax over the winners: the full softmax renormalised over them
         weights = tl.exp(top - tl.max(top, axis=0))
         weights = weights / tl.sum(weights, axis=0)
@@ -112,11 +98,9 @@ def _top_k(source: torch.Tensor, splits: int, logit_dtype: torch.dtype, top_k: i
     if num_tokens == 0:
         return weights, ids
     e_pow2 = triton.next_power_of_2(num_experts)
-    ranks = RANK_WARPS > 0 and e_pow2 <= 128
     _moe_topk_kernel[(num_tokens,)](source, weights, ids, num_experts, source.stride(-2),
                                     source.stride(0) if splits else 0, TOPK=top_k,
                                     K_POW2=triton.next_power_of_2(top_k), E_POW2=e_pow2, RENORMALIZE=renormalize,
-                                    SPLIT_K=splits, LOGIT_DTYPE=_TL_DTYPES[logit_dtype], RANKS=ranks,
-                                    num_warps=RANK_WARPS if ranks else 4 if e_pow2 >= 256 else 1,
-                                    **pdl_launch(source.device))
+                                    SPLIT_K=splits, LOGIT_DTYPE=_TL_DTYPES[logit_dtype],
+                                    num_warps=4 if e_pow2 >= 256 else 1, **pdl_launch(source.device))
     return weights, ids
