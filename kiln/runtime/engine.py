@@ -274,9 +274,12 @@ class Engine:
         if params.truncate_prompt_tokens is not None:  # the last k tokens (left truncation, as vLLM)
             # -1: as many as the model takes while one token is still generated
             k = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if k > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens {k} is greater than max_model_len {self.max_model_len}")
             token_ids = token_ids[-k:]
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if t >= vocab]
             if bad:  # an id past the logits would index out of bounds on the device
                 raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")

@@ -67,7 +67,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
                    f"must be None or an integer in [0, 20], got {value!r}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed <= 2**64 - self.n), "seed",
+               f"must be an integer in [-2**63, 2**64 - n] (choice i seeds with seed + i), got {self.seed!r}")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               f"must be token ids >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             allowed = list(self.allowed_token_ids)

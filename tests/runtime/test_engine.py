@@ -189,6 +189,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(checkpoint, runtime) -> No
         SamplingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="^allowed_token_ids token ids"):
         runtime.generate([prompt], SamplingParams(max_tokens=2, allowed_token_ids=[5, 100000]))
+    with pytest.raises(ValueError, match="^stop_token_ids token ids"):
+        runtime.generate([prompt], SamplingParams(max_tokens=2, stop_token_ids=[100000]))
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens .* max_model_len"):
+        too_many = runtime.engine.max_model_len + 1
+        runtime.generate([prompt], SamplingParams(max_tokens=2, truncate_prompt_tokens=too_many))
     assert_pool_clean(runtime)
 
 
@@ -238,6 +243,10 @@ def test_abort_waiting_request_frees_at_once(runtime) -> None:
     ({"top_p": 1.5}, "top_p"),
     ({"n": 0}, "n"),
     ({"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": 2**64 - 2, "n": 3}, "seed"),  # choice 2 would seed with 2**64
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"stop_token_ids": [3, -5]}, "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):

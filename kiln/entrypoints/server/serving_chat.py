@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,8 +43,29 @@ from kiln.entrypoints.server.serving_common import (
 from kiln.entrypoints.server.tool_calls import ToolCall, ToolPlan, plan_tools
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 
-_RESERVED_TEMPLATE_ARGS = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                           "return_dict", "tools"}
+# apply_chat_template's own arguments where the tokenizer does not say (transformers 4.5x-5.x)
+_TEMPLATE_CALL_ARGS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def template_variables(tokenizer: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs -> the variables the template is rendered with. The tokenizer's own arguments
+    (chat_template, tokenize, padding, max_length, return_tensors, ...) are refused: they would swap the template or
+    change what rendering returns, and add_generation_prompt / continue_final_message / tools have request fields."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise APIError.bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    try:
+        call_args = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    except (AttributeError, TypeError, ValueError):
+        call_args = _TEMPLATE_CALL_ARGS
+    refused = sorted(set(kwargs) & (call_args | _TEMPLATE_CALL_ARGS))
+    if refused:
+        raise APIError.bad_request(f"chat_template_kwargs may only set template variables; {', '.join(refused)} "
+                                   "are arguments of the tokenizer's apply_chat_template", "chat_template_kwargs")
+    return dict(kwargs)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -52,10 +74,12 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for i, msg in enumerate(messages):
         content = msg.content
         if isinstance(content, list):
-            bad = [p.type for p in content if p.type != "text" or p.text is None]
+            bad = [p.type for p in content if p.type != "text"]
             if bad:
                 raise APIError.bad_request(f"only text content parts are supported, got {bad[0]!r}",
                                            f"messages.{i}.content")
+            if any(p.text is None for p in content):
+                raise APIError.bad_request("a text content part needs its text", f"messages.{i}.content")
             content = "\n".join(p.text or "" for p in content)
         entry: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
         if msg.name is not None:
@@ -72,8 +96,13 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     """Runtime.apply_chat_template's logic, plus the request's template options; engine thread only."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use /v1/completions")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **template_kwargs)
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **template_kwargs)
+    except (TemplateError, TypeError, KeyError, IndexError) as exc:  # the request's messages or template variables
+        raise ValueError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -107,8 +136,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     model = ctx.resolve_model(req.model)
     _check_chat(req)
     messages = message_dicts(req.messages)
-    template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-                       if k not in _RESERVED_TEMPLATE_ARGS}
+    template_kwargs = template_variables(ctx.tokenizer, req.chat_template_kwargs)
     if req.continue_final_message:
         template_kwargs["continue_final_message"] = True
     # echo: the reply continues the last message's role, so it is shown from that message's start (vLLM's rule)

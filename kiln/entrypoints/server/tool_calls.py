@@ -50,15 +50,18 @@ class ToolPlan:
         return {f["name"] for f in self.functions}
 
     def structured(self) -> StructuredOutputsParams | None:
-        """The constraint for required / named; None for auto (free text, parsed afterwards)."""
+        """The constraint for required / named; None for auto (free text, parsed afterwards). A parameter schema
+        the grammar cannot take is a 400 naming its tool."""
         if self.mode == "named":
-            fn = next(f for f in self.functions if f["name"] == self.named)
-            return StructuredOutputsParams(json=fn.get("parameters") or {"type": "object"})
+            i = next(i for i, f in enumerate(self.functions) if f["name"] == self.named)
+            return _constraint(_parameters(self.functions[i]), i)
         if self.mode == "required":
+            for i, f in enumerate(self.functions):
+                _constraint(_parameters(f), i)
             calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                                                        "parameters": f.get("parameters") or {"type": "object"}},
+                                                        "parameters": _parameters(f)},
                       "required": ["name", "parameters"]} for f in self.functions]
-            return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+            return _constraint({"type": "array", "minItems": 1, "items": {"anyOf": calls}}, None)
         return None
 
     def render(self, messages: list[dict[str, Any]], chat_template: str | None) -> tuple[list, dict[str, Any]]:
@@ -118,7 +121,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     functions = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or \
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function" or \
                 not isinstance(fn.get("name"), str) or not fn["name"]:
             raise APIError.bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                                        "tools")
@@ -131,12 +134,29 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     if choice in ("auto", "required"):
         return ToolPlan(choice, tuple(functions))
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise APIError.bad_request("a named tool_choice must be {'type': 'function', 'function': {'name': ...}}",
+                                       "tool_choice")
         if name not in {f["name"] for f in functions}:
             raise APIError.bad_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
         return ToolPlan("named", tuple(functions), name)
     raise APIError.bad_request(f"tool_choice must be none, auto, required or a named function, got {choice!r}",
                                "tool_choice")
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or {"type": "object"}
+
+
+def _constraint(schema: dict[str, Any], tool: int | None) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as exc:
+        reason = str(exc).split(" is invalid: ", 1)[-1]
+        where = f"tools[{tool}].function.parameters" if tool is not None else "the tools' parameter schemas"
+        raise APIError.bad_request(f"{where} cannot constrain the output: {reason}", "tools") from None
 
 
 def _loads(text: str) -> Any:

@@ -68,6 +68,10 @@ def test_bad_json(served: Served) -> None:
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 50}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999999]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 129}, "truncate_prompt_tokens"),  # > max_model_len
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999999]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-5]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed"),
     ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, "bad_words"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
@@ -84,6 +88,7 @@ def test_bad_json(served: Served) -> None:
      "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content"),
 ])
 def test_validation_errors(served: Served, path: str, body: dict[str, Any], param: str) -> None:
     expect_error(post(served, path, body), 400, param=param)

@@ -56,8 +56,28 @@ def test_required_and_named_plans_constrain_and_parse() -> None:
     ([ADD], {"type": "function", "function": {"name": "sub"}}, "tool_choice"),
     ([ADD], "sometimes", "tool_choice"),
     (None, "required", "tool_choice"),
+    ([ADD], {"type": "function", "function": "add"}, "tool_choice"),
+    ([ADD], {"type": "function", "function": {"name": ["add"]}}, "tool_choice"),
+    ([ADD], {"type": "retrieval", "function": {"name": "add"}}, "tool_choice"),
+    (["add"], "auto", "tools"),
 ])
 def test_bad_tools_are_400s_naming_the_field(tools, choice, param) -> None:
     with pytest.raises(APIError) as info:
         plan_tools(tools, choice)
     assert info.value.status == 400 and info.value.param == param
+
+
+BAD_SCHEMA = {"type": "function", "function": {"name": "bad", "parameters": {
+    "type": "object", "properties": {"x": {"type": "nonsense"}}}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+def test_a_parameter_schema_the_grammar_cannot_take_is_a_400_naming_its_tool(choice) -> None:
+    """required / a named tool constrain the output by the parameter schemas: one the grammar refuses is the
+    request's fault (400 on tools, the tool's index in the message), not the server's."""
+    plan = plan_tools([ADD, BAD_SCHEMA], choice)
+    with pytest.raises(APIError) as info:
+        plan.structured()
+    assert info.value.status == 400 and info.value.param == "tools"
+    assert "tools[1].function.parameters" in info.value.message and "nonsense" in info.value.message
+    assert plan_tools([ADD, BAD_SCHEMA], {"type": "function", "function": {"name": "add"}}).structured() is not None
