@@ -265,7 +265,7 @@ class Engine:
                 raise ValueError("prompt must not be empty")
             token_ids = self.tokenize(prompt)
         else:
-            token_ids = [int(t) for t in prompt]
+            token_ids = _token_ids(prompt)
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
@@ -546,3 +546,17 @@ class Engine:
 
     def _count_finished(self, reason: str, n: int) -> None:
         self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + n
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """A prompt given as token ids (a list, tuple, tensor or array of integers) -> a list of ints."""
+    from numbers import Integral
+
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    if isinstance(ids, (bytes, dict, set)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    ids = list(ids)
+    bad = [t for t in ids if not isinstance(t, Integral) or isinstance(t, bool)]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers; got {bad[:5]}")
+    return [int(t) for t in ids]

@@ -113,7 +113,7 @@ class Runtime:
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, p, final_only=True))
-        except ValueError:
+        except BaseException:  # nothing of this call stays queued, whatever the error
             for request_id in ids:
                 self.engine.abort(request_id)
             raise

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.runtime.structured.params import StructuredOutputsParams
+
+_REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INT_FIELDS = ("max_tokens", "top_k", "n", "min_tokens", "logprobs", "prompt_logprobs", "seed",
+               "truncate_prompt_tokens")
+_GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclass(frozen=True)
@@ -41,8 +47,21 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", _strings(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+                   f"must be a finite number, got {value!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool)), name,
+                   f"must be an integer, got {value!r}")
+        if 0.0 < self.temperature < _GREEDY_BELOW:  # 1/T would overflow the logits: as greedy, as vLLM does
+            object.__setattr__(self, "temperature", 0.0)
+        object.__setattr__(self, "stop", _strings(self.stop, "stop"))
+        ids = _sequence(self.stop_token_ids, "stop_token_ids")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids), "stop_token_ids",
+               f"must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -67,17 +86,15 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
                    f"must be None or an integer in [0, 20], got {value!r}")
-        _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed <= 2**64 - self.n), "seed",
+        _check(self.seed is None or -2**63 <= self.seed <= 2**64 - self.n, "seed",
                f"must be an integer in [-2**63, 2**64 - n] (choice i seeds with seed + i), got {self.seed!r}")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               f"must be token ids >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             allowed = list(self.allowed_token_ids)
             _check(bool(allowed) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed),
                    "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
-        object.__setattr__(self, "bad_words", _strings(self.bad_words))
+        object.__setattr__(self, "bad_words", _strings(self.bad_words, "bad_words"))
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
                f"must be non-blank strings, got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
@@ -102,9 +119,15 @@ class SamplingParams:
         return cls(**values)
 
 
-def _strings(value: Any) -> tuple[str, ...]:
-    """A string or a sequence of them (stop, bad_words) -> a tuple."""
-    return (value,) if isinstance(value, str) else tuple(value or ())
+def _sequence(value: Any, name: str) -> tuple[Any, ...]:
+    """None or a list / tuple -> a tuple."""
+    _check(value is None or isinstance(value, (list, tuple)), name, f"must be a list, got {value!r}")
+    return tuple(value or ())
+
+
+def _strings(value: Any, name: str) -> tuple[str, ...]:
+    """A string or a list of them (stop, bad_words) -> a tuple."""
+    return (value,) if isinstance(value, str) else _sequence(value, name)
 
 
 def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:

@@ -247,10 +247,35 @@ def test_abort_waiting_request_frees_at_once(runtime) -> None:
     ({"seed": 2**64 - 2, "n": 3}, "seed"),  # choice 2 would seed with 2**64
     ({"seed": -2**63 - 1}, "seed"),
     ({"stop_token_ids": [3, -5]}, "stop_token_ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"stop_token_ids": ["x"]}, "stop_token_ids"),
+    ({"stop": 5}, "stop"),
+    ({"stop": {"a": 1}}, "stop"),
+    ({"bad_words": 5}, "bad_words"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),  # logits / inf: NaN rows
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"logprobs": True}, "logprobs"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily(runtime) -> None:
+    """1 / T past fp32's range turned every logit into inf or NaN (token 0 whatever the constraints): below 1e-5 a
+    request samples greedily, as vLLM's does, and keeps its allowed_token_ids."""
+    prompt = random_prompts([12], 256, seed=21)[0]
+    greedy = runtime.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids
+    tiny = SamplingParams(max_tokens=4, temperature=1e-40, seed=3)
+    assert tiny.temperature == 0.0 and SamplingParams(temperature=1e-5).temperature == 1e-5
+    assert runtime.generate([prompt], tiny)[0].outputs[0].token_ids == greedy
+    vocab = runtime.engine.loaded.spec.vocab_size
+    allowed = sorted({(greedy[0] + 1) % vocab, (greedy[0] + 2) % vocab})
+    out = runtime.generate([prompt], SamplingParams(max_tokens=3, temperature=1e-40, allowed_token_ids=allowed))
+    assert set(out[0].outputs[0].token_ids) <= set(allowed)
+    assert_pool_clean(runtime)
 
 
 def test_unknown_fields_and_bad_prompts_are_rejected(runtime) -> None:
@@ -270,6 +295,11 @@ def test_unknown_fields_and_bad_prompts_are_rejected(runtime) -> None:
     with pytest.raises(ValueError):
         runtime.generate([[5, 6, 7], []], GREEDY)
     assert_pool_clean(runtime)
+    for bad in (None, 3.5, [[1, 2]], [1.5, 2.0], {"a": 1}):
+        with pytest.raises(ValueError, match="^prompt"):
+            runtime.generate([[5, 6, 7], [8, 9], bad], GREEDY)
+        assert_pool_clean(runtime)
+    assert runtime.generate([torch.tensor([5, 6, 7])], GREEDY)[0].prompt_token_ids == [5, 6, 7]
     assert len(runtime.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 12
 
 
