@@ -23,6 +23,20 @@ from kiln.runtime import tp_processes
 logger = logging.getLogger("kiln")
 
 
+def _check_heads_split(model: str | None, world: int) -> None:
+    """The attention heads must split evenly over the ranks: said before any worker starts, not by every rank's
+    load failing alike."""
+    from kiln.models.loader.load import resolve_model_source
+
+    try:
+        _, config = resolve_model_source(model)
+    except (ValueError, OSError):
+        return  # rank 0's own load says what is wrong with the model
+    heads = getattr(config, "num_attention_heads", None)  # a ConfigView or transformers' config
+    if isinstance(heads, int) and heads % world:
+        raise ValueError(f"num_attention_heads {heads} is not divisible by tensor parallel size {world}")
+
+
 class TensorParallelLeader:
     """Rank 0 of a group: built before the worker (the rendezvous), `open_channel` after the worker's warm-up
     (the workers open theirs after their own), then `send_step` / `share_samples` per step and `shutdown`."""
@@ -45,6 +59,7 @@ class TensorParallelLeader:
                     os._exit(tp_processes.UNCLEAN_EXIT)  # its groups hang in their tear-down: exit hooks would too
                 raise SystemExit(0)
         else:
+            _check_heads_split(config.model, world)
             workers = tp_processes.spawn_workers(config, world)
             self.procs = workers.procs
             try:  # before the rendezvous, which would wait for a dead worker until the group's timeout

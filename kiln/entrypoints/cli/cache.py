@@ -107,7 +107,9 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def run_clear(args: argparse.Namespace) -> int:
     keys = _keys(args)
-    if args.key:
+    if args.key is not None:
+        if not args.key:
+            raise ValueError("an empty key prefix; give none to clear every entry")
         keys = [k for k in keys if k.name.startswith(args.key)]
         if len(keys) != 1:
             raise ValueError(f"key prefix {args.key!r} matches {len(keys)} entries")

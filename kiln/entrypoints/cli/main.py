@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return int(args.func(args) or 0)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad input, or a path that is not what it should be
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
 

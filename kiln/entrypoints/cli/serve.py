@@ -7,6 +7,7 @@ import gc
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kiln.entrypoints.cli.main import add_runtime_args, runtime_kwargs
@@ -19,19 +20,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_runtime_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
+    p.add_argument("--port", type=_bounded(int, 0, 65535), default=8000,
+                   help="port (0: any free port; the URL is printed)")
     p.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILN_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use; the first is reported in responses")
-    p.add_argument("--max-queue", type=int, default=1024,
+    p.add_argument("--max-queue", type=_max_queue, default=1024,
                    help="requests allowed to wait for a batch slot before new ones get 503 (-1: no limit)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=_bounded(float, 0.0, 86400.0), default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bars while loading")
     p.set_defaults(func=run)
+
+
+def _bounded(kind: type, low: float, high: float) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not low <= value <= high:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {text}")
+        return value
+    return parse
+
+
+def _max_queue(text: str) -> int:
+    value = int(text)
+    if value < 1 and value != -1:  # 0 would refuse every request
+        raise argparse.ArgumentTypeError(f"must be -1 (no limit) or >= 1, got {text}")
+    return value
 
 
 def build_engine(model: str | None, kwargs: dict[str, Any], progress: bool = True) -> Engine:
@@ -100,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(args.model, runtime_kwargs(args), progress=not args.no_progress)
     names = args.served_model_name or [default_model_name(args.model)]
     ctx = create_context(engine, names, api_key=args.api_key,
-                         max_queue=None if args.max_queue < 0 else args.max_queue, drain_timeout=args.drain_timeout)
+                         max_queue=None if args.max_queue == -1 else args.max_queue, drain_timeout=args.drain_timeout)
     print(f"kiln serve\n{summary(engine, names, time.perf_counter() - start)}", flush=True)
     # Everything alive at ready lives as long as the server: out of the collector's sight. A full collection
     # otherwise walks every module, tensor and compiled artifact, and serving triggers them (96 requests at -O0

@@ -218,3 +218,45 @@ def test_serve_freezes_what_start_up_left_alive(embedded_dir: Path, monkeypatch:
     finally:
         gc.unfreeze()
     assert frozen and frozen[0] > 10_000
+
+
+@pytest.mark.parametrize("args", [["--port", "70000"], ["--port", "-1"], ["--max-queue", "0"], ["--max-queue", "-5"],
+                                  ["--drain-timeout", "nan"], ["--drain-timeout", "-1"]])
+def test_serve_options_out_of_range_stop_at_parse_time(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Before any model loads (a port past 65535 failed in the bind, after the load; --max-queue 0 started a server
+    that answered every request with 503)."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "-O0", "--device", "cpu", *args])
+    assert info.value.code == 2 and args[0] in capsys.readouterr().err
+
+
+def test_cache_clear_with_an_empty_key_deletes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.cache.store import compile_root
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    keys = [compile_root() / name for name in ("aaa111", "bbb222")]
+    for key in keys:
+        key.mkdir(parents=True)
+    assert main(["cache", "clear", ""]) == 2
+    assert all(key.is_dir() for key in keys)
+    assert main(["cache", "clear", "aaa"]) == 0 and not keys[0].exists() and keys[1].is_dir()
+
+
+def test_an_unreadable_config_is_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text("{bad")
+    assert main(["generate", "--model", str(tmp_path), "-O0", "--device", "cpu", "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "kiln: error:" in err and "Traceback" not in err
+
+
+def test_heads_that_do_not_split_over_the_ranks_fail_before_any_worker_starts(
+        embedded_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln import Runtime
+    from kiln.runtime import tp_processes
+
+    def spawn(*args: Any) -> None:
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(tp_processes, "spawn_workers", spawn)
+    with pytest.raises(ValueError, match="num_attention_heads 9 is not divisible by tensor parallel size 2"):
+        Runtime(str(embedded_dir), level=0, device="cpu", tensor_parallel_size=2)
