@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ def build_config(model: str | None = None, **kwargs: Any) -> RuntimeConfig:
     values: dict[str, Any] = {"model": model}
     for key, value in kwargs.items():
         if key in top:
+            _check_option_type(key, value, RuntimeConfig)
             values[key] = value
             continue
         if key in sections and isinstance(value, sections[key]):
@@ -36,6 +38,7 @@ def build_config(model: str | None = None, **kwargs: Any) -> RuntimeConfig:
             continue
         for name, cls in sections.items():
             if key in {f.name for f in dataclasses.fields(cls)}:
+                _check_option_type(key, value, cls)
                 picked[name][key] = value
                 break
         else:
@@ -45,6 +48,24 @@ def build_config(model: str | None = None, **kwargs: Any) -> RuntimeConfig:
             base = values.get(name, cls())
             values[name] = dataclasses.replace(base, **picked[name])
     return RuntimeConfig(**values)
+
+
+_SIMPLE_TYPES: dict[str, Any] = {"int": int, "float": (int, float), "bool": bool, "str": (str, os.PathLike),
+                                 "None": type(None), "tuple[int, ...]": (list, tuple), "tuple[str, ...]": (list, tuple)}
+
+
+def _check_option_type(key: str, value: Any, section: type) -> None:
+    """An option whose declared type is plain (int, float, bool, str, a tuple of ints or strings, or None) must
+    be given as one: a bool is not an int, "4" not a number, "noop" not a tuple of passes. Richer types (dtype
+    also takes a torch.dtype) are checked where they are read."""
+    declared = next(str(f.type) for f in dataclasses.fields(section) if f.name == key)
+    parts = [part.strip() for part in declared.split("|")]
+    if key == "dtype" or not all(part in _SIMPLE_TYPES for part in parts):
+        return
+    if any(isinstance(value, _SIMPLE_TYPES[part]) and not (isinstance(value, bool) and part in ("int", "float"))
+           for part in parts):
+        return
+    raise ValueError(f"{key} must be {declared}, got {value!r}")
 
 
 class Runtime:

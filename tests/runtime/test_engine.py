@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -276,6 +278,21 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(runtime) -> None:
     out = runtime.generate([prompt], SamplingParams(max_tokens=3, temperature=1e-40, allowed_token_ids=allowed))
     assert set(out[0].outputs[0].token_ids) <= set(allowed)
     assert_pool_clean(runtime)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_num_seqs": "4"}, {"max_num_seqs": 2.5}, {"max_num_seqs": True},
+                                    {"gpu_memory_utilization": "0.5"}, {"level": True}, {"passes": "noop"},
+                                    {"cudagraph_capture_sizes": 5}, {"async_scheduling": "yes"}, {"device": None},
+                                    {"tokenizer": 123}, {"enable_expert_parallel": "no"}])
+def test_runtime_options_of_the_wrong_type_name_the_option(kwargs) -> None:
+    """A bool is not an int, "4" not a number, "noop" not a tuple of passes: a ValueError naming the option, not a
+    TypeError deep in the build or a value taken as given."""
+    from kiln.runtime.runtime import build_config
+
+    (key,) = kwargs
+    with pytest.raises(ValueError, match=f"^{key} must be "):
+        build_config("tiny-llama", **kwargs)
+    build_config("tiny-llama", gpu_memory_utilization=1, passes=["noop"], compile_sizes=[1, 2], tokenizer=Path("/x"))
 
 
 def test_unknown_fields_and_bad_prompts_are_rejected(runtime) -> None:
