@@ -53,22 +53,22 @@ class SamplingParams:
                    f"must be a finite number, got {value!r}")
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and not isinstance(value, bool)), name,
-                   f"must be an integer, got {value!r}")
+            _check(value is None or _is_integer(value), name, f"must be an integer, got {value!r}")
         if 0.0 < self.temperature < _GREEDY_BELOW:  # 1/T would overflow the logits: as greedy, as vLLM does
             object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "stop", _strings(self.stop, "stop"))
         ids = _sequence(self.stop_token_ids, "stop_token_ids")
-        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids), "stop_token_ids",
+        _check(all(_is_token_id(t) for t in ids), "stop_token_ids",
                f"must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        # the integer fields' types are checked above; what follows bounds their values
+        _check(self.max_tokens is None or self.max_tokens >= 1,
                "max_tokens", f"must be None (the rest of the context) or an integer >= 1, got {self.max_tokens!r}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+        _check(self.top_k >= 0, "top_k",
                f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0.0, "repetition_penalty",
@@ -77,28 +77,28 @@ class SamplingParams:
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens
+        _check(self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(0 <= self.min_tokens
                and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "min_tokens",
                f"must be in [0, max_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
+            _check(value is None or 0 <= value <= 20, name,
                    f"must be None or an integer in [0, 20], got {value!r}")
         _check(self.seed is None or -2**63 <= self.seed <= 2**64 - self.n, "seed",
                f"must be an integer in [-2**63, 2**64 - n] (choice i seeds with seed + i), got {self.seed!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             allowed = list(self.allowed_token_ids)
-            _check(bool(allowed) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed),
+            _check(bool(allowed) and all(_is_token_id(t) for t in allowed),
                    "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         object.__setattr__(self, "bad_words", _strings(self.bad_words, "bad_words"))
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
                f"must be non-blank strings, got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
-        _check(k is None or (isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1)),
+        _check(k is None or k >= 1 or k == -1,
                "truncate_prompt_tokens", f"must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
@@ -138,12 +138,20 @@ def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
         _check(isinstance(pair, (tuple, list)) and len(pair) == 2, "logit_bias",
                f"must map token ids to biases, got {pair!r}")
         token, value = pair
-        _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0, "logit_bias",
+        _check(_is_token_id(token), "logit_bias",
                f"keys must be token ids (integers >= 0), got {token!r}")
         _check(isinstance(value, (int, float)) and not isinstance(value, bool) and -100.0 <= value <= 100.0,
                "logit_bias", f"values must be numbers in [-100, 100], got {value!r} for token {token}")
         out[token] = float(value)
     return tuple(sorted(out.items()))
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value: Any) -> bool:
+    return _is_integer(value) and value >= 0
 
 
 def _check(ok: bool, name: str, message: str) -> None:
