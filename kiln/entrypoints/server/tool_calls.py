@@ -56,12 +56,15 @@ class ToolPlan:
             i = next(i for i, f in enumerate(self.functions) if f["name"] == self.named)
             return _constraint(_parameters(self.functions[i]), i)
         if self.mode == "required":
-            for i, f in enumerate(self.functions):
-                _constraint(_parameters(f), i)
             calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
                                                         "parameters": _parameters(f)},
                       "required": ["name", "parameters"]} for f in self.functions]
-            return _constraint({"type": "array", "minItems": 1, "items": {"anyOf": calls}}, None)
+            try:
+                return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+            except ValueError as exc:  # each schema alone, to name the tool at fault (only on this error path)
+                for i, f in enumerate(self.functions):
+                    _constraint(_parameters(f), i)
+                raise _bad_schema(exc, "the tools' parameter schemas") from None
         return None
 
     def render(self, messages: list[dict[str, Any]], chat_template: str | None) -> tuple[list, dict[str, Any]]:
@@ -150,13 +153,16 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return function.get("parameters") or {"type": "object"}
 
 
-def _constraint(schema: dict[str, Any], tool: int | None) -> StructuredOutputsParams:
+def _constraint(schema: dict[str, Any], tool: int) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(json=schema)
     except ValueError as exc:
-        reason = str(exc).split(" is invalid: ", 1)[-1]
-        where = f"tools[{tool}].function.parameters" if tool is not None else "the tools' parameter schemas"
-        raise APIError.bad_request(f"{where} cannot constrain the output: {reason}", "tools") from None
+        raise _bad_schema(exc, f"tools[{tool}].function.parameters") from None
+
+
+def _bad_schema(exc: ValueError, where: str) -> APIError:
+    reason = str(exc).split(" is invalid: ", 1)[-1]
+    return APIError.bad_request(f"{where} cannot constrain the output: {reason}", "tools")
 
 
 def _loads(text: str) -> Any:
