@@ -37,6 +37,9 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
     """
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    for name, value in (("input_len", input_len), ("output_len", output_len)):
+        if value < 1:  # a length of 0 would be drawn as 1: a run that is not the one asked for
+            raise ValueError(f"{name} must be >= 1, got {value}")
     rng = random.Random(seed)
 
     def length(center: int) -> int:

@@ -105,8 +105,11 @@ async def run_benchmark(base_url: str, endpoint: str, model: str | None, request
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0), limits=limits) as client:
         if model is None:
-            listing = await client.get(f"{base}/v1/models", headers=headers)
-            listing.raise_for_status()
+            try:
+                listing = await client.get(f"{base}/v1/models", headers=headers)
+                listing.raise_for_status()
+            except httpx.HTTPError as exc:  # the CLI prints an OSError as one line
+                raise OSError(f"could not list the models at {base}/v1/models: {exc or type(exc).__name__}") from exc
             model = str(listing.json()["data"][0]["id"])
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)

@@ -54,12 +54,18 @@ def remote_backend(args: argparse.Namespace) -> tuple[str, Callable[[Messages], 
     import openai
 
     client = openai.OpenAI(base_url=args.url, api_key=args.api_key or "EMPTY")
-    model = args.model_name or client.models.list().data[0].id
+    try:
+        model = args.model_name or client.models.list().data[0].id
+    except openai.APIError as exc:  # the CLI prints an OSError as one line
+        raise OSError(f"could not list the models at {args.url}: {exc}") from exc
 
     def reply(messages: Messages) -> Iterator[str]:
-        stream = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
-                                                max_tokens=args.max_tokens, temperature=args.temperature,
-                                                top_p=args.top_p, stream=True)
+        try:
+            stream = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                                    max_tokens=args.max_tokens, temperature=args.temperature,
+                                                    top_p=args.top_p, stream=True)
+        except openai.APIError as exc:
+            raise OSError(f"the server at {args.url} answered with an error: {exc}") from exc
         try:
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:

@@ -260,3 +260,23 @@ def test_heads_that_do_not_split_over_the_ranks_fail_before_any_worker_starts(
     monkeypatch.setattr(tp_processes, "spawn_workers", spawn)
     with pytest.raises(ValueError, match="num_attention_heads 9 is not divisible by tensor parallel size 2"):
         Runtime(str(embedded_dir), level=0, device="cpu", tensor_parallel_size=2)
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [["chat", "--url", "http://127.0.0.1:{port}/v1"],
+                                     ["bench", "serve", "--base-url", "http://127.0.0.1:{port}", "--num-prompts", "2"]])
+def test_a_server_that_is_not_there_is_one_line_not_a_traceback(command: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    port = _closed_port()
+    assert main([word.format(port=port) for word in command]) == 2
+    err = capsys.readouterr().err
+    assert f"kiln: error: could not list the models at http://127.0.0.1:{port}/v1" in err and "Traceback" not in err

@@ -99,6 +99,9 @@ def test_datasets(tmp_path: Path) -> None:
     assert all(len(str(r.prompt).split()) == r.prompt_len for r in reqs)
     ids = random_requests(3, 8, 4, vocab_size=100)
     assert all(isinstance(r.prompt, list) and len(r.prompt) == 8 for r in ids)
+    for lengths, name in (((0, 4), "input_len"), ((8, 0), "output_len")):  # not silently drawn as 1
+        with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
+            random_requests(3, *lengths)
     path = tmp_path / "sg.json"
     long_reply = "word " * 50
     path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "please say something nice"},
