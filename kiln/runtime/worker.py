@@ -107,8 +107,15 @@ class Worker:
             if self._agree_num_blocks is not None:  # every rank must page the same block ids
                 num_blocks = self._agree_num_blocks(num_blocks)
             self.num_blocks = num_blocks
-            self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size, self.num_kv_heads,
-                                        spec.head_dim, dtype=layout.cache_dtype, device=self.device)
+            try:
+                self.kv_cache = torch.zeros(spec.num_layers, num_blocks, 2, config.cache.block_size,
+                                            self.num_kv_heads, spec.head_dim, dtype=layout.cache_dtype,
+                                            device=self.device)
+            except RuntimeError as exc:  # the CPU allocator's error, or CUDA's OutOfMemoryError
+                if config.cache.kv_cache_bytes is None and config.cache.num_blocks is None:
+                    raise  # sized from what is free: not the user's number
+                raise ValueError(f"kv_cache_bytes / num_blocks: a KV cache of {num_blocks} blocks does not fit in "
+                                 f"{self.device} memory; ask for less") from exc
         self.runner.kv_cache = self.kv_cache
         self.runner.kv_scales = fp8_kv_scales(self.model, spec.num_layers) if is_fp8(layout.cache_dtype) else None
 

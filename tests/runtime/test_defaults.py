@@ -75,6 +75,13 @@ def test_the_engine_resolves_its_config_before_building(tiny_checkpoint) -> None
     assert overlapped.engine.async_scheduling is True
 
 
+def test_a_kv_cache_larger_than_memory_names_the_option(tiny_checkpoint) -> None:
+    """An explicit budget no allocator can give (a petabyte) is the user's number to fix, not a crash."""
+    path = str(tiny_checkpoint("tiny-llama")[0])
+    with pytest.raises(ValueError, match="kv_cache_bytes / num_blocks: a KV cache of .* blocks does not fit"):
+        Runtime(path, level=0, device="cpu", kv_cache_bytes=10**15)
+
+
 @pytest.mark.parametrize("asked", ["auto", "cuda", "cuda:1"])
 def test_a_cuda_device_always_has_an_index(monkeypatch: pytest.MonkeyPatch, asked: str) -> None:
     """`torch.cuda.set_device` refuses an index-less device: `kiln serve --device auto` failed on an H200 with
