@@ -112,15 +112,14 @@ set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and
   # models, default Llama-3-8B; GEMM_M: the token counts, default bench_gemm's 1 to 64; GEMM_PROJECTIONS: some of
   # qkv o gate_up down, e.g. "qkv o" for a mixture of experts; GEMM_TP=2: one rank's shards too; GEMM_ARGS: more
   # bench_gemm arguments, e.g. "--promote 32 128 --no-bf16-sweep" or "--tma 0 1"; GEMM_S: a preset's bound, default
-  # 240 s, no new projection started past 40 s before it). The winners are
-  # added to $R/gemm_table.json, a KILN_GEMM_CONFIGS table for a decode-ab arm of the same call
-  local preset bound=${GEMM_S:-240}
+  # 240 s, no new projection started past 40 s before it; GEMM_TAG: a suffix of the files, for a second sweep in the
+  # same call). The winners are added to $R/gemm_table$GEMM_TAG.json, a KILN_GEMM_CONFIGS table for a decode-ab arm
+  local preset bound=${GEMM_S:-240} tag=${GEMM_TAG:-}
   for preset in ${GEMM_PRESETS:-llama3-8b}; do
-    step "gemm_$preset" "$bound" python3 -m benchmarks.bench_gemm --part small-m --preset "$preset" ${GEMM_M:+--m $GEMM_M} \
-      ${GEMM_PROJECTIONS:+--projections $GEMM_PROJECTIONS} ${GEMM_TP:+--tp $GEMM_TP} ${GEMM_ARGS:-} \
-      --budget-s $(( bound - 40 )) \
-      --table-out "$R/gemm_table.json" \
-      --json "$R/gemm_${preset//[^A-Za-z0-9_]/_}.json"
+    step "gemm_$preset$tag" "$bound" python3 -m benchmarks.bench_gemm --part small-m --preset "$preset" \
+      ${GEMM_M:+--m $GEMM_M} ${GEMM_PROJECTIONS:+--projections $GEMM_PROJECTIONS} ${GEMM_TP:+--tp $GEMM_TP} \
+      ${GEMM_ARGS:-} --budget-s $(( bound - 40 )) --table-out "$R/gemm_table$tag.json" \
+      --json "$R/gemm_${preset//[^A-Za-z0-9_]/_}$tag.json"
   done
 }
 set_silu_quant() {  # silu_mul_quant's kernels alone: Inductor's for the unfused graph against kiln's, 1 to 4096 rows of
