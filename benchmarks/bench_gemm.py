@@ -117,10 +117,9 @@ def candidate_bf16_tiles() -> list[Any]:
 
 
 def sweep_configs(m: int, n: int, k: int, tiles_of: Callable[[], list[Any]] = candidate_tiles,
-                  promotes: tuple[int, ...] = (128,), tmas: tuple[bool, ...] = (False,)) -> list[Any]:
+                  promotes: tuple[int, ...] = (128,)) -> list[Any]:
     """Every candidate tile at every split that leaves each split a few K steps and the grid not absurd, at each
-    fp32 promotion interval of `promotes` (`Fp8GemmConfig.promote`, at most the tile's K step; e4m3 operands only),
-    with each of `tmas` (`Fp8GemmConfig.tma`: the tiles through tensor descriptors)."""
+    fp32 promotion interval of `promotes` (`Fp8GemmConfig.promote`, at most the tile's K step; e4m3 operands only)."""
     from kiln.models.quant.fp8_kernel import block_m_for
 
     configs = []
@@ -131,20 +130,18 @@ def sweep_configs(m: int, n: int, k: int, tiles_of: Callable[[], list[Any]] = ca
             distinct.setdefault(min(promote, tile.block_k), promote)
         for split in SPLITS:
             if split == 1 or (k // split >= 2 * tile.block_k and tiles * split <= 8 * 132):
-                configs += [type(tile)(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages, promote,
-                                       tma) for promote in distinct.values() for tma in tmas]
+                configs += [type(tile)(tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages, promote)
+                            for promote in distinct.values()]
     return configs
 
 
 @dataclass(frozen=True)
 class Sweep:
-    """What the small-M sweep tries besides each tile and split: the FP8 kernel's fp32 promotion intervals, whether
-    the 16-bit kernel's tiles are swept too (cuBLAS's bf16 is always timed), and the operand loads (tmas: pointer
-    loads, tensor descriptors or both)."""
+    """What the small-M sweep tries besides each tile and split: the FP8 kernel's fp32 promotion intervals, and
+    whether the 16-bit kernel's tiles are swept too (cuBLAS's bf16 is always timed)."""
 
     promotes: tuple[int, ...] = (128,)
     bf16: bool = True
-    tmas: tuple[bool, ...] = (False,)
 
 
 def shape_rows(proj: str, n: int, k: int, device: str, floor_bw: float, ms: tuple[int, ...],
@@ -185,13 +182,13 @@ def m_rows(proj: str, m: int, w: list[torch.Tensor], quant: list[tuple[torch.Ten
     if quant:
         record("scaled_mm", None, [lambda q=q: scaled_mm(xq, q[0], xs, q[1], dtype) for q in quant], n * k)
         auto = pick_config(m, n, k, num_sms(xq.device))
-        for config in [auto, *sweep_configs(m, n, k, promotes=sweep.promotes, tmas=sweep.tmas)]:
+        for config in [auto, *sweep_configs(m, n, k, promotes=sweep.promotes)]:
             label = "triton_auto" if config is auto else "triton"
             record(label, asdict(config),
                    [lambda q=q, c=config: fp8_gemm_triton(xq, q[0], xs, q[1], dtype, c) for q in quant], n * k)
     if device == "cuda" and sweep.bf16:  # the same kernel on the bf16 weight against cuBLAS (the interpreter: no bf16)
         auto = pick_config(m, n, k, num_sms(x.device), 2)
-        for config in [auto, *sweep_configs(m, n, k, candidate_bf16_tiles, tmas=sweep.tmas)]:
+        for config in [auto, *sweep_configs(m, n, k, candidate_bf16_tiles)]:
             label = "bf16triton_auto" if config is auto else "bf16triton"
             record(label, asdict(config), [lambda t=t, c=config: bf16_gemm_triton(x, t, c) for t in w], 2 * n * k)
     return rows
@@ -239,8 +236,7 @@ def suggested_tuned(best: list[dict]) -> str:
             c = e["config"]
             rows.append(f"    ({e['N']}, {e['K']}, {e['max_m']}): Fp8GemmConfig({c['block_n']}, {c['block_k']}, "
                         f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}"
-                        + (f", {c['promote']}" if c.get("promote", 128) != 128 or c.get("tma") else "")
-                        + (", tma=True" if c.get("tma") else "") + "),")
+                        + (f", {c['promote']}" if c.get("promote", 128) != 128 else "") + "),")
         return "\n".join(rows)
 
     entries = table_entries(best)
@@ -334,7 +330,7 @@ def print_kernels(kernels: dict[str, Any]) -> None:
     print(f"copy bandwidth {kernels['copy_gb_per_s']:.0f} GB/s; sweep {kernels['seconds']:.0f} s"
           + (f"; skipped (budget): {kernels['skipped']}" if kernels["skipped"] else ""))
     cfg = (lambda c: f"{c['block_n']}x{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"
-           + (f" p{c['promote']}" if c.get("promote", 128) != 128 else "") + (" tma" if c.get("tma") else "")
+           + (f" p{c['promote']}" if c.get("promote", 128) != 128 else "")
            if c else "-")
     print(table(["proj", "M", "bf16 us", "_scaled_mm us", "triton auto us", "triton best us", "best config",
                  "best GB/s", "fp8 floor us", "best x floor", "_scaled_mm / best", "auto / best"],
@@ -384,7 +380,7 @@ def small_m(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
     shapes = chosen_shapes(args, args.tp)
     with interpreted_on_cpu(args.device):
         result = kernel_table(shapes, args.device, ms, args.budget_s, errors,
-                              Sweep(tuple(args.promote), not args.no_bf16_sweep, tuple(bool(t) for t in args.tma)))
+                              Sweep(tuple(args.promote), not args.no_bf16_sweep))
     result["step_totals"] = step_totals(result["summary"], PRESETS[args.preset]["num_hidden_layers"])
     return result
 
@@ -553,8 +549,6 @@ def main() -> None:
     parser.add_argument("--promote", type=int, nargs="+", default=[128],
                         help="small-m: the FP8 kernel's fp32 promotion intervals to sweep (0: Triton's default)")
     parser.add_argument("--no-bf16-sweep", action="store_true", help="small-m: no 16-bit kernel tiles (cuBLAS only)")
-    parser.add_argument("--tma", type=int, nargs="+", choices=[0, 1], default=[0],
-                        help="small-m: the Triton kernels' operand loads to sweep (0 pointers, 1 tensor descriptors)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="no new shape or autotune after this")
     parser.add_argument("--json", default=None)
     parser.add_argument("--table-out", default=None,

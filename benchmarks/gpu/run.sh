@@ -111,7 +111,7 @@ set_backend_ab() {  # decode at default settings with each attention backend (Fl
 set_gemm() {  # the projection GEMMs at decode M: cuBLAS, kiln's Triton bf16 and FP8 kernels, _scaled_mm (GEMM_PRESETS: the
   # models, default Llama-3-8B; GEMM_M: the token counts, default bench_gemm's 1 to 64; GEMM_PROJECTIONS: some of
   # qkv o gate_up down, e.g. "qkv o" for a mixture of experts; GEMM_TP=2: one rank's shards too; GEMM_ARGS: more
-  # bench_gemm arguments, e.g. "--promote 32 128 --no-bf16-sweep" or "--tma 0 1"; GEMM_S: a preset's bound, default
+  # bench_gemm arguments, e.g. "--promote 32 128 --no-bf16-sweep"; GEMM_S: a preset's bound, default
   # 240 s, no new projection started past 40 s before it; GEMM_TAG: a suffix of the files, for a second sweep in the
   # same call). The winners are added to $R/gemm_table$GEMM_TAG.json, a KILN_GEMM_CONFIGS table for a decode-ab arm
   local preset bound=${GEMM_S:-240} tag=${GEMM_TAG:-}

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kiln.models import gemv, gemv_stream
 from kiln.models.pdl import pdl_launch, pdl_start
@@ -43,9 +42,7 @@ class Fp8GemmConfig:
     """One tile configuration. block_n / block_k: the weight tile each program streams per step; split_k:
     programs along K per output tile; num_warps / num_stages: Triton's launch and pipelining depth; promote (e4m3
     operands only): products Hopper's fp8 MMA sums in its reduced-precision accumulator before each fp32 add, at
-    most one K step's (block_k; more means that), 0 Triton's default (the whole K loop, up to 3 bf16 ulps off);
-    tma: the operand tiles come through Hopper's bulk tensor copies (tensor descriptors) instead of per-thread
-    loads, where the operands allow it (`tma_applies`)."""
+    most one K step's (block_k; more means that), 0 Triton's default (the whole K loop, up to 3 bf16 ulps off)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -53,7 +50,6 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     promote: int = 128
-    tma: bool = False
 
     def __post_init__(self) -> None:
         if self.promote < 0:
@@ -183,33 +179,15 @@ def accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, k_lo, k_steps, s
     return acc
 
 
-@triton.jit
-def accumulate_tma(x_desc, w_desc, off_n, off_m, k_lo, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SCALED: tl.constexpr, PROMOTE: tl.constexpr):
-    """`accumulate` with the tiles read through tensor descriptors: the copy engine fetches each tile and fills
-    what lies past N, M or K with zeros, as the masked loads do, so the sums are the same."""
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for step in range(0, k_steps):
-        k = k_lo + step * BLOCK_K
-        w = w_desc.load([off_n, k])
-        x = x_desc.load([off_m, k])
-        if SCALED and PROMOTE > 0:
-            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
-    return acc
-
-
 # M is not specialized (Triton would compile M == 1 and M % 16 == 0 apart): fewer compiles at start-up,
 # where every CUDA-graph size runs once, for no loss (M only masks the few activation rows)
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_xm, s_wn, s_om, s_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SCALED: tl.constexpr, PROMOTE: tl.constexpr,
-                     TMA: tl.constexpr = False, PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False):
     """Program (n tile, k split, m tile): acc[BLOCK_N, BLOCK_M] over its K range. Without split-K the scales
-    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]. TMA: x_ptr
-    and w_ptr are tensor descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks. The scales
+    are applied and out [M, N] is written in its dtype; with it, fp32 partials go to out[split, M, N]. The scales
     are loaded before the K loop (the weight's before the PDL wait: no kernel of a step writes it): after the loop
     they cost a DRAM round trip of their own at the end of every program."""
     pid_n = tl.program_id(0)
@@ -225,12 +203,8 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, k_steps, s_
     if SCALED and not SPLIT:
         xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
     # this split's K range is [k_lo, k_lo + k_steps * BLOCK_K); past K (the last split) the loads are masked
-    if TMA:
-        acc = accumulate_tma(x_ptr, w_ptr, pid_n * BLOCK_N, pid_m * BLOCK_M, pid_k * k_steps * BLOCK_K, k_steps,
-                             BLOCK_M, BLOCK_N, BLOCK_K, SCALED, PROMOTE)
-    else:
-        acc = accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, pid_k * k_steps * BLOCK_K, k_steps, s_xm,
-                         s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED, PROMOTE)
+    acc = accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, pid_k * k_steps * BLOCK_K, k_steps, s_xm,
+                     s_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SCALED, PROMOTE)
     out_mask = n_mask[:, None] & m_mask[None, :]
     out_offs = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     if SPLIT:
@@ -303,20 +277,11 @@ def launch_gemm(q: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tenso
     split, k_steps, even_k = steps
     block_m = block_m_for(m)
     xs, ws = scales if scales is not None else (target, target)  # unread without scales
-    tma = config.tma and tma_applies(q) and tma_applies(weight)
-    x_arg, w_arg = ((TensorDescriptor.from_tensor(q, [block_m, config.block_k]),
-                     TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])) if tma else (q, weight))
     _fp8_gemm_kernel[(triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))](
-        x_arg, w_arg, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n, BLOCK_M=block_m,
+        q, weight, xs, ws, target, m, n, k, k_steps, q.stride(0), weight.stride(0), n, m * n, BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=target.dim() == 3, EVEN_K=even_k,
         EVEN_N=n % config.block_n == 0, SCALED=scales is not None, PROMOTE=min(config.promote, config.block_k),
-        TMA=tma, num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
-
-
-def tma_applies(t: torch.Tensor) -> bool:
-    """Whether a 2-D operand can back a tensor descriptor: 16-byte aligned base and row stride, rows contiguous."""
-    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
 
 
 def gemm_partials(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
