@@ -246,7 +246,10 @@ class Engine:
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (a dummy-weight preset): pass token ids, not text")
-        return self.tokenizer(prompt)["input_ids"]
+        try:
+            return self.tokenizer(prompt)["input_ids"]
+        except TypeError as exc:  # what the fast tokenizer raises for text it cannot encode (a lone surrogate)
+            raise ValueError(f"prompt: the tokenizer cannot encode this text ({exc})") from exc
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.config import CacheConfig, CompilationConfig, RuntimeConfig, SchedulerConfig
 from kiln.runtime.engine import Engine
+from kiln.runtime.output_router import OutputRouter
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -74,6 +75,7 @@ class Runtime:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = build_config(model, **kwargs)
         self.engine = Engine(self.config)
+        self._router = OutputRouter(self.engine)
 
     @property
     def tokenizer(self) -> Any:
@@ -131,34 +133,27 @@ class Runtime:
         """
         prompts, params = self._normalise(prompts, params)
         ids: list[str] = []
-        try:
+        try:  # nothing of this call stays queued or running once it returns or raises (an interrupt too)
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p, final_only=True))
-        except BaseException:  # nothing of this call stays queued, whatever the error
-            for request_id in ids:
-                self.engine.abort(request_id)
-            raise
-        final: dict[str, RequestOutput] = {}
-        pending = set(ids)
-        while pending:
-            for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    final[out.request_id] = out
-                    pending.discard(out.request_id)
-        return [final[i] for i in ids]
+                ids.append(self._router.add(prompt, p, final_only=True))
+            outputs = []
+            for request_id in ids:  # final_only: one output each, when it finishes
+                outputs.append(self._router.take(request_id)[-1])
+            return outputs
+        finally:
+            self._router.release(ids)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield outputs as tokens arrive; each carries delta_text / delta_token_ids since the last one."""
-        request_id = self.engine.add_request(prompt, params or SamplingParams())
+        request_id = self._router.add(prompt, params or SamplingParams())
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        yield out
-                        if out.finished:
-                            return
+                for out in self._router.take(request_id):
+                    yield out
+                    if out.finished:
+                        return
         finally:
-            self.engine.abort(request_id)  # no-op once finished; frees blocks if the caller stopped early
+            self._router.release([request_id])  # frees the blocks if the caller stopped early
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

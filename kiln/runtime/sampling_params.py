@@ -95,8 +95,8 @@ class SamplingParams:
                    "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         object.__setattr__(self, "bad_words", _strings(self.bad_words, "bad_words"))
-        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
-               f"must be non-blank strings, got {self.bad_words!r}")
+        _check(all(isinstance(w, str) and w.strip() and _encodable(w) for w in self.bad_words), "bad_words",
+               f"must be non-blank strings of characters (no lone surrogates), got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
         _check(k is None or k >= 1 or k == -1,
                "truncate_prompt_tokens", f"must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")
@@ -123,6 +123,15 @@ def _sequence(value: Any, name: str) -> tuple[Any, ...]:
     """None or a list / tuple -> a tuple."""
     _check(value is None or isinstance(value, (list, tuple)), name, f"must be a list, got {value!r}")
     return tuple(value or ())
+
+
+def _encodable(text: str) -> bool:
+    """False for text holding a lone UTF-16 surrogate, which is no character: the tokenizer cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _strings(value: Any, name: str) -> tuple[str, ...]:

@@ -64,6 +64,12 @@ def test_stop_string_across_token_boundary(runtime) -> None:
     assert inc.text == out.text + stop
 
 
+def test_text_the_tokenizer_cannot_encode_names_the_prompt(runtime) -> None:
+    with pytest.raises(ValueError, match="^prompt: the tokenizer cannot encode"):
+        runtime.generate(["abc \udc80 def"], SamplingParams(max_tokens=2))
+    assert not runtime.engine.has_unfinished()
+
+
 def test_stream_deltas_concatenate_to_text(runtime) -> None:
     prompt = runtime.apply_chat_template(FRANCE)
     params = SamplingParams(max_tokens=16, temperature=0.0, stop=["France"])

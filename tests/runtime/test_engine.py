@@ -254,6 +254,7 @@ def test_abort_waiting_request_frees_at_once(runtime) -> None:
     ({"stop": 5}, "stop"),
     ({"stop": {"a": 1}}, "stop"),
     ({"bad_words": 5}, "bad_words"),
+    ({"bad_words": ["\ud800"]}, "bad_words"),  # a lone surrogate: no character, the tokenizer refuses it
     ({"temperature": "0.5"}, "temperature"),
     ({"temperature": float("inf")}, "temperature"),  # logits / inf: NaN rows
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),

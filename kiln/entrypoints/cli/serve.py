@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -30,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="requests allowed to wait for a batch slot before new ones get 503 (-1: no limit)")
     p.add_argument("--drain-timeout", type=_bounded(float, 0.0, 86400.0), default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS: a JSON list of origins")
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: a JSON list of HTTP methods")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: a JSON list of request headers")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and auth headers")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bars while loading")
@@ -43,6 +48,17 @@ def _bounded(kind: type, low: float, high: float) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {text}")
         return value
     return parse
+
+
+def _json_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers take them."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"*\"]', got {text}")
+    return value
 
 
 def _max_queue(text: str) -> int:
@@ -112,13 +128,17 @@ def summary(engine: Engine, names: list[str], startup_seconds: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from kiln.entrypoints.server.app import build_app, create_context, default_model_name
+    from kiln.entrypoints.server.cors import CorsPolicy
     from kiln.entrypoints.server.launcher import make_server
 
     start = time.perf_counter()
     engine = build_engine(args.model, runtime_kwargs(args), progress=not args.no_progress)
     names = args.served_model_name or [default_model_name(args.model)]
+    cors = CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                      args.allow_credentials)
     ctx = create_context(engine, names, api_key=args.api_key,
-                         max_queue=None if args.max_queue == -1 else args.max_queue, drain_timeout=args.drain_timeout)
+                         max_queue=None if args.max_queue == -1 else args.max_queue, drain_timeout=args.drain_timeout,
+                         cors=cors)
     print(f"kiln serve\n{summary(engine, names, time.perf_counter() - start)}", flush=True)
     # Everything alive at ready lives as long as the server: out of the collector's sight. A full collection
     # otherwise walks every module, tensor and compiled artifact, and serving triggers them (96 requests at -O0

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kiln.entrypoints.server.async_engine import AsyncEngine
 from kiln.entrypoints.server.context import ServerContext
+from kiln.entrypoints.server.cors import CorsPolicy
 from kiln.entrypoints.server.errors import APIError, install_error_handlers
 from kiln.entrypoints.server.metrics import ServerMetrics
 from kiln.entrypoints.server.protocol import (
@@ -39,11 +40,13 @@ def default_model_name(model: str | None) -> str:
 
 
 def create_context(engine: Engine, served_model_names: list[str] | None = None, *, api_key: str | None = None,
-                   max_queue: int | None = None, drain_timeout: float = 30.0) -> ServerContext:
+                   max_queue: int | None = None, drain_timeout: float = 30.0,
+                   cors: CorsPolicy | None = None) -> ServerContext:
     names = served_model_names or [default_model_name(engine.config.model)]
     metrics = ServerMetrics(engine, names[0])
     async_engine = AsyncEngine(engine, max_queue=max_queue, metrics=metrics)
-    return ServerContext(async_engine, names, metrics, api_key=api_key, drain_timeout=drain_timeout)
+    return ServerContext(async_engine, names, metrics, api_key=api_key, drain_timeout=drain_timeout,
+                         cors=cors or CorsPolicy())
 
 
 def health_body(ctx: ServerContext) -> dict[str, Any]:
@@ -81,6 +84,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         from kiln.entrypoints.server.auth import ApiKeyMiddleware
 
         app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key, on_error=ctx.metrics.observe_error)
+    ctx.cors.install(app)
 
     @app.get("/health")
     async def health() -> Any:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.entrypoints.server.async_engine import AsyncEngine
+from kiln.entrypoints.server.cors import CorsPolicy
 from kiln.entrypoints.server.errors import APIError
 from kiln.entrypoints.server.metrics import ServerMetrics
 
@@ -18,6 +19,7 @@ class ServerContext:
     metrics: ServerMetrics
     api_key: str | None = None
     drain_timeout: float = 30.0
+    cors: CorsPolicy = CorsPolicy()
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

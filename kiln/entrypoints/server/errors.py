@@ -61,7 +61,8 @@ def error_response(err: APIError) -> Any:
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # a validator's own message (e.g. the union branch that matched the shape) says more than a branch's type error
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg', '')}", None

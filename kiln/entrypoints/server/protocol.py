@@ -7,18 +7,54 @@ Request models accept unknown fields (OpenAI clients send options kiln does not 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def _unicode_text(value: Any) -> None:
+    """Raises where a string holds a lone UTF-16 surrogate: JSON can spell one ("\\udc80"), but it is no character,
+    and the tokenizer cannot encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text holds a lone UTF-16 surrogate ({value[exc.start]!r}), which is not a "
+                             "character") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _unicode_text(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _unicode_text(key)
+            _unicode_text(item)
 
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI clients send null for an option their caller left as None: for a field that takes no null,
+        that is its default (as in vLLM's optional fields); a field that takes null keeps it."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()
+                or type(None) in get_args(cls.model_fields[key].annotation)}
+
+    @field_validator("*")
+    @classmethod
+    def _text_is_unicode(cls, value: Any) -> Any:
+        _unicode_text(value)
+        return value
+
 
 # -- requests ---------------------------------------------------------------------------------------------
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default once stream_options is given
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class _SamplingRequest(_Lenient):

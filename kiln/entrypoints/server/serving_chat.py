@@ -28,8 +28,10 @@ from kiln.entrypoints.server.protocol import (
 )
 from kiln.entrypoints.server.serving_common import (
     SSE_DONE,
+    StreamUsage,
     abort_all,
     check_common,
+    check_fits_queue,
     collect,
     make_params,
     new_id,
@@ -164,11 +166,11 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         params = lambda ids: make_params({**fields, "max_tokens": max(1, ctx.max_model_len - len(ids))})
     request_id = new_id("chatcmpl")
     created = int(time.time())
+    check_fits_queue(ctx, 1, req.n)
     streams = await submit(ctx, request_id, [prompt], params)
     top_k = req.top_logprobs or 0
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(ctx, streams[0], request_id, created, model, req, top_k, include_usage, plan, echo)
+        body = _stream(ctx, streams[0], request_id, created, model, req, top_k, plan, echo)
         return StreamingResponse(body, media_type="text/event-stream")
     try:
         final = (await unless_disconnected(raw, collect(streams), lambda: abort_all(ctx, streams)))[0]
@@ -208,9 +210,14 @@ def _tool_deltas(content: str | None, calls: list[ToolCall]) -> list[DeltaMessag
 
 
 async def _stream(ctx: ServerContext, stream: RequestStream, request_id: str, created: int, model: str,
-                  req: ChatCompletionRequest, top_k: int, include_usage: bool,
-                  plan: ToolPlan | None = None, echo: str = "") -> AsyncIterator[str]:
+                  req: ChatCompletionRequest, top_k: int, plan: ToolPlan | None = None,
+                  echo: str = "") -> AsyncIterator[str]:
+    report = StreamUsage.of(req.stream_options)
+    latest: RequestOutput | None = None
+
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        if usage is None and report.continuous and latest is not None:
+            usage = _usage(latest)
         return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
 
     done: set[int] = set()
@@ -221,6 +228,7 @@ async def _stream(ctx: ServerContext, stream: RequestStream, request_id: str, cr
                 yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))])
         final: RequestOutput | None = None
         async for out in stream:
+            latest = out
             for comp in out.outputs:
                 finish = comp.finish_reason if comp.finished and comp.index not in done else None
                 if plan is not None:  # a tool call is known only once its text is complete
@@ -244,7 +252,7 @@ async def _stream(ctx: ServerContext, stream: RequestStream, request_id: str, cr
                                               stop_reason=comp.stop_reason if finish else None)])
             if out.finished:
                 final = out
-        if include_usage and final is not None:
+        if report.final and final is not None:
             yield chunk([], _usage(final))
         yield SSE_DONE
     except Exception as exc:  # engine failure mid-stream: the header is out, so report in-band

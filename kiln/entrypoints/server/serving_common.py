@@ -9,6 +9,7 @@ import json
 import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -23,7 +24,7 @@ from kiln.entrypoints.server.async_engine import (
 )
 from kiln.entrypoints.server.context import ServerContext
 from kiln.entrypoints.server.errors import APIError
-from kiln.entrypoints.server.protocol import _SamplingRequest
+from kiln.entrypoints.server.protocol import StreamOptions, _SamplingRequest
 from kiln.entrypoints.server.structured_request import structured_params
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
@@ -34,6 +35,32 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """What a stream reports of its token counts, as vLLM reads stream_options: a last chunk with the request's
+    usage (include_usage, true once stream_options is given), and the usage so far on every chunk
+    (continuous_usage_stats, with include_usage)."""
+
+    final: bool
+    continuous: bool
+
+    @classmethod
+    def of(cls, options: StreamOptions | None) -> StreamUsage:
+        if options is None:
+            return cls(False, False)
+        return cls(options.include_usage, options.include_usage and options.continuous_usage_stats)
+
+
+def check_fits_queue(ctx: ServerContext, num_prompts: int, n: int) -> None:
+    """A request of more sequences than the waiting queue holds (--max-queue) could never be queued: a 400, not
+    the 503 that tells a client to retry."""
+    limit = ctx.engine.max_queue
+    if limit is not None and num_prompts * n > limit:
+        raise APIError.bad_request(f"{num_prompts} prompt(s) x n={n} are {num_prompts * n} sequences, more than the "
+                                   f"server queues at once ({limit}, --max-queue)",
+                                   "n" if num_prompts == 1 else "prompt")
 
 
 def check_common(req: _SamplingRequest) -> None:

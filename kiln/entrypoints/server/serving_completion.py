@@ -13,8 +13,10 @@ from kiln.entrypoints.server.logprobs import completion_logprobs, echo_logprobs,
 from kiln.entrypoints.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from kiln.entrypoints.server.serving_common import (
     SSE_DONE,
+    StreamUsage,
     abort_all,
     check_common,
+    check_fits_queue,
     collect,
     make_params,
     merge_streams,
@@ -60,6 +62,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Any
     if req.best_of is not None and req.best_of != req.n:
         raise APIError.bad_request("best_of must equal n (beam search and best-of are not supported)", "best_of")
     prompts = _prompts(ctx, req)
+    check_fits_queue(ctx, len(prompts), req.n)
     fields = sampling_fields(req)
     if req.logprobs is not None:
         fields["logprobs"] = req.logprobs
@@ -74,8 +77,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Any
     created = int(time.time())
     streams = await submit(ctx, request_id, prompts, params)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(ctx, streams, request_id, created, model, req, include_usage)
+        body = _stream(ctx, streams, request_id, created, model, req)
         return StreamingResponse(body, media_type="text/event-stream")
     try:
         finals = await unless_disconnected(raw, collect(streams), lambda: abort_all(ctx, streams))
@@ -121,7 +123,8 @@ def _choice(index: int, text: str, positions: list, req: CompletionRequest, out:
 
 
 async def _stream(ctx: ServerContext, streams: list[RequestStream], request_id: str, created: int, model: str,
-                  req: CompletionRequest, include_usage: bool) -> AsyncIterator[str]:
+                  req: CompletionRequest) -> AsyncIterator[str]:
+    report = StreamUsage.of(req.stream_options)
     offsets: dict[int, int] = {}  # a choice's next text offset; a choice is in it once its first chunk is out
     done: set[int] = set()
     finals: list[RequestOutput] = []
@@ -143,10 +146,12 @@ async def _stream(ctx: ServerContext, streams: list[RequestStream], request_id: 
                 offsets[index] = next_offset(choice.logprobs) if choice.logprobs is not None \
                     and choice.logprobs.tokens else offsets.get(index, 0)
                 choice.finish_reason, choice.stop_reason = finish, comp.stop_reason if finish else None
-                yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
+                usage = _usage([out]) if report.continuous else None  # this prompt's tokens so far
+                yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
+                                             usage=usage))
             if out.finished:
                 finals.append(out)
-        if include_usage:
+        if report.final:
             yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                          usage=_usage(finals)))
         yield SSE_DONE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -170,16 +171,61 @@ def test_unknown_route(served: Served) -> None:
     still_serves(served)
 
 
-def test_queue_full(served: Served) -> None:
-    served.ctx.engine.max_queue = 0  # any request would have to wait: refuse it
+def test_queue_full(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    served.ctx.engine.max_queue = 1
+    monkeypatch.setattr(type(served.ctx.engine), "num_waiting", property(lambda self: 1))  # one waits already
     try:
         expect_error(post(served, "/v1/completions", {"prompt": "x"}), 503, code="queue_full")
         with pytest.raises(openai.InternalServerError):
             served.openai().completions.create(model=MODEL, prompt="x", max_tokens=2)
     finally:
         served.ctx.engine.max_queue = None
+    monkeypatch.undo()
     still_serves(served)
 
+
+def test_a_request_larger_than_the_queue_is_a_400_not_a_retry(served: Served) -> None:
+    """More sequences than the queue ever holds: retrying (what a 503 asks for) could never succeed."""
+    served.wait_idle()  # the last check needs an empty queue
+    served.ctx.engine.max_queue = 2
+    try:
+        expect_error(post(served, "/v1/completions", {"prompt": "x", "n": 3, "max_tokens": 1}), 400, param="n")
+        expect_error(post(served, "/v1/completions", {"prompt": ["x", "y"], "n": 2, "max_tokens": 1}), 400,
+                     param="prompt")
+        expect_error(post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3,
+                                                           "max_tokens": 1}), 400, param="n")
+        assert post(served, "/v1/completions", {"prompt": ["x", "y"], "max_tokens": 1}).status_code == 200
+    finally:
+        served.ctx.engine.max_queue = None
+    still_serves(served)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "abc \udc80 def", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "\ud800"], "max_tokens": 2, "stream": True}, "prompt"),
+    ("/v1/completions", {"prompt": "ok", "max_tokens": 2, "bad_words": ["\ud800"]}, "bad_words"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content.list[TextContentPart].0.text"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(served: Served, path: str, body: dict, param: str) -> None:
+    """JSON can spell a lone UTF-16 surrogate; it is no character, and the tokenizer refuses it (it was a 500)."""
+    raw = json.dumps(body).encode()  # ASCII, the surrogate escaped as JSON spells it
+    expect_error(post(served, path, content=raw), 400, param=param, contains="surrogate")
+    still_serves(served)
+
+
+def test_null_means_the_default_as_openai_clients_send_it(served: Served) -> None:
+    """The official client sends null for an argument left as None: the field's default, not a 400."""
+    client = served.openai()
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          logprobs=None, n=None, stream=None, temperature=0)
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    body = {"prompt": "hi", "max_tokens": 2, "n": None, "echo": None, "stream": None, "logprobs": None}
+    response = post(served, "/v1/completions", body)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1, response.text
+    required = expect_error(post(served, "/v1/completions", {"prompt": None}), 400)  # a required field stays so
+    assert required["param"].startswith("prompt"), required
 
 @pytest.fixture
 def faulty_engine(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:

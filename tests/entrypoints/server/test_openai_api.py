@@ -37,6 +37,15 @@ def test_completion_stream_matches_non_stream_and_reports_usage(served: Served) 
 
     plain = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
     assert all(c.usage is None for c in plain)
+    # vLLM's stream_options: include_usage is on once the object is given; continuous_usage_stats puts the usage so
+    # far on every chunk
+    default = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+                                             stream_options={}))
+    assert default[-1].choices == [] and default[-1].usage.completion_tokens == 4
+    running = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                             stream_options={"continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in running[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 8 and all(c.usage.prompt_tokens == prompt_len for c in running)
 
 
 def test_chat_stream_matches_non_stream_and_reports_usage(served: Served) -> None:
@@ -52,6 +61,10 @@ def test_chat_stream_matches_non_stream_and_reports_usage(served: Served) -> Non
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
     assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    running = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, temperature=0,
+                                                  stream=True, stream_options={"continuous_usage_stats": True}))
+    counted = [c.usage.completion_tokens for c in running if c.choices and c.usage is not None]
+    assert counted and counted == sorted(counted) and counted[-1] == full.usage.completion_tokens
 
 
 def test_chat_uses_the_chat_template(served: Served) -> None:
@@ -286,3 +299,15 @@ def test_cache_salt_on_both_endpoints(served: Served) -> None:
         assert hits_after(lambda call=call: call("salt-one")) == 0
         assert hits_after(lambda call=call: call("salt-two")) == 0
         assert hits_after(lambda call=call: call("salt-one")) >= 48
+
+
+def test_cors_preflight_and_headers(served: Served) -> None:
+    """vLLM's defaults: any origin, method and header, so a browser UI on another origin can call the API."""
+    preflight = httpx.options(f"{served.url}/v1/chat/completions", headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    listing = httpx.get(f"{served.url}/v1/models", headers={"Origin": "http://example.com", **served.headers()})
+    assert listing.status_code == 200 and listing.headers["access-control-allow-origin"] == "*"
+
