@@ -537,7 +537,10 @@ class Engine:
         if status is None and grammar_ended:  # a complete constrained output (ignore_eos kept it going)
             status = RequestStatus.FINISHED_STOPPED
         detok = parent.detokenizers[req.child_index]
-        if detok is not None:
+        # the text of an EOS or stop token id that ended the request is left out, unless asked for (vLLM); its id
+        # stays in token_ids
+        text_of_stop = status is not RequestStatus.FINISHED_STOPPED or req.params.include_stop_str_in_output
+        if detok is not None and text_of_stop:
             # stop strings, like stop tokens, wait for min_tokens outputs (vLLM)
             stop = detok.update(req.output_token_ids[-1:], len(req.output_token_ids) >= req.params.min_tokens)
             if stop is not None and status is None:

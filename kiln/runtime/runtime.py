@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
 from kiln.config import CacheConfig, CompilationConfig, RuntimeConfig, SchedulerConfig
@@ -114,10 +115,15 @@ class Runtime:
 
     def _normalise(self, prompts: Prompt | Sequence[Prompt],
                    params: SamplingParams | Sequence[SamplingParams] | None) -> tuple[list, list]:
+        if hasattr(prompts, "tolist"):  # a tensor or array: one prompt of ids (1-D) or one a row (2-D)
+            prompts = prompts.tolist()
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], int)):
+                                        and isinstance(prompts[0], Integral)):
             prompts = [prompts]
         prompts = list(prompts)
+        if isinstance(params, dict):
+            raise ValueError("params must be a SamplingParams (or a list of them), got a dict: use "
+                             "SamplingParams(**values) or SamplingParams.from_dict(values)")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         params = list(params)
@@ -158,10 +164,27 @@ class Runtime:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        _check_messages(messages)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template's own refusal (a jinja2 error, a role it does not take, ...)
+            raise ValueError(f"messages: the chat template could not render them: {exc}") from exc
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
         return self.generate([self.apply_chat_template(messages)], params)[0]
+
+
+def _check_messages(messages: Any) -> None:
+    """Chat messages as the templates expect them: a list of {"role": str, "content": str or a list of parts}."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {message!r:.80}")
+        if not isinstance(message.get("content"), (str, list)) and not message.get("tool_calls"):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts, got "
+                             f"{message.get('content')!r:.80}")
+

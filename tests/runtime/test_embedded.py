@@ -64,6 +64,32 @@ def test_stop_string_across_token_boundary(runtime) -> None:
     assert inc.text == out.text + stop
 
 
+def test_the_text_of_the_token_that_stopped_is_left_out(runtime) -> None:
+    """vLLM: a stop token id's (or EOS's) text is not in the output unless include_stop_str_in_output; its id is."""
+    greedy = runtime.chat(FRANCE, SamplingParams(max_tokens=8, temperature=0.0)).outputs[0].token_ids
+    stop = greedy[3]
+    for include in (False, True):
+        out = runtime.chat(FRANCE, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop],
+                                                  include_stop_str_in_output=include)).outputs[0]
+        assert out.token_ids == greedy[:4] and out.stop_reason == stop
+        assert out.text == runtime.tokenizer.decode(greedy[:4] if include else greedy[:3])
+    eos = runtime.chat(FRANCE, SamplingParams(max_tokens=200, temperature=0.0, skip_special_tokens=False)).outputs[0]
+    assert eos.finish_reason == "stop" and eos.token_ids[-1] in runtime.engine.eos_token_ids
+    assert eos.text == runtime.tokenizer.decode(eos.token_ids[:-1], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([{"role": "user"}], r"messages\[0\]\.content"),
+    ([{"role": "user", "content": None}], r"messages\[0\]\.content"),
+    ("hello", "^messages must be a non-empty list"),
+    (["hello"], r"messages\[0\] must be a dict"),
+    ([], "^messages must be a non-empty list"),
+])
+def test_chat_messages_of_the_wrong_shape_name_the_field(runtime, messages, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        runtime.chat(messages, SamplingParams(max_tokens=2))
+
+
 def test_text_the_tokenizer_cannot_encode_names_the_prompt(runtime) -> None:
     with pytest.raises(ValueError, match="^prompt: the tokenizer cannot encode"):
         runtime.generate(["abc \udc80 def"], SamplingParams(max_tokens=2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -318,6 +319,11 @@ def test_unknown_fields_and_bad_prompts_are_rejected(runtime) -> None:
             runtime.generate([[5, 6, 7], [8, 9], bad], GREEDY)
         assert_pool_clean(runtime)
     assert runtime.generate([torch.tensor([5, 6, 7])], GREEDY)[0].prompt_token_ids == [5, 6, 7]
+    # one prompt as a tensor, an array or numpy integers, as a list of ids is; a dict is not SamplingParams
+    for one in (torch.tensor([5, 6, 7]), np.array([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)]):
+        assert [o.prompt_token_ids for o in runtime.generate(one, GREEDY)] == [[5, 6, 7]]
+    with pytest.raises(ValueError, match="^params must be a SamplingParams"):
+        runtime.generate([[5, 6, 7]], {"max_tokens": 3})
     assert len(runtime.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 12
 
 

@@ -81,9 +81,9 @@ def sharegpt_requests(path: str | Path, num: int, seed: int = 0, tokenizer: Any 
     for record in data:
         if len(requests) >= num:
             break
-        turns = record.get("conversations") or record.get("conversation") or []
-        if len(turns) < 2:
-            continue
+        turns = (record.get("conversations") or record.get("conversation") or []) if isinstance(record, dict) else []
+        if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, dict) for t in turns[:2]):
+            continue  # not a ShareGPT record: skipped like one without a reply
         prompt, reply = str(turns[0].get("value", "")), str(turns[1].get("value", ""))
         n_in = _count(prompt, tokenizer)
         n_out = output_len if output_len is not None else _count(reply, tokenizer)

@@ -80,16 +80,21 @@ def run_ls(args: argparse.Namespace) -> int:
             factors = json.loads((key_dir / FACTORS).read_text())
         except (OSError, ValueError):
             factors = {}
+        factors = _mapping(factors)
         ranks = sorted(key_dir.glob("rank_*"))
         ready = all((r / READY).is_file() for r in ranks) and bool(ranks)
         date = time.strftime("%Y-%m-%d %H:%M", time.localtime(key_dir.stat().st_mtime))
-        model = factors.get("model", {})
-        env = factors.get("environment", {})
+        model, env = _mapping(factors.get("model")), _mapping(factors.get("environment"))
         print(f"{key_dir.name}  {_size(key_dir) / 2**20:8.1f} MiB  {date}  {'ready' if ready else 'partial'}  "
               f"{model.get('architecture', '?')} L{model.get('num_layers', '?')} h{model.get('hidden_size', '?')} "
-              f"{factors.get('dtype', '?')} -O{factors.get('compilation', {}).get('level', '?')} "
+              f"{factors.get('dtype', '?')} -O{_mapping(factors.get('compilation')).get('level', '?')} "
               f"{env.get('device', '?')} torch {env.get('torch', '?')}  ranks={len(ranks)}")
     return 0
+
+
+def _mapping(value: object) -> dict:
+    """A part of a key's factors file as a dict; anything else (a file edited or cut short) shows as '?'."""
+    return value if isinstance(value, dict) else {}
 
 
 def run_verify(args: argparse.Namespace) -> int:

@@ -242,6 +242,27 @@ def test_cache_clear_with_an_empty_key_deletes_nothing(tmp_path: Path, monkeypat
     assert main(["cache", "clear", "aaa"]) == 0 and not keys[0].exists() and keys[1].is_dir()
 
 
+def test_cache_ls_shows_factors_of_the_wrong_shape_as_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from kiln.cache.store import FACTORS, compile_root
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    for name, factors in (("aaa111", "[1]"), ("bbb222", '{"model": "x", "compilation": 3}')):
+        (compile_root() / name).mkdir(parents=True)
+        (compile_root() / name / FACTORS).write_text(factors)
+    assert main(["cache", "ls"]) == 0
+    listing = capsys.readouterr().out
+    assert "aaa111" in listing and "bbb222" in listing and "-O?" in listing
+
+
+def test_a_sharegpt_file_of_other_records_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "sg.json"
+    data.write_text(json.dumps([1, 2, {"conversations": ["hello there friend", "how are you doing today"]}]))
+    assert main(["bench", "throughput", "tiny-llama", "-O0", "--device", "cpu", "--dataset-path", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "kiln: error:" in err and "no usable conversations" in err and "Traceback" not in err
+
+
 def test_an_unreadable_config_is_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text("{bad")
     assert main(["generate", "--model", str(tmp_path), "-O0", "--device", "cpu", "--max-tokens", "2", "hi"]) == 2
