@@ -249,7 +249,7 @@ class Engine:
         try:
             return self.tokenizer(prompt)["input_ids"]
         except TypeError as exc:  # what the fast tokenizer raises for text it cannot encode (a lone surrogate)
-            raise ValueError(f"prompt: the tokenizer cannot encode this text ({exc})") from exc
+            raise ValueError(f"prompt holds text the tokenizer cannot encode ({exc})") from exc
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,

@@ -67,8 +67,9 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.max_total_tokens > self.kv.capacity_tokens:
             raise ValueError(
-                f"request {req.request_id!r} may need {req.max_total_tokens} tokens of KV cache but the pool "
-                f"holds only {self.kv.capacity_tokens}; lower max_tokens or give the KV cache more memory"
+                f"max_tokens too large for the KV cache: request {req.request_id!r} may need "
+                f"{req.max_total_tokens} tokens of it but the pool holds only {self.kv.capacity_tokens}; lower "
+                "max_tokens or give the KV cache more memory"
             )
 
     def has_unfinished(self) -> bool:

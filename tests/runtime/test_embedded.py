@@ -91,7 +91,7 @@ def test_chat_messages_of_the_wrong_shape_name_the_field(runtime, messages, matc
 
 
 def test_text_the_tokenizer_cannot_encode_names_the_prompt(runtime) -> None:
-    with pytest.raises(ValueError, match="^prompt: the tokenizer cannot encode"):
+    with pytest.raises(ValueError, match="^prompt holds text the tokenizer cannot encode"):
         runtime.generate(["abc \udc80 def"], SamplingParams(max_tokens=2))
     assert not runtime.engine.has_unfinished()
 

@@ -70,6 +70,10 @@ def test_requests_beyond_the_context_are_refused_naming_the_field(checkpoint) ->
     assert rest.token_ids == exact.token_ids and rest.finish_reason == "length"
     assert len(rt.generate([prompt], SamplingParams(max_tokens=2, n=3, **greedy))[0].outputs) == 3
     assert_pool_clean(rt)
+    small = make(checkpoint, num_blocks=3)  # 2 usable blocks of 16 tokens: a request of up to 32 fits
+    with pytest.raises(ValueError, match=r"^max_tokens too large for the KV cache: .* 36 tokens .* only 32"):
+        small.generate([prompt], SamplingParams(max_tokens=16, **greedy))
+    assert len(small.generate([prompt], SamplingParams(max_tokens=12, **greedy))[0].outputs[0].token_ids) == 12
 
 
 def test_seeded_sampling_is_batch_independent(runtime) -> None:
