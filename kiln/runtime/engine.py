@@ -534,13 +534,13 @@ class Engine:
 
     def _process_token(self, parent: ParentRequest, req: Request, grammar_ended: bool = False) -> None:
         status = req.check_stop_token()
+        # the text of an EOS or stop token id that ended the request is left out, unless asked for (vLLM); its id
+        # stays in token_ids (a grammar's last token below is output, and keeps its text)
+        keep_text = status is not RequestStatus.FINISHED_STOPPED or req.params.include_stop_str_in_output
         if status is None and grammar_ended:  # a complete constrained output (ignore_eos kept it going)
             status = RequestStatus.FINISHED_STOPPED
         detok = parent.detokenizers[req.child_index]
-        # the text of an EOS or stop token id that ended the request is left out, unless asked for (vLLM); its id
-        # stays in token_ids
-        text_of_stop = status is not RequestStatus.FINISHED_STOPPED or req.params.include_stop_str_in_output
-        if detok is not None and text_of_stop:
+        if detok is not None and keep_text:
             # stop strings, like stop tokens, wait for min_tokens outputs (vLLM)
             stop = detok.update(req.output_token_ids[-1:], len(req.output_token_ids) >= req.params.min_tokens)
             if stop is not None and status is None:

@@ -22,4 +22,3 @@ class CorsPolicy:
         app.add_middleware(CORSMiddleware, allow_origins=list(self.allowed_origins),
                            allow_methods=list(self.allowed_methods), allow_headers=list(self.allowed_headers),
                            allow_credentials=self.allow_credentials)
-

@@ -111,6 +111,18 @@ def test_choice_regex_and_grammar_outputs_match(runtime, prompt) -> None:
     assert all(o.outputs[0].finish_reason == "stop" for o in outs[:4])
 
 
+def test_a_grammar_that_ends_keeps_its_last_tokens_text(runtime, prompt) -> None:
+    """With ignore_eos a constrained request ends on the grammar's last token, which is output (its text stays),
+    unlike an EOS or stop token id whose text is left out."""
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe so"])
+    outs = runtime.generate([prompt] * 3, [SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True,
+                                                          structured_outputs=choice) for i in range(3)])
+    for out in outs:
+        text, ids = out.outputs[0].text, out.outputs[0].token_ids
+        assert text in ("yes", "no", "maybe so") and text == runtime.tokenizer.decode(ids, skip_special_tokens=True)
+        assert out.outputs[0].finish_reason == "stop"
+
+
 def test_mixed_batch_async_and_n2_with_logprobs(runtime, prompt, sync_batch) -> None:
     """Half the batch constrained: the free half samples exactly what it samples alone, the constrained half
     is valid, and async scheduling (the mask filled after the previous step's tokens land) changes nothing.
