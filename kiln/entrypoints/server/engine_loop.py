@@ -172,14 +172,19 @@ class EngineLoop:
                 raise InvalidPromptError(str(exc)) from exc
             self.engine.add_request(prompt, params, stream.request_id, arrival_time=stream.arrival)
         except Exception as exc:
+            self._no_longer_pending()
             self._resolve(stream.accepted, error=exc)
         else:
+            self._no_longer_pending()
             stream.params = params
             self._streams[stream.request_id] = stream
             self._resolve(stream.accepted, result=params)
-        finally:
-            with self._pending_lock:
-                self._pending_adds -= 1
+
+    def _no_longer_pending(self) -> None:
+        """Before the caller learns the outcome: a caller that adds its next prompt at once must not find this one
+        counted twice, pending and in the scheduler's queue (a 2-prompt request was refused at --max-queue 2)."""
+        with self._pending_lock:
+            self._pending_adds -= 1
 
     def _abort(self, request_id: str, error: BaseException, reason: str) -> None:
         stream = self._streams.pop(request_id, None)
