@@ -230,6 +230,7 @@ def test_null_means_the_default_as_openai_clients_send_it(served: Served) -> Non
     required = expect_error(post(served, "/v1/completions", {"prompt": None}), 400)  # a required field stays so
     assert required["param"].startswith("prompt"), required
 
+
 @pytest.fixture
 def faulty_engine(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     """The model runner raises whenever the poison prompt is in the batch (like a device error would)."""

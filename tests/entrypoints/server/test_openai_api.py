@@ -310,4 +310,3 @@ def test_cors_preflight_and_headers(served: Served) -> None:
     assert "POST" in preflight.headers["access-control-allow-methods"]
     listing = httpx.get(f"{served.url}/v1/models", headers={"Origin": "http://example.com", **served.headers()})
     assert listing.status_code == 200 and listing.headers["access-control-allow-origin"] == "*"
-
