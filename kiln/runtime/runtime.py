@@ -165,13 +165,7 @@ class Runtime:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         _check_messages(messages)
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # the template's own refusal (a jinja2 error, a role it does not take, ...)
-            raise ValueError(f"messages: the chat template could not render them: {exc}") from exc
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return render_chat_template(self.tokenizer, messages)
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
         return self.generate([self.apply_chat_template(messages)], params)[0]
@@ -188,3 +182,18 @@ def _check_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}].content must be a string or a list of parts, got "
                              f"{message.get('content')!r:.80}")
 
+
+def render_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                         **template_kwargs: Any) -> list[int]:
+    """The prompt's token ids as the tokenizer's chat template renders the messages (Runtime.chat and the server);
+    what the template refuses (the messages' shape, a template variable) is a ValueError naming messages."""
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **template_kwargs)
+    except (TemplateError, TypeError, KeyError, IndexError) as exc:
+        raise ValueError(f"messages: the chat template cannot render them ({type(exc).__name__}: {exc})") from exc
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

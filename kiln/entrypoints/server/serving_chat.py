@@ -44,6 +44,7 @@ from kiln.entrypoints.server.serving_common import (
 )
 from kiln.entrypoints.server.tool_calls import ToolCall, ToolPlan, plan_tools
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.runtime import render_chat_template
 
 # apply_chat_template's own arguments where the tokenizer does not say (transformers 4.5x-5.x)
 _TEMPLATE_CALL_ARGS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -95,19 +96,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 **template_kwargs: Any) -> list[int]:
-    """Runtime.apply_chat_template's logic, plus the request's template options; engine thread only."""
+    """Runtime.apply_chat_template's rendering with the request's template options; engine thread only."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use /v1/completions")
-    from jinja2 import TemplateError
-
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                            **template_kwargs)
-    except (TemplateError, TypeError, KeyError, IndexError) as exc:  # the request's messages or template variables
-        raise ValueError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc
-    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    return render_chat_template(tokenizer, messages, add_generation_prompt, **template_kwargs)
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:
