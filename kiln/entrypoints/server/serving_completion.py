@@ -48,8 +48,15 @@ def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[PromptSource]:
             else p for p in prompts]
 
 
-def _usage(finals: list[RequestOutput]) -> UsageInfo:
-    return UsageInfo.of(sum(f.num_prompt_tokens for f in finals), sum(f.num_completion_tokens for f in finals))
+def _usage(finals: list[RequestOutput], prompt_only: bool = False) -> UsageInfo:
+    completion = 0 if prompt_only else sum(f.num_completion_tokens for f in finals)
+    return UsageInfo.of(sum(f.num_prompt_tokens for f in finals), completion)
+
+
+def _prompt_only(req: CompletionRequest) -> bool:
+    """`echo` with `max_tokens: 0`: the prompt scored, nothing generated (OpenAI's and vLLM's form of a prompt's
+    log-likelihood). The engine runs the prefill with one token to go; that token is left out of the response."""
+    return req.echo and req.max_tokens == 0
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Any) -> Any:
@@ -68,8 +75,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Any
         fields["logprobs"] = req.logprobs
         if req.echo:  # the echoed prompt's tokens get logprobs too (the log-likelihood of a text, e.g. lm-eval's)
             fields.setdefault("prompt_logprobs", req.logprobs)
+    prompt_only = _prompt_only(req)
     if req.max_tokens is not None:
-        params: Any = make_params({**fields, "max_tokens": req.max_tokens})
+        params: Any = make_params({**fields, "max_tokens": 1 if prompt_only else req.max_tokens})
     else:  # fill the context, like vLLM; validate the rest now so errors don't wait for the engine
         make_params({**fields, "max_tokens": 1})
         params = lambda ids: make_params({**fields, "max_tokens": max(1, ctx.max_model_len - len(ids))})
@@ -88,11 +96,13 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Any
     for i, final in enumerate(finals):
         echo = await _echo(ctx, final) if req.echo else None
         for comp in final.outputs:
-            choice = _choice(i * req.n + comp.index, comp.text, comp.logprobs or [], req, final, echo, opening=True)
-            choice.finish_reason, choice.stop_reason = comp.finish_reason, comp.stop_reason
+            text, positions = ("", []) if prompt_only else (comp.text, comp.logprobs or [])
+            choice = _choice(i * req.n + comp.index, text, positions, req, final, echo, opening=True)
+            choice.finish_reason, choice.stop_reason = ("length", None) if prompt_only else \
+                (comp.finish_reason, comp.stop_reason)
             choices.append(choice)
     response = CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=_usage(finals))
+                                  usage=_usage(finals, prompt_only))
     return JSONResponse(response.model_dump())
 
 
@@ -125,6 +135,7 @@ def _choice(index: int, text: str, positions: list, req: CompletionRequest, out:
 async def _stream(ctx: ServerContext, streams: list[RequestStream], request_id: str, created: int, model: str,
                   req: CompletionRequest) -> AsyncIterator[str]:
     report = StreamUsage.of(req.stream_options)
+    prompt_only = _prompt_only(req)
     offsets: dict[int, int] = {}  # a choice's next text offset; a choice is in it once its first chunk is out
     done: set[int] = set()
     finals: list[RequestOutput] = []
@@ -132,28 +143,30 @@ async def _stream(ctx: ServerContext, streams: list[RequestStream], request_id: 
         async for i, out in merge_streams(streams):
             for comp in out.outputs:
                 index = i * req.n + comp.index
-                finish = comp.finish_reason if comp.finished and index not in done else None
-                new_logprobs = req.logprobs is not None and bool(comp.delta_logprobs)
+                text, positions = ("", []) if prompt_only else (comp.delta_text, comp.delta_logprobs or [])
+                finish = ("length" if prompt_only else comp.finish_reason) if comp.finished and index not in done \
+                    else None
+                new_logprobs = req.logprobs is not None and bool(positions)
                 # a choice's first chunk opens with the echoed prompt and the prompt's logprobs, if asked for
                 opening = index not in offsets and (req.echo or out.prompt_logprobs is not None)
-                if not (comp.delta_text or finish or new_logprobs or opening):
+                if not (text or finish or new_logprobs or opening):
                     continue  # tokens still held back by the detokenizer (partial UTF-8, possible stop string)
                 if finish:
                     done.add(index)
                 echo = await _echo(ctx, out) if opening and req.echo else None
-                choice = _choice(index, comp.delta_text, comp.delta_logprobs or [], req, out, echo, opening,
-                                 offsets.get(index, 0))
+                choice = _choice(index, text, positions, req, out, echo, opening, offsets.get(index, 0))
                 offsets[index] = next_offset(choice.logprobs) if choice.logprobs is not None \
                     and choice.logprobs.tokens else offsets.get(index, 0)
-                choice.finish_reason, choice.stop_reason = finish, comp.stop_reason if finish else None
-                usage = _usage([out]) if report.continuous else None  # this prompt's tokens so far
+                choice.finish_reason, choice.stop_reason = finish, comp.stop_reason if finish and not prompt_only \
+                    else None
+                usage = _usage([out], prompt_only) if report.continuous else None  # this prompt's tokens so far
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
                                              usage=usage))
             if out.finished:
                 finals.append(out)
         if report.final:
             yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                         usage=_usage(finals)))
+                                         usage=_usage(finals, prompt_only)))
         yield SSE_DONE
     except Exception as exc:  # engine failure mid-stream: the header is out, so report in-band
         yield sse_error(exc)

@@ -204,6 +204,28 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(served: Serve
     assert chat["prompt_logprobs"][0] is None and all(len(p) in (2, 3) for p in chat["prompt_logprobs"][1:])
 
 
+def test_echo_without_generation_scores_the_prompt_alone(served: Served) -> None:
+    """echo with max_tokens 0 (OpenAI's and vLLM's prompt scoring): the prompt's text and logprobs, the same as
+    the prompt's part of a max_tokens 1 echo, no token generated or counted, finish_reason length; streamed too."""
+    client = served.openai()
+    prompt_len = len(served.engine.tokenizer(PROMPT)["input_ids"])
+    asked = dict(model=MODEL, prompt=PROMPT, temperature=0, logprobs=1, echo=True)
+    scored = client.completions.create(max_tokens=0, **asked)
+    one = client.completions.create(max_tokens=1, **asked).choices[0].logprobs
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == one.tokens[:-1] and len(one.tokens) == prompt_len + 1
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(one.token_logprobs[1:-1], abs=1e-4)
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (prompt_len, 0)
+    chunks = list(client.completions.create(max_tokens=0, stream=True, stream_options={"include_usage": True},
+                                            **asked))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert [t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens] == choice.logprobs.tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+
+
 def test_continue_final_message_and_echo_in_chat(served: Served) -> None:
     """continue_final_message renders the last (assistant) message open, as transformers' template does: the same
     text as /v1/completions on that rendering; echo puts the continued message before the reply (streamed too)."""
