@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI-compatible wire format (requests in, responses and stream chunks out).
 
 Request models accept unknown fields (OpenAI clients send options kiln does not implement, such as
-`user` or `parallel_tool_calls`); the serving code rejects the ones whose absence would change the answer.
+`user`); the serving code rejects the ones whose absence would change the answer.
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # false: at most one call (the grammar of "required" allows one)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM: the last (assistant) message is continued, not closed
     echo: bool = False  # vLLM: a response continuing the last message's role starts with that message

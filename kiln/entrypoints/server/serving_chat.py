@@ -137,7 +137,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
     tokenizer = ctx.tokenizer
     fields = sampling_fields(req)
-    plan = plan_tools(req.tools, req.tool_choice)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     if plan is not None:
         messages, tool_kwargs = plan.render(messages, getattr(tokenizer, "chat_template", None))
         template_kwargs.update(tool_kwargs)

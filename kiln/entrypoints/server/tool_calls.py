@@ -44,6 +44,7 @@ class ToolPlan:
     mode: str  # "auto" | "required" | "named"
     functions: tuple[dict[str, Any], ...]  # each {"name", "description"?, "parameters"?}
     named: str | None = None
+    parallel: bool = True  # parallel_tool_calls: false allows one call ("required"'s grammar; auto keeps the first)
 
     @property
     def names(self) -> set[str]:
@@ -59,8 +60,10 @@ class ToolPlan:
             calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
                                                         "parameters": _parameters(f)},
                       "required": ["name", "parameters"]} for f in self.functions]
+            array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if self.parallel else
+                                                                                    {"maxItems": 1})}
             try:
-                return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+                return StructuredOutputsParams(json=array)
             except ValueError as exc:  # each schema alone, to name the tool at fault (only on this error path)
                 for i, f in enumerate(self.functions):
                     _constraint(_parameters(f), i)
@@ -79,6 +82,10 @@ class ToolPlan:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of one choice's text; no calls where the text is not a call to a known tool."""
+        content, calls = self._parse(text)
+        return content, calls if self.parallel else calls[:1]
+
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.mode == "named":
             return (None, [ToolCall(self.named, text)]) if _is_json_object(text) else (text, [])
         if self.mode == "required":
@@ -115,7 +122,8 @@ class ToolPlan:
         return ToolCall(obj["name"], json.dumps(args)) if isinstance(args, dict) else None
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ToolPlan | None:
+def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+               parallel: bool = True) -> ToolPlan | None:
     """The request's tool plan; None where no tool may be called. 400s name the field."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -135,7 +143,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     if choice == "none":
         return None
     if choice in ("auto", "required"):
-        return ToolPlan(choice, tuple(functions))
+        return ToolPlan(choice, tuple(functions), parallel=parallel)
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -144,7 +152,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
                                        "tool_choice")
         if name not in {f["name"] for f in functions}:
             raise APIError.bad_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
-        return ToolPlan("named", tuple(functions), name)
+        return ToolPlan("named", tuple(functions), name, parallel)
     raise APIError.bad_request(f"tool_choice must be none, auto, required or a named function, got {choice!r}",
                                "tool_choice")
 

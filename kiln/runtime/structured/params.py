@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON-schema keywords xgrammar (0.2.9) takes without enforcing them: an output could break them and still end with
+# "stop", so a schema using one is refused by name (vLLM then falls back to another backend; kiln has only this one)
+_UNENFORCED = ("not", "if", "then", "else", "uniqueItems", "contains", "maxContains", "dependentRequired",
+               "dependentSchemas", "dependencies")
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # items: a list in older drafts
+_SUBSCHEMA_ONE = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 _XGR_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
 
@@ -83,6 +91,9 @@ def _parse(kind: str, spec: str) -> Any:
             schema = jsonlib.loads(spec)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
+            where = _unenforced_keyword(schema)
+            if where is not None:
+                raise ValueError(f"{where} is not supported (the grammar backend would not enforce it)")
             return xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
         if kind == "json_object":
             # an object, not any JSON value (OpenAI's json_object mode)
@@ -96,3 +107,27 @@ def _parse(kind: str, spec: str) -> Any:
     except (RuntimeError, ValueError) as exc:
         message = _XGR_LOCATION.sub("", str(exc)).strip().splitlines()[0]
         raise ValueError(f"structured_outputs.{kind} is invalid: {message}") from None
+
+
+def _unenforced_keyword(schema: Any, path: str = "") -> str | None:
+    """Where the schema first uses a keyword xgrammar would not enforce (e.g. 'properties.a.not'), else None. An
+    allOf of one schema beside nothing but annotations is enforced (a field's description beside its type's $ref,
+    as schema generators write it); any other allOf is not."""
+    if not isinstance(schema, dict):
+        return None
+    for key in _UNENFORCED:
+        if key in schema:
+            return path + key
+    all_of = schema.get("allOf")
+    if all_of is not None and not (isinstance(all_of, list) and len(all_of) == 1 and
+                                   set(schema) - _ANNOTATIONS == {"allOf"}):
+        return path + "allOf"
+    children: list[tuple[str, Any]] = []
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            children += [(f"{key}.{name}.", sub) for name, sub in value.items()]
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            children += [(f"{key}[{i}].", sub) for i, sub in enumerate(value)]
+        elif key in _SUBSCHEMA_ONE:
+            children.append((f"{key}.", value))
+    return next((found for prefix, sub in children if (found := _unenforced_keyword(sub, path + prefix))), None)

@@ -155,6 +155,18 @@ def test_tool_choice_required_and_named(served: Served) -> None:
         WeatherArgs.model_validate_json(entry["arguments"])
 
 
+def test_parallel_tool_calls_false_gives_one_call_that_ends_the_answer(served: Served) -> None:
+    """With parallel_tool_calls false, "required" allows one call: the array closes after it and the answer ends
+    there (with several allowed, this sampled model went on adding calls until max_tokens)."""
+    out = served.openai().chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME],
+                                                  tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                                  temperature=0.8, seed=6)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    {"get_weather": WeatherArgs, "get_time": TimeArgs}[call.function.name].model_validate_json(call.function.arguments)
+
+
 def test_tool_choice_auto_renders_tools_and_answers(served: Served) -> None:
     """auto: the tools reach the prompt (SmolLM2's template has no `tools`, so a system message carries them)
     and the answer is either text or well-formed tool calls."""

@@ -50,6 +50,23 @@ def test_required_and_named_plans_constrain_and_parse() -> None:
     assert plan_tools([ADD], "none") is None and plan_tools(None, None) is None
 
 
+def test_parallel_tool_calls_false_allows_one_call() -> None:
+    """parallel_tool_calls: false: "required"'s grammar takes one call, not two (so the output ends after it),
+    and a parsed answer of several calls keeps the first (vLLM's rule)."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    call = '{"name": "now", "parameters": {}}'
+    one, two = f"[{call}]", f"[{call}, {call}]"
+    for parallel, takes_two in ((True, True), (False, False)):
+        grammar = plan_tools([ADD, NOW], "required", parallel).structured().parsed
+        assert accepts(grammar, one) and accepts(grammar, two) == takes_two
+    hermes = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+              '<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    assert [c.name for c in plan_tools([ADD, NOW], "auto", False).parse(hermes)[1]] == ["add"]
+    assert [c.name for c in plan_tools([ADD, NOW], "auto").parse(hermes)[1]] == ["add", "now"]
+    assert [c.name for c in plan_tools([ADD, NOW], "required", False).parse(two)[1]] == ["now"]
+
+
 @pytest.mark.parametrize("tools, choice, param", [
     ([{"type": "function", "function": {}}], "auto", "tools"),
     ([ADD, {"type": "function", "function": {"name": "x", "parameters": []}}], "auto", "tools"),

@@ -3,6 +3,7 @@ constraint, checked by an independent validator (pydantic for the schema, `re` f
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Literal
 
@@ -177,11 +178,52 @@ def test_preempted_constrained_request_stays_valid(runtime, prompt, sync_batch) 
     ({"choice": []}, ["choice"]),
     ({"json": {"type": "object"}, "regex": "a+"}, ["exactly one", "json, regex"]),
     ({}, ["exactly one", "none"]),
+    ({"json": {"allOf": [{"type": "object"}, {"required": ["a"]}]}}, ["structured_outputs.json", "allOf"]),
+    ({"json": {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}},
+     ["structured_outputs.json", "properties.a.uniqueItems", "not supported"]),
+    ({"json": {"anyOf": [{"type": "integer"}, {"not": {"type": "string"}}]}}, ["anyOf[1].not"]),
 ])
 def test_invalid_specs_are_value_errors_naming_the_field(kwargs, words) -> None:
     with pytest.raises(ValueError) as info:
         StructuredOutputsParams(**kwargs)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+# each keyword refused, with a schema using it and a text that breaks it
+UNENFORCED = {
+    "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "2"),
+    "not": ({"not": {"type": "integer"}}, "1"),
+    "if": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+            "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, '{"a": 1}'),
+    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1]"),
+    "dependentRequired": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+}
+
+
+@pytest.mark.parametrize("keyword", UNENFORCED)
+def test_refused_schema_keywords_are_ones_the_grammar_would_not_enforce(keyword: str) -> None:
+    """A refused keyword is one xgrammar compiles and ignores: its grammar accepts a text that breaks it. (Once an
+    xgrammar enforces one, this fails and the keyword can be let through.)"""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    schema, breaking = UNENFORCED[keyword]
+    with pytest.raises(ValueError, match=keyword):
+        StructuredOutputsParams(json=schema)
+    assert accepts(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True), breaking)
+
+
+def test_keywords_as_property_names_and_a_described_ref_are_taken() -> None:
+    """Only schema keywords count (not a property named "not"), and an allOf of one schema beside annotations (a
+    field's description beside its type's $ref, as generators write it) is enforced, so it is taken."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    schema = {"$defs": {"N": {"type": "integer"}}, "type": "object", "required": ["not", "a"],
+              "properties": {"not": {"type": "string"}, "a": {"description": "d", "allOf": [{"$ref": "#/$defs/N"}]}}}
+    grammar = StructuredOutputsParams(json=schema).parsed
+    assert accepts(grammar, '{"not": "x", "a": 1}') and not accepts(grammar, '{"not": "x", "a": "s"}')
 
 
 def test_a_repeated_schema_is_a_cache_hit(runtime) -> None:
