@@ -354,18 +354,23 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}; "
                              f"got {self.method!r}")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
-            raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("speculative_config prompt_lookup_min / prompt_lookup_max must satisfy 1 <= min <= max, "
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config prompt_lookup_min / prompt_lookup_max must satisfy min <= max, "
                              f"got {self.prompt_lookup_min} / {self.prompt_lookup_max}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config model must be a path or preset name, got {self.model!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config model: method 'draft_model' needs a draft model (HF dir or preset)")
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
-        """A dict as users write it (unknown keys are a ValueError naming them), or the config itself."""
+        """A dict as users write it for vLLM (unknown keys are a ValueError naming them), or the config itself.
+        vLLM's shorthands hold: `model` "ngram" / "[ngram]" (or `method` "[ngram]") means ngram, a `model` without
+        a `method` a draft model, and one lookup bound given sets the other to the same length."""
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
@@ -375,8 +380,18 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
+        value = {k: v for k, v in value.items() if v is not None}
+        if value.get("model") in ("ngram", "[ngram]") or value.get("method") == "[ngram]":
+            value = {**value, "method": "ngram"}
+            value.pop("model", None)
+        elif "model" in value:
+            value.setdefault("method", "draft_model")
         if "method" not in value or "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+            raise ValueError("speculative_config needs 'num_speculative_tokens' and a 'method' (or a draft 'model')")
+        lookup = ("prompt_lookup_min", "prompt_lookup_max")
+        given = [name for name in lookup if name in value]
+        if len(given) == 1 and type(value[given[0]]) is int:  # not a bad value: __post_init__ names that one
+            value = {**value, **{name: value[given[0]] for name in lookup}}
         return cls(**value)
 
 

@@ -31,6 +31,11 @@ from kiln.runtime.spec_decode.ngram import NgramIndex, NgramProposer
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2.5}, "prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "3"}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "draft_model", "model": 5, "num_speculative_tokens": 2}, "model"),
+    ({"num_speculative_tokens": 2}, "method"),
 ])
 def test_bad_configs_fail_at_start_naming_the_field(value, words) -> None:
     with pytest.raises(ValueError, match=words):
@@ -43,6 +48,20 @@ def test_config_from_vllm_dict() -> None:
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == \
         ("ngram", 3, 5, 2)
     assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')["method"] == "ngram"
+
+
+@pytest.mark.parametrize("value, expected", [
+    ({"model": "[ngram]", "num_speculative_tokens": 3}, ("ngram", None, 1, 4)),
+    ({"method": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": None}, ("ngram", None, 1, 4)),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5}, ("ngram", None, 5, 5)),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, ("ngram", None, 2, 2)),
+    ({"model": "tiny-llama", "num_speculative_tokens": 3}, ("draft_model", "tiny-llama", 1, 4)),
+])
+def test_vllm_shorthands(value, expected) -> None:
+    """vLLM's: the ngram method named through `model` or as "[ngram]", a `model` alone meaning a draft model, one
+    lookup bound setting the other, null meaning unset."""
+    config = SpeculativeConfig.from_value(value)
+    assert (config.method, config.model, config.prompt_lookup_min, config.prompt_lookup_max) == expected
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoint) -> None:
