@@ -17,6 +17,9 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # "stop", so a schema using one is refused by name (vLLM then falls back to another backend; kiln has only this one)
 _UNENFORCED = ("not", "if", "then", "else", "uniqueItems", "contains", "maxContains", "dependentRequired",
                "dependentSchemas", "dependencies")
+# vLLM's options on how to hold a constraint that kiln holds one way (compact JSON, no property beyond the schema's,
+# one backend): taken at any value, as every output kiln gives obeys the constraint either way
+_FIXED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 _ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # items: a list in older drafts
@@ -77,6 +80,7 @@ class StructuredOutputsParams:
         """From user input (the server's `structured_outputs`), rejecting unknown fields by name."""
         if not isinstance(values, dict):
             raise ValueError("structured_outputs must be an object")
+        values = {k: v for k, v in values.items() if k not in _FIXED_OPTIONS}
         unknown = sorted(set(values) - set(KINDS))
         if unknown:
             raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)}")

@@ -189,6 +189,16 @@ def test_invalid_specs_are_value_errors_naming_the_field(kwargs, words) -> None:
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
+def test_vllm_options_kiln_holds_one_way_are_taken_and_others_refused() -> None:
+    """vLLM's disable_any_whitespace / disable_additional_properties / disable_fallback are taken at any value
+    (kiln's outputs obey the constraint either way); an option kiln does not have is refused by name."""
+    params = StructuredOutputsParams.from_dict({"json": {"type": "object"}, "disable_any_whitespace": False,
+                                                "disable_additional_properties": True, "disable_fallback": True})
+    assert params == StructuredOutputsParams(json={"type": "object"})
+    with pytest.raises(ValueError, match="unknown structured_outputs field.*whitespace_pattern"):
+        StructuredOutputsParams.from_dict({"regex": "a+", "whitespace_pattern": " "})
+
+
 # each keyword refused, with a schema using it and a text that breaks it
 UNENFORCED = {
     "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "2"),
