@@ -122,7 +122,7 @@ class Runtime:
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(params, dict):
-            raise ValueError("params must be a SamplingParams (or a list of them), got a dict: use "
+            raise ValueError("sampling_params must be a SamplingParams (or a list of them), got a dict: use "
                              "SamplingParams(**values) or SamplingParams.from_dict(values)")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -132,12 +132,12 @@ class Runtime:
         return prompts, params
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (batched together); outputs in prompt order.
 
         Bad input raises ValueError before anything is queued, so other requests are unaffected.
         """
-        prompts, params = self._normalise(prompts, params)
+        prompts, params = self._normalise(prompts, sampling_params)
         ids: list[str] = []
         try:  # nothing of this call stays queued or running once it returns or raises (an interrupt too)
             for prompt, p in zip(prompts, params):
@@ -149,9 +149,9 @@ class Runtime:
         finally:
             self._router.release(ids)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield outputs as tokens arrive; each carries delta_text / delta_token_ids since the last one."""
-        request_id = self._router.add(prompt, params or SamplingParams())
+        request_id = self._router.add(prompt, sampling_params or SamplingParams())
         try:
             while True:
                 for out in self._router.take(request_id):
@@ -167,8 +167,13 @@ class Runtime:
         _check_messages(messages)
         return render_chat_template(self.tokenizer, messages)
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
-        return self.generate([self.apply_chat_template(messages)], params)[0]
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> RequestOutput | list[RequestOutput]:
+        """One conversation's answer; for a list of conversations (vLLM's batch form), their answers in order."""
+        if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
+            return self.generate([self.apply_chat_template(m) for m in messages], sampling_params)
+        return self.generate([self.apply_chat_template(messages)], sampling_params)[0]
 
 
 def _check_messages(messages: Any) -> None:

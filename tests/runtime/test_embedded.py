@@ -36,6 +36,20 @@ def test_answers_paris(runtime) -> None:
     assert "Paris" in out.outputs[0].text
 
 
+def test_chat_takes_vllms_batch_of_conversations_and_keyword(runtime) -> None:
+    """vLLM's forms: a list of conversations gives their answers in order, each as the conversation alone gets
+    it; the params may be passed as sampling_params= (to generate and stream too)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    other = [{"role": "user", "content": "Name a colour."}]
+    batch = runtime.chat([FRANCE, other], sampling_params=params)
+    alone = [runtime.chat(FRANCE, params), runtime.chat(other, params)]
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in alone]
+    prompt = runtime.apply_chat_template(FRANCE)
+    assert runtime.generate(prompt, sampling_params=params)[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    streamed = [t for out in runtime.stream(prompt, sampling_params=params) for t in out.outputs[0].delta_token_ids]
+    assert streamed == alone[0].outputs[0].token_ids
+
+
 def test_greedy_tokens_match_transformers(runtime, hf_model) -> None:
     tok = runtime.tokenizer
     chats = [FRANCE, [{"role": "user", "content": "Write a haiku about the sea."}],

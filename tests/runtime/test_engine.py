@@ -326,7 +326,7 @@ def test_unknown_fields_and_bad_prompts_are_rejected(runtime) -> None:
     # one prompt as a tensor, an array or numpy integers, as a list of ids is; a dict is not SamplingParams
     for one in (torch.tensor([5, 6, 7]), np.array([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)]):
         assert [o.prompt_token_ids for o in runtime.generate(one, GREEDY)] == [[5, 6, 7]]
-    with pytest.raises(ValueError, match="^params must be a SamplingParams"):
+    with pytest.raises(ValueError, match="^sampling_params must be a SamplingParams"):
         runtime.generate([[5, 6, 7]], {"max_tokens": 3})
     assert len(runtime.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 12
 
